@@ -1,0 +1,48 @@
+# Two commands do all the set-up on a fresh Linux machine with Python 3.11:
+#   make demo   runs the whole pipeline on the embedded stack
+#   make test   runs the whole test suite
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install refresh test test-fast demo lint lint-infra bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]' --config-settings editable_mode=strict
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# The strict editable install links each file; a new module needs the link tree refreshed.
+refresh: $(STAMP)
+	@find fleetrl broker hub rollout trainer regions -name '*.py' | sort > $(VENV)/.files.new
+	@cmp -s $(VENV)/.files.new $(VENV)/.files || { \
+		$(PIP) install --quiet --no-deps -e . --config-settings editable_mode=strict && \
+		mv $(VENV)/.files.new $(VENV)/.files; }
+
+test: refresh
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-fast: refresh
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -m "not slow and not e2e" $(PYTEST_ARGS)
+
+demo: refresh
+	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.demo.yaml
+
+lint: refresh
+	$(VENV)/bin/ruff check fleetrl broker hub rollout trainer regions tests bench
+	cd /tmp && $(CURDIR)/$(VENV)/bin/mypy --python-executable $(CURDIR)/$(PY) -p fleetrl
+
+# checkov pins an old boto3, so it lives in its own virtual environment.
+lint-infra:
+	test -x .venv-checkov/bin/checkov || { $(PYTHON) -m venv .venv-checkov && .venv-checkov/bin/pip install --quiet checkov; }
+	BC_SKIP_MAPPING=TRUE .venv-checkov/bin/checkov -d infra/terraform --framework terraform --skip-download --compact --quiet
+
+clean:
+	rm -rf $(VENV) .venv-checkov .pytest_cache .mypy_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""fleetrl.broker (see DESIGN.md §2)."""

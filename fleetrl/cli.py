@@ -1,0 +1,166 @@
+"""The `fleetrl` command (DESIGN.md §9).
+
+The whole argument tree is declared here with argparse and nothing heavy imported, so `--help`
+answers at once; each sub-command names its handler as `"module:function"`, imported only when that
+command runs. A handler takes `(args, config)` and returns an exit code. Fatal errors end as one
+clear line on stderr and a non-zero exit (2 for a bad config or usage, 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Handler = Callable[[argparse.Namespace, Any], int]
+
+
+def _common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
+    if config:
+        p.add_argument("--config", "-c", default="fleet.yaml", help="fleet.yaml of the run (default: %(default)s)")
+    p.add_argument("--log-json", action="store_true", help="log JSON events (default: JSON unless on a TTY)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--debug", action="store_true", help="show tracebacks of fatal errors")
+
+
+def _cmd(sub: Any, name: str, handler: str, help: str, *, config: bool = True) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+    _common(p, config=config)
+    p.set_defaults(handler=handler, needs_config=config)
+    return p
+
+
+def _region(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--region", "-r", required=required, help="region name" + ("" if required else " (default: all)"))
+
+
+def _json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleetrl", description="Cross-region, asynchronous RL post-training over message brokers."
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = _cmd(sub, "demo", "fleetrl.demo:run_demo", "run the whole pipeline on this machine (embedded stack)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: algorithm.max_steps)")
+    p.add_argument("--workdir", default=None, help="folder for stores, logs and checkpoints")
+
+    config = sub.add_parser("config", help="check or document fleet.yaml").add_subparsers(
+        dest="config_command", metavar="SUBCOMMAND", required=True
+    )
+    p = _cmd(config, "check", "fleetrl.config_cli:check", "validate fleet.yaml and print the resolved config")
+    p.add_argument("file", nargs="?", help="fleet.yaml to check (default: --config)")
+    _json(p)
+    p = _cmd(config, "reference", "fleetrl.config_cli:reference", "print the configuration reference (Markdown)",
+             config=False)
+
+    topics = sub.add_parser("topics", help="manage the Kafka topics of every region").add_subparsers(
+        dest="topics_command", metavar="SUBCOMMAND", required=True
+    )
+    for name, helptext in [
+        ("create", "create the run's topics on every region cluster (idempotent)"),
+        ("list", "list the run's topics and their partition counts"),
+        ("describe", "show partitions and configs of the run's topics"),
+        ("lag", "per-partition lag of the rollout and trainer consumer groups"),
+    ]:
+        p = _cmd(topics, name, f"fleetrl.broker.cli:topics_{name}", helptext)
+        _region(p)
+        _json(p)
+    dlq = topics.add_parser("dlq", help="dead-lettered records").add_subparsers(
+        dest="dlq_command", metavar="SUBCOMMAND", required=True
+    )
+    p = _cmd(dlq, "show", "fleetrl.broker.cli:dlq_show", "print dead-lettered records with their reasons")
+    _region(p)
+    _json(p)
+    p.add_argument("--limit", type=int, default=50, help="at most this many records per region")
+    p = _cmd(dlq, "replay", "fleetrl.broker.cli:dlq_replay", "re-produce chosen dead letters to their topic")
+    _region(p, required=True)
+    p.add_argument("--offset", dest="offsets", type=str, action="append", default=[],
+                   help="PARTITION:OFFSET of a dead letter to replay (repeatable)")
+    p.add_argument("--all", action="store_true", help="replay every dead letter of the region")
+    p.add_argument("--dry-run", action="store_true", help="show what would be replayed")
+    _json(p)
+
+    hub = sub.add_parser("hub", help="the tensor hub: versions in object stores").add_subparsers(
+        dest="hub_command", metavar="SUBCOMMAND", required=True
+    )
+    p = _cmd(hub, "publish", "fleetrl.hub.cli:publish", "publish a safetensors file or folder as the next version")
+    p.add_argument("path", help="a .safetensors file or a folder of them")
+    p = _cmd(hub, "pull", "fleetrl.hub.cli:pull", "materialize a version into a safetensors file")
+    p.add_argument("version", help="version number or 'latest'")
+    p.add_argument("out", help="output .safetensors path")
+    p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
+    p = _cmd(hub, "verify", "fleetrl.hub.cli:verify", "check signature and every hash of a version")
+    p.add_argument("version", help="version number or 'latest'")
+    p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
+    p = _cmd(hub, "ls", "fleetrl.hub.cli:ls", "list versions, their encodings, sizes and holders")
+    p.add_argument("--store", default="home", help="store to list (default: %(default)s)")
+    _json(p)
+    p = _cmd(hub, "gc", "fleetrl.hub.cli:gc", "delete objects no retained version needs")
+    p.add_argument("--store", default="home", help="store to collect (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted")
+
+    p = _cmd(sub, "trainer", "fleetrl.trainer.cli:run_trainer", "run the central trainer (daemon)")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: config)")
+    p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
+    _region(p, required=True)
+    p.add_argument("--node", "-n", required=True, help="node name within the region")
+    p = _cmd(sub, "replicator", "fleetrl.hub.cli:run_replicator", "replicate versions into a region store (daemon)")
+    _region(p, required=True)
+    p.add_argument("--once", action="store_true", help="replicate what is missing, then exit")
+    p = _cmd(sub, "status", "fleetrl.broker.cli:status", "fleet view from the MQTT retained state")
+    _json(p)
+    p.add_argument("--wait-s", type=float, default=2.0, help="how long to collect retained messages")
+    p = _cmd(sub, "audit", "fleetrl.trainer.cli:audit",
+             "prove every dispatched group was trained once, counted stale or dead-lettered")
+    _json(p)
+    return parser
+
+
+def _load_handler(spec: str) -> Handler:
+    module, _, func = spec.partition(":")
+    handler: Handler = getattr(importlib.import_module(module), func)
+    return handler
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from fleetrl import __version__
+
+        print(f"fleetrl {__version__}")
+        return 0
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+
+    from fleetrl.config import ConfigError, load_config
+    from fleetrl.log import configure
+
+    configure(json=True if args.log_json else None, level=args.log_level)
+    try:
+        config = None
+        if args.needs_config:
+            config = load_config(getattr(args, "file", None) or args.config)
+        return _load_handler(args.handler)(args, config)
+    except ConfigError as exc:
+        print(f"fleetrl: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"fleetrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

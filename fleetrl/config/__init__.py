@@ -1,0 +1,51 @@
+"""Configuration of a FleetRL run: the models of `fleet.yaml` and their loader (DESIGN.md §7)."""
+
+from fleetrl.config.errors import ConfigError
+from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
+from fleetrl.config.models import (
+    AlgorithmConfig,
+    DatasetConfig,
+    EngineConfig,
+    FleetConfig,
+    HubConfig,
+    KafkaClusterConfig,
+    KafkaConfig,
+    ModelConfig,
+    MqttConfig,
+    NodeConfig,
+    RegionConfig,
+    RolloutConfig,
+    SigningConfig,
+    StoreConfig,
+    TinyModelConfig,
+    TopicPartitions,
+    TorchEngineConfig,
+    TrainerConfig,
+    VllmEngineConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "ConfigError",
+    "DatasetConfig",
+    "EngineConfig",
+    "FleetConfig",
+    "HubConfig",
+    "KafkaClusterConfig",
+    "KafkaConfig",
+    "ModelConfig",
+    "MqttConfig",
+    "NodeConfig",
+    "RegionConfig",
+    "RolloutConfig",
+    "SigningConfig",
+    "StoreConfig",
+    "TinyModelConfig",
+    "TopicPartitions",
+    "TorchEngineConfig",
+    "TrainerConfig",
+    "VllmEngineConfig",
+    "apply_env_overrides",
+    "load_config",
+    "parse_config",
+]

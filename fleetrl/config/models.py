@@ -1,0 +1,389 @@
+"""The pydantic models of `fleet.yaml` (DESIGN.md §7).
+
+Every field is documented right under it and defaulted where a default is sensible; the README's
+configuration reference is generated from these models (`fleetrl config reference`) and a test
+checks that it is current. Models forbid unknown keys so that a typo names itself.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NAME_RE = r"^[a-z0-9][a-z0-9-]{0,62}$"
+MIB = 1024 * 1024
+
+
+class ReferenceProblem(ValueError):
+    """A cross-field check that failed; `loc` points at the field at fault for error messages."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc, self.message = loc, message
+
+
+class Model(BaseModel):
+    """Base of every config model: unknown keys are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class StoreConfig(Model):
+    """An object store holding hub objects: a local directory or an S3-API bucket."""
+
+    url: str
+    """`file:///abs/dir` or `s3://bucket/prefix`. A bare path is taken as a directory."""
+    endpoint_url: str | None = None
+    """S3 endpoint for non-AWS stores (MinIO, R2, moto). None means AWS's own endpoint."""
+    region_name: str | None = None
+    """S3 region (AWS_DEFAULT_REGION applies when unset)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_url(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        if url.startswith("s3://"):
+            if len(url[5:].split("/", 1)[0]) < 3:
+                raise ValueError(f"S3 bucket name in {url!r} must have at least 3 characters")
+            return url
+        if url.startswith("file://"):
+            return url
+        if url.startswith("/") or url.startswith("."):
+            return url  # resolved against the config file's folder by the loader
+        raise ValueError(f"store URL {url!r} must start with file://, s3:// or be a path")
+
+    @property
+    def scheme(self) -> Literal["file", "s3"]:
+        return "s3" if self.url.startswith("s3://") else "file"
+
+
+class TinyModelConfig(Model):
+    """A Qwen2-architecture model built from a config, no download (tests, demo, benchmarks)."""
+
+    vocab_size: int = Field(128, ge=16)
+    """Vocabulary size; must cover the tokenizer of the task (the char tokenizer uses 128)."""
+    hidden_size: int = Field(64, ge=8)
+    intermediate_size: int = Field(128, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(512, ge=16)
+    tie_word_embeddings: bool = True
+    seed: int = 0
+    """Seed of the initial weights: every process that builds the model gets the same ones."""
+
+
+class ModelConfig(Model):
+    """The policy model."""
+
+    path: str | None = None
+    """A local Hugging Face checkpoint folder. None builds `tiny` from its config."""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Architecture of the model built from a config when `path` is unset."""
+    publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype the trainer casts its fp32 master weights to when it publishes a version."""
+    tokenizer: str = "char"
+    """`char` (the character tokenizer shipped in code) or a local tokenizer folder."""
+
+    def build(self) -> Any:
+        """Build the torch model (fp32). Imports torch and transformers lazily."""
+        from fleetrl.config._model_factory import build_model
+
+        return build_model(self)
+
+
+class AlgorithmConfig(Model):
+    """GRPO/PPO with truncated importance sampling (DESIGN.md §6)."""
+
+    groups_per_step: int = Field(8, ge=1)
+    """Groups (one prompt, n samples) consumed by one optimizer step."""
+    n_samples: int = Field(8, ge=1, le=1024)
+    """Samples per group."""
+    max_staleness: int = Field(1, ge=0)
+    """Versions a group may lag behind the learner; admission keeps it within s+1."""
+    advantage: Literal["grpo", "grpo_no_std", "leave_one_out"] = "grpo"
+    """Group-normalized advantage: (r-mean)/std, r-mean, or leave-one-out baseline."""
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation: DAPO token-mean over the batch, or mean of per-sequence means."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """PPO ratio clip below 1 (1 - clip_low)."""
+    clip_high: float = Field(0.28, ge=0, le=10)
+    """PPO ratio clip above 1 (1 + clip_high); DAPO's clip-higher default."""
+    tis_cap: float = Field(2.0, ge=1)
+    """Truncated importance weight cap on pi_old/pi_behaviour."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of a KL penalty to the initial (reference) policy; 0 disables it."""
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global grad norm."""
+    micro_batch_samples: int = Field(64, ge=1)
+    """Samples per forward/backward micro-batch (gradient accumulation)."""
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(64, ge=1)
+    max_steps: int = Field(1000, ge=1)
+    """The trainer stops after this many optimizer steps."""
+
+
+class DatasetConfig(Model):
+    """Where prompts come from."""
+
+    task: str = "reverse"
+    """Name of a task in the rollout task registry (prompt generator + reward)."""
+    tasks: list[str] = Field(default_factory=list)
+    """Extra task names records may carry; the schema refuses any other. `task` is always known."""
+    path: str | None = None
+    """A JSONL or Parquet file of prompts (`prompt`, optional `task`, `reference`). None: generate."""
+    seed: int = 0
+    num_prompts: int | None = Field(None, ge=1)
+    """Stop dispatching after this many groups. None: as many as training needs."""
+
+    @property
+    def known_tasks(self) -> frozenset[str]:
+        return frozenset([self.task, *self.tasks])
+
+
+class SigningConfig(Model):
+    """How manifests are signed and verified."""
+
+    scheme: Literal["hmac-sha256", "ed25519"] = "hmac-sha256"
+    key_env: str | None = "FLEETRL_HUB_KEY"
+    """Environment variable holding the key (HMAC secret, or Ed25519 PEM / raw hex)."""
+    key_file: str | None = None
+    """File holding the key; used when set, else `key_env`."""
+    public_key_file: str | None = None
+    """Ed25519 only: readers that must not sign verify with this public key."""
+
+
+class HubConfig(Model):
+    """The tensor hub (DESIGN.md §5)."""
+
+    home_store: StoreConfig = Field(default_factory=lambda: StoreConfig(url="./.fleetrl/home"))
+    """Source of truth for every version."""
+    anchor_interval: int = Field(8, ge=1)
+    """A dense anchor every K versions bounds delta chains to K."""
+    retention_versions: int = Field(64, ge=1)
+    """gc keeps the newest N versions (and every object their chains need)."""
+    frame_bytes: int = Field(4 * MIB, ge=64 * 1024)
+    """Target uncompressed size of one zstd frame: the unit of parallel decode and ranged GET."""
+    zstd_level: int = Field(3, ge=1, le=22)
+    threads: int = Field(4, ge=1)
+    """Threads for hashing, compression and decode."""
+    signing: SigningConfig = Field(default_factory=SigningConfig)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    """Replicator lease lifetime; the holder renews it at a third of that."""
+    poll_interval_s: float = Field(1.0, gt=0)
+    """How often replicators and readers look at `latest`."""
+
+
+class MqttConfig(Model):
+    """The control plane (DESIGN.md §4)."""
+
+    url: str = "mqtt://127.0.0.1:1883"
+    """`mqtt://host:port` or `mqtts://host:port`."""
+    username: str | None = None
+    password_env: str | None = None
+    """Environment variable holding the password."""
+    ca_file: str | None = None
+    keepalive_s: int = Field(10, ge=1)
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    reconnect_max_s: float = Field(10.0, gt=0)
+    """Cap of the exponential reconnect backoff."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        if not re.match(r"^mqtts?://[^:/]+(:\d+)?/?$", url):
+            raise ValueError(f"MQTT URL {url!r} must look like mqtt://host:port")
+        return url
+
+
+class TopicPartitions(Model):
+    prompts: int = Field(32, ge=1)
+    partials: int = Field(32, ge=1)
+    trajectories: int = Field(32, ge=1)
+    dead_letter: int = Field(4, ge=1)
+
+
+class KafkaConfig(Model):
+    """Settings shared by every region cluster (DESIGN.md §3)."""
+
+    partitions: TopicPartitions = Field(default_factory=TopicPartitions)
+    replication_factor: int = Field(1, ge=1)
+    max_message_bytes: int = Field(16 * MIB, ge=1024 * 1024)
+    """`max.message.bytes` of the data topics; producers and consumers are sized to match."""
+    compression: Literal["zstd", "gzip", "none"] = "zstd"
+    idempotent_producer: bool = False
+    """Off by default: tansu lacks InitProducerId, and receivers dedup by group_id anyway."""
+    request_timeout_s: float = Field(30.0, gt=0)
+    retries: int = Field(5, ge=0)
+    """Bounded retries of retriable errors, exponential backoff."""
+    retry_backoff_s: float = Field(0.2, gt=0)
+    retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+
+
+class KafkaClusterConfig(Model):
+    """How to reach one region's Kafka cluster."""
+
+    bootstrap: str
+    """`host:port[,host:port...]`."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
+    sasl_username: str | None = None
+    sasl_password_env: str | None = None
+    ca_file: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_str(cls, data: Any) -> Any:
+        return {"bootstrap": data} if isinstance(data, str) else data
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _check_bootstrap(cls, value: str) -> str:
+        for part in value.split(","):
+            if not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$", part.strip()):
+                raise ValueError(f"bootstrap entry {part!r} must be host:port")
+        return value
+
+
+class TorchEngineConfig(Model):
+    """PyTorch/transformers engine: batched decoding with a KV cache; CPU or CUDA."""
+
+    kind: Literal["torch"] = "torch"
+    device: str = "cpu"
+    max_batch: int = Field(32, ge=1)
+    """Samples decoded together; finished slots are refilled with waiting samples."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    threads: int = Field(1, ge=1)
+    """torch intra-op threads (1 avoids 100x slow-downs on shared cores)."""
+
+
+class VllmEngineConfig(Model):
+    """vLLM engine (extra `gpu`)."""
+
+    kind: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    enforce_eager: bool = False
+
+
+EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]
+
+
+class NodeConfig(Model):
+    """A rollout node of a region."""
+
+    name: str = Field(pattern=NAME_RE)
+    engine: EngineConfig | None = None
+    """Overrides the region's engine for this node."""
+
+
+class RolloutConfig(Model):
+    """Rollout worker behaviour, the same in every region."""
+
+    group_deadline_s: float = Field(600.0, gt=0)
+    """A group still running past this is handed over as a partial (long-tail cut)."""
+    handover_timeout_s: float = Field(20.0, gt=0)
+    """On SIGTERM / preemption, the time allowed to publish partials and commit."""
+    min_version_wait_s: float = Field(120.0, gt=0)
+    """How long a worker waits for a prompt's `min_version` before handing it back."""
+    max_groups_in_flight: int = Field(4, ge=1)
+    """Groups a worker decodes concurrently (their samples share the engine's batch)."""
+    weight_poll_s: float = Field(1.0, gt=0)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    seed: int = 0
+
+
+class RegionConfig(Model):
+    """One rollout region: an autonomous cell with its own Kafka and object store."""
+
+    name: str = Field(pattern=NAME_RE)
+    """Region name, used in topics, MQTT paths and store names ("home" is reserved)."""
+    kafka: KafkaClusterConfig
+    store: StoreConfig
+    """The region's object store; its nodes read weights only from here."""
+    link_costs: dict[str, float] = Field(default_factory=dict)
+    """Cost of reading from another store (`home` or a region name); lower is nearer."""
+    nodes: list[NodeConfig] = Field(default_factory=list)
+    engine: EngineConfig = Field(default_factory=TorchEngineConfig)
+    """Default engine of the region's nodes."""
+    weight: float = Field(1.0, gt=0)
+    """Initial share of admission credits before throughput is measured."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_home(cls, name: str) -> str:
+        if name == "home":
+            raise ValueError('"home" is the name of the home store, not a region')
+        return name
+
+
+class TrainerConfig(Model):
+    """The central trainer."""
+
+    device: str = "cpu"
+    checkpoint_dir: str = "./.fleetrl/checkpoints"
+    checkpoint_every: int = Field(1, ge=1)
+    """Steps between checkpoints; offsets are committed only after the checkpoint is durable."""
+    keep_checkpoints: int = Field(2, ge=1)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    silent_region_timeout_s: float = Field(300.0, gt=0)
+    """A group dispatched to a region that stays silent this long is redispatched (new attempt)."""
+    threads: int = Field(1, ge=1)
+    drain_timeout_s: float = Field(30.0, gt=0)
+
+
+class FleetConfig(Model):
+    """The whole run: one `fleet.yaml`."""
+
+    run: str = Field(pattern=NAME_RE)
+    """Run id: part of every topic, MQTT path and store key."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    hub: HubConfig = Field(default_factory=HubConfig)
+    mqtt: MqttConfig = Field(default_factory=MqttConfig)
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    regions: list[RegionConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> FleetConfig:
+        names = [r.name for r in self.regions]
+        stores = {"home", *names}
+        for i, region in enumerate(self.regions):
+            if names.index(region.name) != i:
+                raise ReferenceProblem(("regions", i, "name"), f"region {region.name!r} is defined twice")
+            unknown = set(region.link_costs) - stores
+            if unknown:
+                raise ReferenceProblem(
+                    ("regions", i, "link_costs"),
+                    f"unknown store(s) {sorted(unknown)}; known: {sorted(stores)}",
+                )
+            nodes = [n.name for n in region.nodes]
+            for j, node in enumerate(nodes):
+                if nodes.index(node) != j:
+                    raise ReferenceProblem(("regions", i, "nodes", j), f"node {node!r} is defined twice")
+        return self
+
+    def region(self, name: str) -> RegionConfig:
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise KeyError(f"no region {name!r} in config; regions: {[r.name for r in self.regions]}")
+
+    def stores(self) -> dict[str, StoreConfig]:
+        """Every store by name: `home` and one per region."""
+        return {"home": self.hub.home_store, **{r.name: r.store for r in self.regions}}

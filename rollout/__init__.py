@@ -1,0 +1,1 @@
+"""fleetrl.rollout (see DESIGN.md §2)."""

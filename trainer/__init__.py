@@ -1,0 +1,1 @@
+"""fleetrl.trainer (see DESIGN.md §2)."""
