@@ -1,1 +1,83 @@
-"""fleetrl.broker (see DESIGN.md §2)."""
+"""The data and control planes: record schemas and codecs, Kafka clients, topic tooling, MQTT.
+
+Public surface; other packages import only these names.
+"""
+
+from fleetrl.broker.codec import decode_record, encode_record, expand_versions, rle_versions
+from fleetrl.broker.errors import (
+    BrokerError,
+    ControlPlaneError,
+    KafkaError,
+    RecordError,
+    RecordTooLarge,
+    TopicError,
+)
+from fleetrl.broker.naming import (
+    SCHEMA_HEADER,
+    STREAMS,
+    Stream,
+    control_topic,
+    node_topic,
+    policy_topic,
+    rollout_group,
+    topic_name,
+    trainer_group,
+)
+from fleetrl.broker.records import (
+    FINISH_REASONS,
+    SCHEMA_GROUP,
+    SCHEMA_PARTIAL,
+    SCHEMA_PROMPT,
+    GroupRecord,
+    HandedOverBy,
+    PartialRecord,
+    PartialSample,
+    PromptRecord,
+    Record,
+    RecordLimits,
+    Sample,
+    Sampling,
+    Timings,
+    check_record,
+    floats,
+    ids,
+)
+
+__all__ = [
+    "FINISH_REASONS",
+    "SCHEMA_GROUP",
+    "SCHEMA_HEADER",
+    "SCHEMA_PARTIAL",
+    "SCHEMA_PROMPT",
+    "STREAMS",
+    "BrokerError",
+    "ControlPlaneError",
+    "GroupRecord",
+    "HandedOverBy",
+    "KafkaError",
+    "PartialRecord",
+    "PartialSample",
+    "PromptRecord",
+    "Record",
+    "RecordError",
+    "RecordLimits",
+    "RecordTooLarge",
+    "Sample",
+    "Sampling",
+    "Stream",
+    "Timings",
+    "TopicError",
+    "check_record",
+    "control_topic",
+    "decode_record",
+    "encode_record",
+    "expand_versions",
+    "floats",
+    "ids",
+    "node_topic",
+    "policy_topic",
+    "rle_versions",
+    "rollout_group",
+    "topic_name",
+    "trainer_group",
+]

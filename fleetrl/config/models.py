@@ -145,6 +145,8 @@ class DatasetConfig(Model):
     seed: int = 0
     num_prompts: int | None = Field(None, ge=1)
     """Stop dispatching after this many groups. None: as many as training needs."""
+    max_prompt_tokens: int = Field(2048, ge=1)
+    """Longest prompt (in tokens) a record may carry; longer ones are dead-lettered."""
 
     @property
     def known_tasks(self) -> frozenset[str]:

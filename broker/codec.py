@@ -1,0 +1,248 @@
+"""Wire codec of the data-plane records: msgpack maps with packed little-endian typed arrays.
+
+Arrays are never Python lists on the wire: token ids are `<i4` bytes, logprobs `<f4` bytes, each
+with an explicit element count `n` that the decoder checks against the byte length. Per-token
+policy versions are run-length coded as `<i4` pairs (index of the first token, version), since a
+version changes at most a few times within a sample. Decoding returns numpy views over the message
+bytes (no copy). Any failure raises `RecordError` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from fleetrl.broker.errors import RecordError
+from fleetrl.broker.records import (
+    SCHEMA_GROUP,
+    SCHEMA_PARTIAL,
+    SCHEMA_PROMPT,
+    FloatArray,
+    GroupRecord,
+    HandedOverBy,
+    IntArray,
+    PartialRecord,
+    PartialSample,
+    PromptRecord,
+    Record,
+    RecordLimits,
+    Sample,
+    Sampling,
+    Timings,
+    check_record,
+)
+
+_I4 = np.dtype("<i4")
+_F4 = np.dtype("<f4")
+
+
+# -- arrays -------------------------------------------------------------------------------------
+
+
+def _pack_array(arr: Any, dtype: np.dtype[Any]) -> dict[str, Any]:
+    a = np.ascontiguousarray(arr, dtype=dtype)
+    return {"n": int(a.shape[0]), "d": a.tobytes()}
+
+
+def _unpack_array(obj: Any, dtype: np.dtype[Any], field: str) -> Any:
+    if not isinstance(obj, dict) or not isinstance(obj.get("d"), bytes) or not isinstance(obj.get("n"), int):
+        raise RecordError("malformed", "expected a packed array {n, d}", field=field)
+    n, data = obj["n"], obj["d"]
+    if n < 0 or len(data) != n * dtype.itemsize:
+        raise RecordError("malformed", f"array says {n} elements but holds {len(data)} bytes", field=field)
+    return np.frombuffer(data, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
+
+
+def rle_versions(versions: IntArray) -> bytes:
+    """Per-token versions as `<i4` pairs (first token index, version) for each run."""
+    v = np.asarray(versions, dtype=np.int32)
+    if len(v) == 0:
+        return b""
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]]).astype(np.int32)
+    return np.stack([starts, v[starts]], axis=1).astype(_I4).tobytes()
+
+
+def expand_versions(rle: bytes, n_tokens: int, field: str = "versions") -> IntArray:
+    """Inverse of `rle_versions`; checks that the runs start at 0, increase and fit `n_tokens`."""
+    if len(rle) % 8:
+        raise RecordError("malformed", "run-length versions are not <i4 pairs", field=field)
+    pairs = np.frombuffer(rle, dtype=_I4).reshape(-1, 2)
+    if n_tokens == 0:
+        if len(pairs):
+            raise RecordError("malformed", "versions given for an empty sample", field=field)
+        return np.zeros(0, dtype=np.int32)
+    starts = pairs[:, 0]
+    if len(starts) == 0 or starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= n_tokens:
+        raise RecordError("malformed", "run starts must begin at 0, increase and stay below n", field=field)
+    lengths = np.diff(np.r_[starts, n_tokens])
+    out: IntArray = np.repeat(pairs[:, 1].astype(np.int32), lengths)
+    return out
+
+
+# -- records -> maps ----------------------------------------------------------------------------
+
+
+def _prompt_map(p: PromptRecord) -> dict[str, Any]:
+    return {
+        "group_id": p.group_id, "run": p.run, "task": p.task, "attempt": p.attempt,
+        "prompt": p.prompt,
+        "prompt_ids": None if p.prompt_ids is None else _pack_array(p.prompt_ids, _I4),
+        "n_samples": p.n_samples,
+        "sampling": {"temperature": p.sampling.temperature, "top_p": p.sampling.top_p,
+                     "max_new_tokens": p.sampling.max_new_tokens},
+        "reference": p.reference, "min_version": p.min_version, "dispatched_at": p.dispatched_at,
+    }
+
+
+def _tokens_map(tokens: IntArray, logprobs: FloatArray, versions: IntArray) -> dict[str, Any]:
+    return {"ids": _pack_array(tokens, _I4), "lp": _pack_array(logprobs, _F4), "ver": rle_versions(versions)}
+
+
+def to_map(record: Record) -> dict[str, Any]:
+    if isinstance(record, GroupRecord):
+        return {
+            "schema": SCHEMA_GROUP, "group_id": record.group_id, "run": record.run, "task": record.task,
+            "attempt": record.attempt, "region": record.region, "node": record.node,
+            "prompt_ids": _pack_array(record.prompt_ids, _I4),
+            "samples": [
+                {**_tokens_map(s.completion_ids, s.logprobs, s.versions), "reward": float(s.reward),
+                 "finish": s.finish_reason}
+                for s in record.samples
+            ],
+            "timings": {"queued": record.timings.queued, "started": record.timings.started,
+                        "finished": record.timings.finished},
+        }
+    if isinstance(record, PartialRecord):
+        h = record.handed_over_by
+        return {
+            "schema": SCHEMA_PARTIAL, **_prompt_map(record.prompt),
+            "samples": [{**_tokens_map(s.completion_ids, s.logprobs, s.versions), "finish": s.finish_reason}
+                        for s in record.samples],
+            "handed_over_by": {"region": h.region, "node": h.node, "reason": h.reason},
+        }
+    return {"schema": SCHEMA_PROMPT, **_prompt_map(record)}
+
+
+def encode_record(record: Record, limits: RecordLimits | None = None) -> bytes:
+    """msgpack bytes of a record; with `limits`, refuse (RecordError) what a consumer would refuse."""
+    if limits is not None:
+        check_record(record, limits)
+    out: bytes = msgpack.packb(to_map(record), use_bin_type=True)
+    return out
+
+
+# -- maps -> records ----------------------------------------------------------------------------
+
+
+def decode_record(value: bytes, limits: RecordLimits | None = None, expect: str | None = None) -> Record:
+    """Parse and (with `limits`) bounds-check one record. Raises `RecordError` naming the field."""
+    try:
+        obj = msgpack.unpackb(value, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise RecordError("malformed", f"not a msgpack record: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise RecordError("malformed", "record is not a msgpack map")
+    schema = obj.get("schema")
+    if expect is not None and schema != expect:
+        raise RecordError("wrong_schema", f"expected schema {expect!r}, got {schema!r}", field="schema")
+    try:
+        record = _from_map(schema, obj)
+    except RecordError as exc:
+        exc.group_id = exc.group_id or _str_or_none(obj.get("group_id"))
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError("malformed", f"{type(exc).__name__}: {exc}", field=_missing(exc),
+                          group_id=_str_or_none(obj.get("group_id"))) from exc
+    if limits is not None:
+        check_record(record, limits)
+    return record
+
+
+def _from_map(schema: Any, obj: dict[str, Any]) -> Record:
+    if schema == SCHEMA_GROUP:
+        return _group(obj)
+    if schema == SCHEMA_PROMPT:
+        return _prompt(obj)
+    if schema == SCHEMA_PARTIAL:
+        h = obj["handed_over_by"]
+        return PartialRecord(
+            prompt=_prompt(obj),
+            samples=[_partial_sample(s, f"samples[{i}]") for i, s in enumerate(_list(obj, "samples"))],
+            handed_over_by=HandedOverBy(region=_s(h, "region"), node=_s(h, "node"), reason=_s(h, "reason")),
+        )
+    raise RecordError("wrong_schema", f"unknown schema {schema!r}", field="schema")
+
+
+def _prompt(o: dict[str, Any]) -> PromptRecord:
+    s = o["sampling"]
+    pids = o.get("prompt_ids")
+    return PromptRecord(
+        group_id=_s(o, "group_id"), run=_s(o, "run"), task=_s(o, "task"), attempt=_i(o, "attempt"),
+        prompt=o.get("prompt"),
+        prompt_ids=None if pids is None else _unpack_array(pids, _I4, "prompt_ids"),
+        n_samples=_i(o, "n_samples"),
+        sampling=Sampling(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                          max_new_tokens=int(s["max_new_tokens"])),
+        reference=o.get("reference"), min_version=_i(o, "min_version"),
+        dispatched_at=float(o.get("dispatched_at", 0.0)),
+    )
+
+
+def _tokens(s: dict[str, Any], name: str) -> tuple[IntArray, FloatArray, IntArray]:
+    tokens = _unpack_array(s["ids"], _I4, f"{name}.completion_ids")
+    logprobs = _unpack_array(s["lp"], _F4, f"{name}.logprobs")
+    ver = s["ver"]
+    if not isinstance(ver, bytes):
+        raise RecordError("malformed", "versions must be packed bytes", field=f"{name}.versions")
+    return tokens, logprobs, expand_versions(ver, len(tokens), f"{name}.versions")
+
+
+def _partial_sample(s: dict[str, Any], name: str) -> PartialSample:
+    tokens, logprobs, versions = _tokens(s, name)
+    return PartialSample(tokens, logprobs, versions, finish_reason=s.get("finish"))
+
+
+def _group(o: dict[str, Any]) -> GroupRecord:
+    samples = []
+    for i, s in enumerate(_list(o, "samples")):
+        tokens, logprobs, versions = _tokens(s, f"samples[{i}]")
+        samples.append(Sample(tokens, logprobs, versions, reward=float(s["reward"]), finish_reason=_s(s, "finish")))
+    t = o.get("timings") or {}
+    return GroupRecord(
+        group_id=_s(o, "group_id"), run=_s(o, "run"), task=_s(o, "task"), attempt=_i(o, "attempt"),
+        region=_s(o, "region"), node=_s(o, "node"),
+        prompt_ids=_unpack_array(o["prompt_ids"], _I4, "prompt_ids"), samples=samples,
+        timings=Timings(queued=float(t.get("queued", 0.0)), started=float(t.get("started", 0.0)),
+                        finished=float(t.get("finished", 0.0))),
+    )
+
+
+def _s(o: dict[str, Any], key: str) -> str:
+    v = o[key]
+    if not isinstance(v, str):
+        raise RecordError("malformed", f"expected a string, got {type(v).__name__}", field=key)
+    return v
+
+
+def _i(o: dict[str, Any], key: str) -> int:
+    v = o.get(key, 0)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise RecordError("malformed", f"expected an integer, got {type(v).__name__}", field=key)
+    return v
+
+
+def _list(o: dict[str, Any], key: str) -> list[Any]:
+    v = o[key]
+    if not isinstance(v, list):
+        raise RecordError("malformed", f"expected a list, got {type(v).__name__}", field=key)
+    return v
+
+
+def _str_or_none(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _missing(exc: Exception) -> str | None:
+    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else None

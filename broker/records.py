@@ -1,0 +1,247 @@
+"""The record types of the data plane (DESIGN.md §3) and their bounds.
+
+In memory, token arrays are numpy arrays (`int32` ids, `float32` logprobs, `int32` per-token
+policy versions, one per token). `fleetrl.broker.codec` turns records into msgpack bytes and back;
+`check_record` enforces the bounds that are part of the schema, so a record outside them is refused
+with the field at fault, and the consumer sends it to `dead-letter` with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fleetrl.broker.errors import RecordError
+
+SCHEMA_PROMPT = "fleetrl.prompt/1"
+SCHEMA_PARTIAL = "fleetrl.partial/1"
+SCHEMA_GROUP = "fleetrl.group/1"
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+IntArray = npt.NDArray[np.int32]
+FloatArray = npt.NDArray[np.float32]
+
+
+def ids(values: Any) -> IntArray:
+    """Token ids as the record's array type."""
+    return np.ascontiguousarray(values, dtype=np.int32)
+
+
+def floats(values: Any) -> FloatArray:
+    """Logprobs as the record's array type."""
+    return np.ascontiguousarray(values, dtype=np.float32)
+
+
+@dataclass(slots=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+@dataclass(slots=True)
+class PromptRecord:
+    """`fleetrl.prompt/1`: one group of work (one prompt, n samples), produced by the dispatcher."""
+
+    group_id: str
+    run: str
+    task: str
+    n_samples: int
+    sampling: Sampling
+    prompt: str | None = None
+    prompt_ids: IntArray | None = None
+    reference: Any = None
+    """Opaque to the worker except for the task's reward function (msgpack-able)."""
+    min_version: int = 0
+    dispatched_at: float = 0.0
+    attempt: int = 0
+
+    schema = SCHEMA_PROMPT
+
+
+@dataclass(slots=True)
+class PartialSample:
+    """A sample as far as it got: resumable token for token."""
+
+    completion_ids: IntArray
+    logprobs: FloatArray
+    versions: IntArray
+    finish_reason: str | None = None
+    """None while the sample is unfinished; a finished sample keeps its reason (and is not resumed)."""
+
+
+@dataclass(slots=True)
+class HandedOverBy:
+    region: str
+    node: str
+    reason: str
+    """`preempted`, `sigterm`, `deadline` (long-tail cut) or `min_version`."""
+
+
+@dataclass(slots=True)
+class PartialRecord:
+    """`fleetrl.partial/1`: an unfinished group handed over on preemption or a long-tail cut."""
+
+    prompt: PromptRecord
+    samples: list[PartialSample]
+    handed_over_by: HandedOverBy
+
+    schema = SCHEMA_PARTIAL
+
+    @property
+    def group_id(self) -> str:
+        return self.prompt.group_id
+
+
+@dataclass(slots=True)
+class Sample:
+    completion_ids: IntArray
+    logprobs: FloatArray
+    """Behaviour log-probability of each sampled token under the engine's policy."""
+    versions: IntArray
+    """Policy version that produced each token (run-length coded on the wire)."""
+    reward: float
+    finish_reason: str
+
+
+@dataclass(slots=True)
+class Timings:
+    queued: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+
+
+@dataclass(slots=True)
+class GroupRecord:
+    """`fleetrl.group/1`: a finished group, consumed by the trainer."""
+
+    group_id: str
+    run: str
+    task: str
+    attempt: int
+    region: str
+    node: str
+    prompt_ids: IntArray
+    samples: list[Sample]
+    timings: Timings = field(default_factory=Timings)
+
+    schema = SCHEMA_GROUP
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version any token of the group was sampled from."""
+        return min((int(s.versions.min()) for s in self.samples if len(s.versions)), default=0)
+
+
+Record = PromptRecord | PartialRecord | GroupRecord
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLimits:
+    """Bounds that are part of the schema; a record outside them is dead-lettered with the reason."""
+
+    vocab_size: int
+    known_tasks: frozenset[str]
+    max_tokens_per_sample: int = 32768
+    max_prompt_tokens: int = 32768
+    max_samples_per_group: int = 1024
+
+    @classmethod
+    def from_config(cls, config: Any) -> RecordLimits:
+        """Limits of a run: vocab from the model, tasks from the dataset, tokens from the algorithm."""
+        return cls(
+            vocab_size=_vocab_size(config.model),
+            known_tasks=config.dataset.known_tasks,
+            max_tokens_per_sample=config.algorithm.max_new_tokens,
+            max_prompt_tokens=config.dataset.max_prompt_tokens,
+            max_samples_per_group=config.algorithm.n_samples,
+        )
+
+
+def _vocab_size(model: Any) -> int:
+    if model.path is None:
+        return int(model.tiny.vocab_size)
+    cfg = json.loads((pathlib.Path(model.path) / "config.json").read_text())
+    return int(cfg.get("vocab_size") or cfg.get("text_config", {})["vocab_size"])
+
+
+def check_record(record: Record, limits: RecordLimits) -> None:
+    """Raise `RecordError` naming the first field outside the schema's bounds."""
+    if isinstance(record, GroupRecord):
+        _check_group(record, limits)
+    elif isinstance(record, PartialRecord):
+        _check_prompt(record.prompt, limits)
+        _check_count(len(record.samples), limits, record.group_id)
+        for i, s in enumerate(record.samples):
+            _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, record.group_id)
+    else:
+        _check_prompt(record, limits)
+
+
+def _check_prompt(p: PromptRecord, limits: RecordLimits) -> None:
+    g = p.group_id
+    _check_task(p.task, limits, g)
+    if p.prompt is None and p.prompt_ids is None:
+        raise RecordError("missing_prompt", "neither prompt nor prompt_ids is set", field="prompt", group_id=g)
+    if p.prompt_ids is not None:
+        _check_ids("prompt_ids", p.prompt_ids, limits, limits.max_prompt_tokens, g)
+    if not 1 <= p.n_samples <= limits.max_samples_per_group:
+        raise RecordError(
+            "samples_bound", f"n_samples {p.n_samples} outside 1..{limits.max_samples_per_group}",
+            field="n_samples", group_id=g,
+        )
+    s = p.sampling
+    if not (s.temperature > 0 and 0 < s.top_p <= 1 and 1 <= s.max_new_tokens <= limits.max_tokens_per_sample):
+        raise RecordError("sampling_bound", f"sampling {s} outside bounds", field="sampling", group_id=g)
+
+
+def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
+    g = r.group_id
+    _check_task(r.task, limits, g)
+    _check_ids("prompt_ids", r.prompt_ids, limits, limits.max_prompt_tokens, g)
+    _check_count(len(r.samples), limits, g)
+    for i, s in enumerate(r.samples):
+        _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, g)
+        if s.finish_reason not in FINISH_REASONS:
+            raise RecordError("finish_reason", f"unknown finish_reason {s.finish_reason!r}",
+                              field=f"samples[{i}].finish_reason", group_id=g)
+        if not math.isfinite(s.reward):
+            raise RecordError("reward", f"reward {s.reward} is not finite", field=f"samples[{i}].reward", group_id=g)
+
+
+def _check_task(task: str, limits: RecordLimits, g: str) -> None:
+    if task not in limits.known_tasks:
+        raise RecordError("unknown_task", f"unknown task {task!r}; known: {sorted(limits.known_tasks)}",
+                          field="task", group_id=g)
+
+
+def _check_count(n: int, limits: RecordLimits, g: str) -> None:
+    if not 1 <= n <= limits.max_samples_per_group:
+        raise RecordError("samples_bound", f"{n} samples outside 1..{limits.max_samples_per_group}",
+                          field="samples", group_id=g)
+
+
+def _check_ids(name: str, arr: IntArray, limits: RecordLimits, max_len: int, g: str) -> None:
+    if len(arr) > max_len:
+        raise RecordError("tokens_bound", f"{len(arr)} tokens > {max_len}", field=name, group_id=g)
+    if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= limits.vocab_size):
+        raise RecordError("token_range", f"token id outside [0, {limits.vocab_size})", field=name, group_id=g)
+
+
+def _check_tokens(
+    name: str, tokens: IntArray, logprobs: FloatArray, versions: IntArray, limits: RecordLimits, g: str
+) -> None:
+    _check_ids(f"{name}.completion_ids", tokens, limits, limits.max_tokens_per_sample, g)
+    if not len(logprobs) == len(versions) == len(tokens):
+        raise RecordError("length_mismatch", f"{len(tokens)} tokens, {len(logprobs)} logprobs, "
+                          f"{len(versions)} versions", field=name, group_id=g)
+    if len(logprobs) and not (np.isfinite(logprobs).all() and float(logprobs.max()) <= 0.0):
+        raise RecordError("logprob_bound", "logprobs must be finite and <= 0", field=f"{name}.logprobs", group_id=g)
+    if len(versions) and int(versions.min()) < 0:
+        raise RecordError("version_bound", "negative policy version", field=f"{name}.versions", group_id=g)
