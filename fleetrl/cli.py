@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _json(p)
     p = _cmd(config, "reference", "fleetrl.config_cli:reference", "print the configuration reference (Markdown)",
              config=False)
+    p.add_argument("--update", metavar="FILE", help="rewrite the reference between the markers in FILE")
 
     topics = sub.add_parser("topics", help="manage the Kafka topics of every region").add_subparsers(
         dest="topics_command", metavar="SUBCOMMAND", required=True

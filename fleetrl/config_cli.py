@@ -27,7 +27,22 @@ def check(args: argparse.Namespace, config: FleetConfig) -> int:
     return 0
 
 
+BEGIN, END = "<!-- BEGIN config-reference -->\n", "<!-- END config-reference -->\n"
+
+
 def reference(args: argparse.Namespace, config: None) -> int:
+    """Print the reference, or with `--update FILE` rewrite it between the markers in FILE."""
+    if args.update:
+        import pathlib
+
+        path = pathlib.Path(args.update)
+        text = path.read_text()
+        if BEGIN not in text or END not in text:
+            raise ValueError(f"{path}: no {BEGIN.strip()} ... {END.strip()} markers")
+        head, rest = text.split(BEGIN, 1)
+        path.write_text(head + BEGIN + render_reference() + END + rest.split(END, 1)[1])
+        print(f"updated the configuration reference in {path}")
+        return 0
     print(render_reference(), end="")
     return 0
 
@@ -43,7 +58,8 @@ def _walk(model: type[BaseModel], prefix: str, lines: list[str], seen: set[str])
     docs = _field_docs(model)
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
-        lines.append(f"| `{path}` | {_type_name(field.annotation)} | {_default(field)} | {docs.get(name, '')} |")
+        doc = docs.get(name) or _class_doc(field.annotation)
+        lines.append(f"| `{path}` | {_type_name(field.annotation)} | {_default(field)} | {doc} |")
         for sub in _models_in(field.annotation):
             suffix = "[]." if _is_list(field.annotation) else "."
             tag = f" ({sub.model_fields['kind'].default})" if "kind" in sub.model_fields else ""
@@ -72,6 +88,12 @@ def _field_docs(model: type[BaseModel]) -> dict[str, str]:
                 if isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
                     out[a.target.id] = " ".join(b.value.value.split()).replace("|", "\\|")
     return out
+
+
+def _class_doc(annotation: Any) -> str:
+    models = _models_in(annotation)
+    doc = (models[0].__doc__ or "") if len(models) == 1 else ""
+    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

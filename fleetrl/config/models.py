@@ -69,12 +69,19 @@ class TinyModelConfig(Model):
     vocab_size: int = Field(128, ge=16)
     """Vocabulary size; must cover the tokenizer of the task (the char tokenizer uses 128)."""
     hidden_size: int = Field(64, ge=8)
+    """Width of the residual stream."""
     intermediate_size: int = Field(128, ge=8)
+    """Width of the MLP."""
     num_hidden_layers: int = Field(2, ge=1)
+    """Transformer blocks."""
     num_attention_heads: int = Field(4, ge=1)
+    """Query heads; must divide hidden_size."""
     num_key_value_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention); must divide num_attention_heads."""
     max_position_embeddings: int = Field(512, ge=16)
+    """Longest prompt + completion the model handles."""
     tie_word_embeddings: bool = True
+    """Share input and output embeddings (stored once in the hub, as in HF checkpoints)."""
     seed: int = 0
     """Seed of the initial weights: every process that builds the model gets the same ones."""
 
@@ -120,15 +127,21 @@ class AlgorithmConfig(Model):
     kl_coef: float = Field(0.0, ge=0)
     """Coefficient of a KL penalty to the initial (reference) policy; 0 disables it."""
     lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global grad norm."""
     micro_batch_samples: int = Field(64, ge=1)
     """Samples per forward/backward micro-batch (gradient accumulation)."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature sent with every prompt."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass sent with every prompt."""
     max_new_tokens: int = Field(64, ge=1)
+    """Longest completion; also the schema's bound on tokens per sample."""
     max_steps: int = Field(1000, ge=1)
     """The trainer stops after this many optimizer steps."""
 
@@ -143,6 +156,7 @@ class DatasetConfig(Model):
     path: str | None = None
     """A JSONL or Parquet file of prompts (`prompt`, optional `task`, `reference`). None: generate."""
     seed: int = 0
+    """Seed of the task's prompt generator."""
     num_prompts: int | None = Field(None, ge=1)
     """Stop dispatching after this many groups. None: as many as training needs."""
     max_prompt_tokens: int = Field(2048, ge=1)
@@ -157,6 +171,7 @@ class SigningConfig(Model):
     """How manifests are signed and verified."""
 
     scheme: Literal["hmac-sha256", "ed25519"] = "hmac-sha256"
+    """HMAC-SHA256 with a shared secret, or Ed25519 (only the trainer holds the private key)."""
     key_env: str | None = "FLEETRL_HUB_KEY"
     """Environment variable holding the key (HMAC secret, or Ed25519 PEM / raw hex)."""
     key_file: str | None = None
@@ -177,9 +192,11 @@ class HubConfig(Model):
     frame_bytes: int = Field(4 * MIB, ge=64 * 1024)
     """Target uncompressed size of one zstd frame: the unit of parallel decode and ranged GET."""
     zstd_level: int = Field(3, ge=1, le=22)
+    """zstd level of objects (3 is a good speed/size balance for deltas)."""
     threads: int = Field(4, ge=1)
     """Threads for hashing, compression and decode."""
     signing: SigningConfig = Field(default_factory=SigningConfig)
+    """How manifests are signed; unsigned or mis-signed versions are refused."""
     lease_ttl_s: float = Field(30.0, gt=0)
     """Replicator lease lifetime; the holder renews it at a third of that."""
     poll_interval_s: float = Field(1.0, gt=0)
@@ -192,11 +209,15 @@ class MqttConfig(Model):
     url: str = "mqtt://127.0.0.1:1883"
     """`mqtt://host:port` or `mqtts://host:port`."""
     username: str | None = None
+    """MQTT user name; None connects anonymously."""
     password_env: str | None = None
     """Environment variable holding the password."""
     ca_file: str | None = None
+    """CA bundle for mqtts:// (system CAs when unset)."""
     keepalive_s: int = Field(10, ge=1)
+    """MQTT keepalive; the broker fires a node's last will after ~1.5x this."""
     heartbeat_interval_s: float = Field(5.0, gt=0)
+    """How often nodes publish their retained heartbeat."""
     reconnect_max_s: float = Field(10.0, gt=0)
     """Cap of the exponential reconnect backoff."""
 
@@ -210,26 +231,36 @@ class MqttConfig(Model):
 
 class TopicPartitions(Model):
     prompts: int = Field(32, ge=1)
+    """Partitions of `prompts` (bounds rollout consumers per region)."""
     partials: int = Field(32, ge=1)
+    """Partitions of `partials`."""
     trajectories: int = Field(32, ge=1)
+    """Partitions of `trajectories`."""
     dead_letter: int = Field(4, ge=1)
+    """Partitions of `dead-letter`."""
 
 
 class KafkaConfig(Model):
     """Settings shared by every region cluster (DESIGN.md §3)."""
 
     partitions: TopicPartitions = Field(default_factory=TopicPartitions)
+    """Partition count of each topic."""
     replication_factor: int = Field(1, ge=1)
+    """Replicas of each topic (3 on production clusters)."""
     max_message_bytes: int = Field(16 * MIB, ge=1024 * 1024)
     """`max.message.bytes` of the data topics; producers and consumers are sized to match."""
     compression: Literal["zstd", "gzip", "none"] = "zstd"
+    """Kafka-level compression of produced batches (zstd needs cramjam)."""
     idempotent_producer: bool = False
     """Off by default: tansu lacks InitProducerId, and receivers dedup by group_id anyway."""
     request_timeout_s: float = Field(30.0, gt=0)
+    """Timeout of one Kafka request."""
     retries: int = Field(5, ge=0)
     """Bounded retries of retriable errors, exponential backoff."""
     retry_backoff_s: float = Field(0.2, gt=0)
+    """First retry delay; doubles each retry."""
     retention_ms: int = Field(7 * 24 * 3600 * 1000, ge=60_000)
+    """`retention.ms` of the run's topics."""
 
 
 class KafkaClusterConfig(Model):
@@ -238,10 +269,15 @@ class KafkaClusterConfig(Model):
     bootstrap: str
     """`host:port[,host:port...]`."""
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How clients talk to the brokers (MSK with SCRAM uses SASL_SSL)."""
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
+    """SASL mechanism when security_protocol is SASL_*."""
     sasl_username: str | None = None
+    """SASL user name."""
     sasl_password_env: str | None = None
+    """Environment variable holding the SASL password."""
     ca_file: str | None = None
+    """CA bundle for SSL (system CAs when unset)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -261,10 +297,13 @@ class TorchEngineConfig(Model):
     """PyTorch/transformers engine: batched decoding with a KV cache; CPU or CUDA."""
 
     kind: Literal["torch"] = "torch"
+    """Engine kind."""
     device: str = "cpu"
+    """Torch device of the engine."""
     max_batch: int = Field(32, ge=1)
     """Samples decoded together; finished slots are refilled with waiting samples."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the engine runs in (published weights are cast to it)."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads (1 avoids 100x slow-downs on shared cores)."""
 
@@ -273,11 +312,17 @@ class VllmEngineConfig(Model):
     """vLLM engine (extra `gpu`)."""
 
     kind: Literal["vllm"] = "vllm"
+    """Engine kind."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Share of GPU memory vLLM may take."""
     tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one vLLM engine spans."""
     max_num_seqs: int = Field(256, ge=1)
+    """Sequences vLLM decodes together."""
     dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Dtype vLLM runs in."""
     enforce_eager: bool = False
+    """Disable CUDA graphs (slower, starts faster)."""
 
 
 EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]
@@ -287,6 +332,7 @@ class NodeConfig(Model):
     """A rollout node of a region."""
 
     name: str = Field(pattern=NAME_RE)
+    """Node name, unique within its region (the agent's `--node`)."""
     engine: EngineConfig | None = None
     """Overrides the region's engine for this node."""
 
@@ -303,8 +349,11 @@ class RolloutConfig(Model):
     max_groups_in_flight: int = Field(4, ge=1)
     """Groups a worker decodes concurrently (their samples share the engine's batch)."""
     weight_poll_s: float = Field(1.0, gt=0)
+    """How often a worker looks for a new policy version."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port of the worker (0 picks a free port; None disables)."""
     seed: int = 0
+    """Base seed of sampling; a sample's randomness depends only on it, the group and position."""
 
 
 class RegionConfig(Model):
@@ -318,6 +367,7 @@ class RegionConfig(Model):
     link_costs: dict[str, float] = Field(default_factory=dict)
     """Cost of reading from another store (`home` or a region name); lower is nearer."""
     nodes: list[NodeConfig] = Field(default_factory=list)
+    """The region's rollout nodes (agents start with `--node NAME`)."""
     engine: EngineConfig = Field(default_factory=TorchEngineConfig)
     """Default engine of the region's nodes."""
     weight: float = Field(1.0, gt=0)
@@ -335,15 +385,21 @@ class TrainerConfig(Model):
     """The central trainer."""
 
     device: str = "cpu"
+    """Torch device of the learner (`cpu`, `cuda`, `cuda:1`)."""
     checkpoint_dir: str = "./.fleetrl/checkpoints"
+    """Where checkpoints go (relative to the config file)."""
     checkpoint_every: int = Field(1, ge=1)
     """Steps between checkpoints; offsets are committed only after the checkpoint is durable."""
     keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted after a new one is durable."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port of the trainer (0 picks a free port; None disables)."""
     silent_region_timeout_s: float = Field(300.0, gt=0)
     """A group dispatched to a region that stays silent this long is redispatched (new attempt)."""
     threads: int = Field(1, ge=1)
+    """torch intra-op threads of the learner on CPU."""
     drain_timeout_s: float = Field(30.0, gt=0)
+    """On SIGTERM, the time allowed to finish the step, checkpoint and commit."""
 
 
 class FleetConfig(Model):
