@@ -9,6 +9,7 @@ bytes (no copy). Any failure raises `RecordError` naming the field.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgpack
@@ -36,6 +37,7 @@ from fleetrl.broker.records import (
 
 _I4 = np.dtype("<i4")
 _F4 = np.dtype("<f4")
+_LITTLE = sys.byteorder == "little"
 
 
 # -- arrays -------------------------------------------------------------------------------------
@@ -52,7 +54,8 @@ def _unpack_array(obj: Any, dtype: np.dtype[Any], field: str) -> Any:
     n, data = obj["n"], obj["d"]
     if n < 0 or len(data) != n * dtype.itemsize:
         raise RecordError("malformed", f"array says {n} elements but holds {len(data)} bytes", field=field)
-    return np.frombuffer(data, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
+    arr = np.frombuffer(data, dtype=dtype)
+    return arr if _LITTLE else arr.astype(dtype.newbyteorder("="))
 
 
 def rle_versions(versions: IntArray) -> bytes:
@@ -60,8 +63,12 @@ def rle_versions(versions: IntArray) -> bytes:
     v = np.asarray(versions, dtype=np.int32)
     if len(v) == 0:
         return b""
-    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]]).astype(np.int32)
-    return np.stack([starts, v[starts]], axis=1).astype(_I4).tobytes()
+    changes = np.flatnonzero(v[1:] != v[:-1])
+    pairs = np.empty((len(changes) + 1, 2), dtype=_I4)
+    pairs[0] = (0, v[0])
+    pairs[1:, 0] = changes + 1
+    pairs[1:, 1] = v[changes + 1]
+    return pairs.tobytes()
 
 
 def expand_versions(rle: bytes, n_tokens: int, field: str = "versions") -> IntArray:
@@ -73,10 +80,16 @@ def expand_versions(rle: bytes, n_tokens: int, field: str = "versions") -> IntAr
         if len(pairs):
             raise RecordError("malformed", "versions given for an empty sample", field=field)
         return np.zeros(0, dtype=np.int32)
+    if len(pairs) == 1:  # the common case: one version for the whole sample
+        if pairs[0, 0] != 0:
+            raise RecordError("malformed", "the first run must start at token 0", field=field)
+        return np.full(n_tokens, pairs[0, 1], dtype=np.int32)
     starts = pairs[:, 0]
-    if len(starts) == 0 or starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= n_tokens:
+    ends = np.empty_like(starts)
+    ends[:-1], ends[-1] = starts[1:], n_tokens
+    lengths = ends - starts
+    if len(starts) == 0 or starts[0] != 0 or (lengths <= 0).any():
         raise RecordError("malformed", "run starts must begin at 0, increase and stay below n", field=field)
-    lengths = np.diff(np.r_[starts, n_tokens])
     out: IntArray = np.repeat(pairs[:, 1].astype(np.int32), lengths)
     return out
 
@@ -129,7 +142,10 @@ def encode_record(record: Record, limits: RecordLimits | None = None) -> bytes:
     """msgpack bytes of a record; with `limits`, refuse (RecordError) what a consumer would refuse."""
     if limits is not None:
         check_record(record, limits)
-    out: bytes = msgpack.packb(to_map(record), use_bin_type=True)
+    try:
+        out: bytes = msgpack.packb(to_map(record), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. a reference msgpack cannot hold
+        raise RecordError("unencodable", f"cannot encode: {exc}", group_id=record.group_id) from exc
     return out
 
 
