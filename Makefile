@@ -37,7 +37,7 @@ demo: refresh
 
 lint: refresh
 	$(VENV)/bin/ruff check fleetrl broker hub rollout trainer regions tests bench
-	cd /tmp && $(CURDIR)/$(VENV)/bin/mypy --python-executable $(CURDIR)/$(PY) -p fleetrl
+	cd /tmp && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --python-executable $(CURDIR)/$(PY) -p fleetrl
 
 # checkov pins an old boto3, so it lives in its own virtual environment.
 lint-infra:

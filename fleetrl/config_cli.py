@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import types
 import typing
@@ -83,10 +84,12 @@ def _field_docs(model: type[BaseModel]) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for a, b in zip(body, body[1:], strict=False):
-            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr):
-                if isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
-                    out[a.target.id] = " ".join(b.value.value.split()).replace("|", "\\|")
+        for a, b in itertools.pairwise(body):
+            if (
+                isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)
+            ):
+                out[a.target.id] = " ".join(b.value.value.split()).replace("|", "\\|")
     return out
 
 

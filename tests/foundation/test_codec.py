@@ -7,9 +7,6 @@ import math
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from fleetrl.broker import (
     GroupRecord,
     HandedOverBy,
@@ -27,6 +24,8 @@ from fleetrl.broker import (
     ids,
     rle_versions,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 LIMITS = RecordLimits(vocab_size=1000, known_tasks=frozenset({"reverse", "math"}),
                       max_tokens_per_sample=64, max_prompt_tokens=64, max_samples_per_group=8)
@@ -172,7 +171,7 @@ def test_unencodable_reference_is_a_record_error() -> None:
 def test_too_many_samples_is_refused() -> None:
     g = group_with()
     g.samples = g.samples * 9
-    with pytest.raises(RecordError, match="9 samples outside 1..8") as info:
+    with pytest.raises(RecordError, match=r"9 samples outside 1\.\.8") as info:
         decode_record(encode_record(g), LIMITS)
     assert info.value.reason == "samples_bound"
 

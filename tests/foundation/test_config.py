@@ -74,7 +74,7 @@ def test_env_overrides_nested_fields_and_list_items_by_name() -> None:
 
 
 def test_env_override_with_bad_value_names_the_field() -> None:
-    with pytest.raises(ConfigError, match="algorithm.max_staleness"):
+    with pytest.raises(ConfigError, match=r"algorithm\.max_staleness"):
         parse_config(MINIMAL, env={"FLEETRL_ALGORITHM__MAX_STALENESS": "-3"})
 
 
@@ -86,7 +86,8 @@ def test_missing_file_is_a_config_error(tmp_path: pathlib.Path) -> None:
 def test_readme_reference_is_current() -> None:
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- BEGIN config-reference -->\n")[1].split("<!-- END config-reference -->")[0]
-    assert block == render_reference(), "README configuration reference is stale: run `fleetrl config reference --update README.md`"
+    stale = "README configuration reference is stale: run `fleetrl config reference --update README.md`"
+    assert block == render_reference(), stale
 
 
 def test_every_field_is_documented() -> None:
