@@ -1,0 +1,95 @@
+variable "fleet_yaml" {
+  type        = string
+  description = "The fleet.yaml every FleetRL daemon on the node starts with (from the fleet-config module)."
+  validation {
+    condition     = length(trimspace(var.fleet_yaml)) > 0
+    error_message = "fleet_yaml must not be empty."
+  }
+}
+
+variable "fleetrl_package" {
+  type        = string
+  description = "pip requirement that installs FleetRL on the node, e.g. \"fleetrl[gpu]==0.1.0\" or a wheel URL."
+  validation {
+    condition     = can(regex("^[^\\s'\"]+$", var.fleetrl_package))
+    error_message = "fleetrl_package must be one pip requirement without spaces or quotes."
+  }
+}
+
+variable "python" {
+  type        = string
+  default     = "python3"
+  description = "Python (3.11+) on the image used to create FleetRL's virtualenv."
+  validation {
+    condition     = can(regex("^[A-Za-z0-9_./-]+$", var.python))
+    error_message = "python must be a command name or an absolute path."
+  }
+}
+
+variable "services" {
+  type = list(object({
+    name           = string
+    description    = string
+    args           = list(string)
+    pre_args       = optional(list(list(string)), [])
+    stop_timeout_s = optional(number, 90)
+  }))
+  description = "FleetRL daemons to run as systemd units: `fleetrl <args> --config /etc/fleetrl/fleet.yaml --log-json`. $${FLEETRL_NODE} in args is the node's identity."
+  validation {
+    condition     = length(var.services) > 0 && alltrue([for s in var.services : can(regex("^fleetrl-[a-z0-9-]+$", s.name))])
+    error_message = "Give at least one service; names must look like fleetrl-<name>."
+  }
+  validation {
+    condition     = alltrue([for s in var.services : s.stop_timeout_s >= 5 && s.stop_timeout_s <= 600])
+    error_message = "stop_timeout_s must be within 5-600 s (spot instances get a two-minute notice)."
+  }
+}
+
+variable "secret_env" {
+  type = map(object({
+    arn      = string
+    json_key = optional(string)
+  }))
+  default     = {}
+  description = "Environment variable name => secret (and JSON key inside it) fetched at boot into the units' EnvironmentFile."
+  validation {
+    condition     = alltrue([for k in keys(var.secret_env) : can(regex("^[A-Z_][A-Z0-9_]*$", k)) && !strcontains(k, "__")])
+    error_message = "Environment variable names must be upper-case and must not contain \"__\" (FLEETRL_A__B is a config override)."
+  }
+}
+
+variable "secret_files" {
+  type = map(object({
+    arn      = string
+    json_key = optional(string)
+  }))
+  default     = {}
+  description = "Absolute file path => secret written there at boot (readable by the fleetrl group), e.g. the hub's Ed25519 public key."
+  validation {
+    condition     = alltrue([for k in keys(var.secret_files) : startswith(k, "/etc/fleetrl/") || startswith(k, "/run/fleetrl/")])
+    error_message = "Secret files must live under /etc/fleetrl/ or /run/fleetrl/."
+  }
+}
+
+variable "state_dirs" {
+  type        = list(string)
+  default     = []
+  description = "Extra absolute directories the daemons write (e.g. the trainer's checkpoint_dir); created and owned by the fleetrl user."
+  validation {
+    condition     = alltrue([for d in var.state_dirs : startswith(d, "/")])
+    error_message = "state_dirs must be absolute paths."
+  }
+}
+
+variable "mounts" {
+  type = list(object({
+    device = string
+    path   = string
+  }))
+  default     = []
+  description = "Block devices to format (when blank) and mount before FleetRL starts, e.g. the trainer's checkpoint volume."
+  validation {
+    condition     = alltrue([for m in var.mounts : startswith(m.device, "/dev/") && startswith(m.path, "/")])
+    error_message = "mounts need a /dev/... device and an absolute path."
+  }
+}

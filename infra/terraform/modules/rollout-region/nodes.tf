@@ -1,0 +1,138 @@
+# Spot GPU nodes by default, with capacity rebalancing and a mixed-instances policy. Every node
+# runs the region agent and a replicator (a lease in the region store picks the active one).
+
+module "bootstrap" {
+  source          = "../node-bootstrap"
+  fleet_yaml      = var.fleet_yaml
+  fleetrl_package = var.fleetrl_package
+  services = [
+    {
+      name           = "fleetrl-agent"
+      description    = "FleetRL region agent (${var.name})"
+      args           = ["agent", "--region", var.name, "--node", "$${FLEETRL_NODE}"]
+      stop_timeout_s = var.node.termination_grace_s
+    },
+    {
+      name           = "fleetrl-replicator"
+      description    = "FleetRL hub replicator (${var.name})"
+      args           = ["replicator", "--region", var.name]
+      stop_timeout_s = 30
+    },
+  ]
+  secret_env   = merge(var.node_secret_env, local.kafka_password_secret)
+  secret_files = var.node_secret_files
+}
+
+resource "aws_launch_template" "node" {
+  name_prefix            = "${local.prefix}-"
+  description            = "FleetRL rollout node of ${var.name}"
+  image_id               = var.node.ami_id
+  update_default_version = true
+  ebs_optimized          = true
+  # cloud-init unpacks gzip; secrets are fetched at boot, never part of user data.
+  user_data              = base64gzip(module.bootstrap.cloud_config)
+  vpc_security_group_ids = [aws_security_group.node.id]
+
+  iam_instance_profile {
+    arn = aws_iam_instance_profile.node.arn
+  }
+
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required"
+    http_put_response_hop_limit = 1
+    instance_metadata_tags      = "disabled"
+  }
+
+  # The host name is the instance id: a valid FleetRL node name, stable for the node's life.
+  private_dns_name_options {
+    hostname_type = "resource-name"
+  }
+
+  block_device_mappings {
+    device_name = var.node.root_device_name
+    ebs {
+      volume_size           = var.node.root_volume_gb
+      volume_type           = "gp3"
+      encrypted             = true
+      delete_on_termination = true
+    }
+  }
+
+  monitoring {
+    enabled = true
+  }
+
+  tag_specifications {
+    resource_type = "instance"
+    tags          = merge(local.tags, { Name = "${local.prefix}-node" })
+  }
+
+  tag_specifications {
+    resource_type = "volume"
+    tags          = local.tags
+  }
+
+  tags = local.tags
+}
+
+resource "aws_autoscaling_group" "nodes" {
+  name_prefix         = "${local.prefix}-"
+  min_size            = var.node.min_size
+  max_size            = var.node.max_size
+  desired_capacity    = var.node.desired_capacity
+  vpc_zone_identifier = var.subnet_ids
+  capacity_rebalance  = true
+  health_check_type   = "EC2"
+
+  mixed_instances_policy {
+    instances_distribution {
+      on_demand_base_capacity                  = var.node.on_demand_base_capacity
+      on_demand_percentage_above_base_capacity = var.node.spot ? 0 : 100
+      spot_allocation_strategy                 = "price-capacity-optimized"
+    }
+    launch_template {
+      launch_template_specification {
+        launch_template_id = aws_launch_template.node.id
+        version            = aws_launch_template.node.latest_version
+      }
+      dynamic "override" {
+        for_each = var.node.instance_types
+        content {
+          instance_type = override.value
+        }
+      }
+    }
+  }
+
+  # A node being scaled in stays up (Terminating:Wait) long enough for the agent to hand its
+  # partial groups over; the agent's watcher sees it in IMDS autoscaling/target-lifecycle-state.
+  initial_lifecycle_hook {
+    name                 = "fleetrl-drain"
+    lifecycle_transition = "autoscaling:EC2_INSTANCE_TERMINATING"
+    default_result       = "CONTINUE"
+    heartbeat_timeout    = var.node.termination_grace_s
+  }
+
+  # A new fleet.yaml (a new launch template version) rolls through the region, half at a time.
+  instance_refresh {
+    strategy = "Rolling"
+    preferences {
+      min_healthy_percentage = 50
+    }
+  }
+
+  dynamic "tag" {
+    for_each = merge(local.tags, { Name = "${local.prefix}-node" })
+    content {
+      key                 = tag.key
+      value               = tag.value
+      propagate_at_launch = true
+    }
+  }
+
+  lifecycle {
+    # Operators drain or grow a region with `aws autoscaling set-desired-capacity` too.
+    ignore_changes = [desired_capacity]
+  }
+}
