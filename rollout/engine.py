@@ -1,0 +1,219 @@
+"""The engine interface: a continuous-batching scheduler over the samples of many groups.
+
+A rollout worker submits groups (one prompt, n samples) to an engine and calls `step()` in a loop.
+Each step decodes one token for every running sample (a pool of up to `max_batch` slots decoded
+together); slots freed by finished samples are refilled with waiting samples at the next step, so
+the batch stays full on long-tailed workloads. A group comes back from `step()` once all its
+samples have finished.
+
+Every sampled token carries its behaviour log-probability (`fleetrl.rollout.sampling` states the
+convention) and the policy version of the weights that produced it. `stage_weights` hands the
+engine a new version at any time; it is applied *between* decoding steps, so the per-token versions
+of a sample switch exactly at the step after which the weights changed (in-flight update; the KV
+cache of earlier tokens is kept, as PipelineRL does). `take(group_id)` withdraws an unfinished
+group and returns its samples as far as they got (token-level handover); `submit` with `resume=`
+continues them where they stopped, keeping finished samples as they are.
+
+Engines are driven from one thread at a time (the worker runs `step` in `asyncio.to_thread`);
+`stage_weights` alone may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetrl.broker import PartialSample, Sampling, floats, ids
+from fleetrl.rollout.errors import EngineError
+from fleetrl.rollout.sampling import sample_key
+
+
+@dataclass(slots=True)
+class GroupRequest:
+    """One group of work for an engine."""
+
+    group_id: str
+    prompt_ids: Sequence[int]
+    sampling: Sampling
+    n_samples: int
+    seed: int = 0
+    """With (group_id, sample index, token position), fixes every sampled token."""
+    resume: Sequence[PartialSample] | None = None
+    """Samples as far as a previous worker got (n_samples of them); finished ones are kept as is."""
+
+
+@dataclass(slots=True)
+class FinishedGroup:
+    group_id: str
+    samples: list[PartialSample]
+    """Every sample with its `finish_reason` set (`stop` at EOS, `length` at max_new_tokens)."""
+
+
+@dataclass(slots=True, eq=False)
+class SeqState:
+    """One sample being decoded: the prompt and its completion so far."""
+
+    group_id: str
+    index: int
+    key: int
+    prompt_ids: list[int]
+    sampling: Sampling
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def to_partial(self) -> PartialSample:
+        return PartialSample(ids(self.tokens), floats(self.logprobs), ids(self.versions), self.finish_reason)
+
+    @property
+    def position(self) -> int:
+        """Index of the next completion token (the counter of its sampling randomness)."""
+        return len(self.tokens)
+
+
+class Engine(ABC):
+    """Group bookkeeping, weight staging and finish rules shared by every engine."""
+
+    def __init__(self, *, eos_ids: Sequence[int], max_context: int, version: int = 0) -> None:
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.max_context = max_context
+        self._version = version
+        self._groups: dict[str, list[SeqState]] = {}
+        self._staged: tuple[Mapping[str, Any], int] | None = None
+        self._staged_lock = threading.Lock()
+
+    # -- public surface -------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the next step decodes with (once staged ones apply)."""
+        return self._version
+
+    def submit(self, request: GroupRequest) -> None:
+        """Queue a group; its samples join the batch as slots free up."""
+        if request.group_id in self._groups:
+            raise EngineError(f"group {request.group_id} is already in the engine")
+        seqs = self._states(request)
+        self._groups[request.group_id] = seqs
+        self._enqueue([s for s in seqs if s.finish_reason is None])
+
+    def step(self) -> list[FinishedGroup]:
+        """Apply staged weights, decode one token for every running sample, return finished groups."""
+        self._apply_staged()
+        if self.has_work():
+            self._decode_step()
+        return self._collect_finished()
+
+    def take(self, group_id: str) -> list[PartialSample]:
+        """Withdraw a group (finished or not) and return its samples as far as they got."""
+        seqs = self._groups.pop(group_id, None)
+        if seqs is None:
+            raise EngineError(f"group {group_id} is not in the engine")
+        self._withdraw([s for s in seqs if s.finish_reason is None])
+        return [s.to_partial() for s in seqs]
+
+    def stage_weights(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Hand over a new weight version (any thread); it applies before the next decoding step."""
+        with self._staged_lock:
+            self._staged = (tensors, version)
+
+    def group_ids(self) -> list[str]:
+        return list(self._groups)
+
+    def tokens_so_far(self, group_id: str) -> int:
+        return sum(len(s.tokens) for s in self._groups.get(group_id, []))
+
+    def generate(self, request: GroupRequest, max_steps: int = 1_000_000) -> list[PartialSample]:
+        """Run one group to completion (tests, benchmarks); other queued groups progress too."""
+        self.submit(request)
+        for _ in range(max_steps):
+            for group in self.step():
+                if group.group_id == request.group_id:
+                    return group.samples
+        raise EngineError(f"group {request.group_id} did not finish within {max_steps} steps")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources."""
+
+    # -- for subclasses -------------------------------------------------------------------------
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Whether any sample is running or waiting."""
+
+    @abstractmethod
+    def _enqueue(self, seqs: list[SeqState]) -> None:
+        """Make unfinished samples wait for a slot."""
+
+    @abstractmethod
+    def _withdraw(self, seqs: list[SeqState]) -> None:
+        """Drop samples from the slots and the queue (their state so far is kept by the caller)."""
+
+    @abstractmethod
+    def _decode_step(self) -> None:
+        """Decode one token for each running sample (admitting waiting ones) via `_append`."""
+
+    @abstractmethod
+    def _load_weights(self, tensors: Mapping[str, Any]) -> None:
+        """Copy a full set of weights (Hugging Face names) into the model."""
+
+    def _append(self, seq: SeqState, token: int, logprob: float) -> None:
+        """Record one sampled token and decide whether the sample finished."""
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self._version)
+        if token in self.eos_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.tokens) >= seq.sampling.max_new_tokens or self._context_full(seq):
+            seq.finish_reason = "length"
+
+    def _context_full(self, seq: SeqState) -> bool:
+        return len(seq.prompt_ids) + len(seq.tokens) >= self.max_context
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _apply_staged(self) -> None:
+        with self._staged_lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            tensors, version = staged
+            self._load_weights(tensors)
+            self._version = version
+
+    def _collect_finished(self) -> list[FinishedGroup]:
+        done = [g for g, seqs in self._groups.items() if all(s.finish_reason is not None for s in seqs)]
+        return [FinishedGroup(g, [s.to_partial() for s in self._groups.pop(g)]) for g in done]
+
+    def _states(self, r: GroupRequest) -> list[SeqState]:
+        if r.n_samples < 1:
+            raise EngineError(f"group {r.group_id}: n_samples must be >= 1, got {r.n_samples}")
+        if len(r.prompt_ids) == 0 or len(r.prompt_ids) >= self.max_context:
+            raise EngineError(f"group {r.group_id}: prompt of {len(r.prompt_ids)} tokens does not fit "
+                              f"the context of {self.max_context}")
+        if r.resume is not None and len(r.resume) != r.n_samples:
+            raise EngineError(f"group {r.group_id}: {len(r.resume)} resumed samples for n_samples={r.n_samples}")
+        prompt = [int(t) for t in r.prompt_ids]
+        seqs = []
+        for i in range(r.n_samples):
+            seq = SeqState(r.group_id, i, sample_key(r.seed, r.group_id, i), prompt, r.sampling)
+            if r.resume is not None:
+                _restore(seq, r.resume[i], self)
+            seqs.append(seq)
+        return seqs
+
+
+def _restore(seq: SeqState, partial: PartialSample, engine: Engine) -> None:
+    seq.tokens = [int(t) for t in partial.completion_ids]
+    seq.logprobs = [float(x) for x in partial.logprobs]
+    seq.versions = [int(v) for v in partial.versions]
+    seq.finish_reason = partial.finish_reason
+    if seq.finish_reason is None and seq.tokens:
+        # A partial whose last token already ended it (handed over between sampling and bookkeeping).
+        if seq.tokens[-1] in engine.eos_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.tokens) >= seq.sampling.max_new_tokens or engine._context_full(seq):
+            seq.finish_reason = "length"

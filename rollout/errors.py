@@ -1,0 +1,33 @@
+"""Errors of the rollout layer.
+
+    RolloutError                base; `retriable` says whether the same call may succeed later
+    ├── EngineError             an engine that cannot load a model, weights or a request
+    ├── TaskError               an unknown task name, or a prompt/reference a task cannot use
+    └── WorkerError             the worker loop: a dependency (Kafka, hub) failed beyond its retries
+
+Messages name the object at fault: the group id, the task name, the tensor name, the version.
+"""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base of every rollout-layer error."""
+
+    retriable: bool = False
+
+
+class EngineError(RolloutError):
+    """An engine refused a model, a weight version or a request."""
+
+
+class TaskError(RolloutError):
+    """An unknown task, or a reference a task's reward cannot read."""
+
+
+class WorkerError(RolloutError):
+    """The worker loop cannot go on; `retriable` when a restart may succeed."""
+
+    def __init__(self, message: str, *, retriable: bool = False) -> None:
+        super().__init__(message)
+        self.retriable = retriable

@@ -1,0 +1,102 @@
+"""Token sampling shared by the engines: temperature, top-p, and the behaviour log-probability.
+
+Randomness is counter-based: the uniform number that picks token `t` of sample `i` of group `g`
+is a hash of `(seed, g, i, t)`, not a draw from a stream. So the token sampled at a position does
+not depend on which other samples share the batch, on how many steps ran before, or on whether the
+sample was handed over and resumed on another node: a resumed partial reproduces the continuation
+an uninterrupted run would have produced (up to floating-point ties in the logits).
+
+Sampling is inverse-CDF over the probabilities sorted in descending order (ties broken by token
+id), after temperature scaling and top-p truncation. The recorded behaviour log-probability is that
+of the distribution actually sampled from:
+
+    logprob = log_softmax(logits / T)[token] - log(mass kept by top-p)
+
+which is exactly `log_softmax(logits / T)[token]` when `top_p == 1` (docs/rollout.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def sample_key(seed: int, group_id: str, index: int) -> int:
+    """A stable 64-bit key of one sample (same on every node and Python process)."""
+    digest = hashlib.blake2b(f"{seed}\x00{group_id}\x00{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    # Array arithmetic wraps modulo 2**64 silently (scalars would warn), which is what we want.
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+    z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(keys: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """One uniform in [0, 1) per (sample key, token position), as float64."""
+    k = np.asarray(keys, dtype=np.uint64)
+    p = np.asarray(positions, dtype=np.uint64)
+    bits = _splitmix64(_splitmix64(k) ^ (p * _GOLDEN))
+    out: np.ndarray = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+    return out
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns (token ids [B] int64, behaviour logprobs [B] float32).
+
+    `logits` [B, V] (any float dtype; computed in float32), `temperature`, `top_p`, `u` [B].
+    """
+    logp = torch.log_softmax(logits.float() / temperature.float()[:, None], dim=-1)
+    probs = logp.exp()
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    # Keep the smallest prefix whose mass reaches top_p; the most likely token is always kept.
+    keep = before < top_p.float()[:, None]
+    keep[:, 0] = True
+    kept = sorted_p * keep
+    kept_cum = kept.cumsum(dim=-1)
+    mass = kept_cum[:, -1]
+    target = (u.to(kept_cum.dtype) * mass)[:, None]
+    pos = torch.searchsorted(kept_cum, target, right=True)
+    last_kept = keep.sum(dim=-1, keepdim=True) - 1
+    pos = torch.minimum(pos, last_kept)
+    tokens = order.gather(1, pos).squeeze(1)
+    token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
+    truncated = top_p < 1.0
+    log_mass = torch.where(truncated, mass.log(), torch.zeros_like(mass))
+    behaviour = (token_logp - log_mass).clamp(max=0.0)
+    return tokens, behaviour
+
+
+def behaviour_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float = 1.0
+) -> torch.Tensor:
+    """Logprobs of given `tokens` [N] under `logits` [N, V] by the same convention as `sample_tokens`.
+
+    A token outside the top-p set gets -inf. The trainer's pi_old is `log_softmax(logits / T)`;
+    with `top_p == 1` the two agree exactly (docs/rollout.md).
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    token_logp = logp.gather(1, tokens[:, None].long()).squeeze(1)
+    if top_p >= 1.0:
+        return token_logp
+    probs = logp.exp()
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p
+    keep[:, 0] = True
+    kept_mask = torch.zeros_like(keep).scatter(1, order, keep)
+    mass = (sorted_p * keep).sum(dim=-1)
+    inside = kept_mask.gather(1, tokens[:, None].long()).squeeze(1)
+    out = token_logp - mass.log()
+    return torch.where(inside, out, torch.full_like(out, float("-inf")))
