@@ -1,0 +1,89 @@
+"""Region credits: how admitted groups are split between regions (DESIGN.md §1, §6).
+
+A region's credit follows its measured throughput in groups per second: the groups that arrived
+from it in the last `window_s`, or, where its nodes' heartbeats report more, their decoding rate
+(tokens/s over the tokens of one group). A region not yet measured borrows the mean of the
+measured ones, scaled by its configured `weight`. A partitioned or dead region stops arriving and
+stops heartbeating, so its credit falls to zero within one window and nothing waits on it; when it
+comes back, its heartbeats give it credit again. The next group goes to the region with the least
+in-flight work per unit of throughput, which keeps in-flight work proportional to throughput.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class _Region:
+    weight: float
+    arrivals: deque[float] = field(default_factory=deque)
+    first_dispatch: float | None = None
+    last_arrival: float | None = None
+    nodes: dict[str, tuple[str, float, float]] = field(default_factory=dict)
+    """node -> (state, tokens_per_s, received_at)."""
+
+
+class RegionCredits:
+    def __init__(self, weights: dict[str, float], *, window_s: float, tokens_per_group: float) -> None:
+        self.window_s, self.tokens_per_group = window_s, max(tokens_per_group, 1.0)
+        self.regions = {name: _Region(w) for name, w in weights.items()}
+
+    def on_dispatch(self, region: str, now: float) -> None:
+        r = self.regions[region]
+        if r.first_dispatch is None:
+            r.first_dispatch = now
+
+    def on_arrival(self, region: str, now: float) -> None:
+        r = self.regions.get(region)
+        if r is None:
+            return
+        r.arrivals.append(now)
+        r.last_arrival = now
+
+    def on_heartbeat(self, region: str, node: str, state: str, tokens_per_s: float, now: float) -> None:
+        r = self.regions.get(region)
+        if r is not None:
+            r.nodes[node] = (state, max(float(tokens_per_s), 0.0), now)
+
+    def rates(self, now: float) -> dict[str, float]:
+        """Groups/s per region; None-measured regions get the weighted mean of the measured."""
+        measured: dict[str, float] = {}
+        for name, r in self.regions.items():
+            rate = self._measured(r, now)
+            if rate is not None:
+                measured[name] = rate
+        ref = sum(measured.values()) / len(measured) if measured and any(measured.values()) else 1.0
+        return {name: measured.get(name, r.weight * ref) for name, r in self.regions.items()}
+
+    def _measured(self, r: _Region, now: float) -> float | None:
+        while r.arrivals and r.arrivals[0] < now - self.window_s:
+            r.arrivals.popleft()
+        beats = [(s, t) for s, t, at in r.nodes.values() if now - at <= self.window_s]
+        hb_rate = sum(t for s, t in beats if s == "up") / self.tokens_per_group
+        observed = r.first_dispatch is not None and now - r.first_dispatch >= self.window_s
+        if not observed and not beats:
+            return None
+        return max(len(r.arrivals) / self.window_s if observed else 0.0, hb_rate)
+
+    def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset()) -> str:
+        """Region for the next group: least in-flight per unit of throughput."""
+        rates = self.rates(now)
+        candidates = [n for n in self.regions if n not in exclude and rates[n] > 0] or [
+            n for n in self.regions if n not in exclude
+        ] or list(self.regions)
+        if all(rates[n] <= 0 for n in candidates):
+            rates = {n: self.regions[n].weight for n in self.regions}
+        return min(candidates, key=lambda n: ((in_flight.get(n, 0) + 1) / max(rates[n], 1e-9), n))
+
+    def silent_since(self, region: str) -> float | None:
+        """When the region last proved it returns work (its last arrival, else its first dispatch)."""
+        r = self.regions.get(region)
+        if r is None:
+            return None
+        return r.last_arrival if r.last_arrival is not None else r.first_dispatch
+
+    def state(self) -> dict[str, Any]:
+        return {n: {"weight": r.weight} for n, r in self.regions.items()}

@@ -1,0 +1,148 @@
+"""The dispatcher: turns prompts into `fleetrl.prompt/1` work, admitted under the staleness bound.
+
+Admission (DESIGN.md §6): a new group is admitted only while
+`in_flight + consumed <= (version + 1 + max_staleness) * groups_per_step`, where every admitted
+group is either in flight or consumed (trained, dropped stale, dead-lettered). So the dispatcher
+never runs more than `1 + max_staleness` steps of work ahead of the learner, and groups generated
+in order reach the learner at most `max_staleness` versions old. Admitted groups go to regions by
+credit (`credits.py`). A group whose region has been silent for `silent_region_timeout_s` is sent
+again, to another region where one has credit, with `attempt + 1`; the collector trains whichever
+attempt arrives first and drops the other as a duplicate.
+
+The state here is plain data (cursor into the prompt source, groups in flight) and goes into every
+checkpoint; sending is an injected coroutine, so the state machine is tested without Kafka.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fleetrl.broker import PromptRecord, Sampling
+from fleetrl.config import FleetConfig
+from fleetrl.log import get_logger
+from fleetrl.trainer.credits import RegionCredits
+
+log = get_logger(__name__)
+
+PromptItem = tuple[str, str, Any]
+"""(task name, prompt text, reference) as the prompt source yields them."""
+Send = Callable[[str, PromptRecord], Awaitable[None]]
+"""Produce one prompt record to a region's `prompts` topic and wait for the ack."""
+
+
+def admission_budget(version: int, admitted: int, max_staleness: int, groups_per_step: int) -> int:
+    """How many more groups may be admitted now: (version + 1 + s) * G - (in flight + consumed)."""
+    return max(0, (version + 1 + max_staleness) * groups_per_step - admitted)
+
+
+def group_id(run: str, index: int) -> str:
+    """Deterministic id of the prompt at `index`: a re-dispatch after a restart reuses it."""
+    return f"{run}-{index:09d}"
+
+
+@dataclass(slots=True)
+class InFlight:
+    index: int
+    region: str
+    attempt: int
+    dispatched_at: float
+    min_version: int
+    task: str
+    prompt: str
+    reference: Any
+
+
+class Dispatcher:
+    def __init__(self, config: FleetConfig, prompts: Iterator[PromptItem], send: Send,
+                 credits: RegionCredits) -> None:
+        self.config, self.send, self.credits = config, send, credits
+        self._prompts = prompts
+        self.next_index = 0
+        """Prompts drawn from the source so far: every admitted group, in flight or consumed."""
+        self.in_flight: dict[str, InFlight] = {}
+        self.exhausted = False
+        a = config.algorithm
+        self.sampling = Sampling(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens)
+
+    @property
+    def admitted(self) -> int:
+        return self.next_index
+
+    def budget(self, version: int) -> int:
+        a, d = self.config.algorithm, self.config.dataset
+        room = admission_budget(version, self.admitted, a.max_staleness, a.groups_per_step)
+        if d.num_prompts is not None:
+            room = min(room, d.num_prompts - self.next_index)
+        return max(room, 0)
+
+    async def dispatch(self, version: int, now: float, resolved: Callable[[str], bool]) -> int:
+        """Admit and send as many groups as the bound allows; returns how many were sent."""
+        sent = 0
+        while not self.exhausted and self.budget(version) > 0:
+            item = next(self._prompts, None)
+            if item is None:
+                self.exhausted = True
+                log.info("dispatch.exhausted", admitted=self.admitted)
+                break
+            index, gid = self.next_index, group_id(self.config.run, self.next_index)
+            self.next_index += 1
+            if resolved(gid):  # trained before a restart lost the dispatch record: not again
+                continue
+            task, prompt, reference = item
+            region = self.credits.pick(self._per_region(), now)
+            flight = InFlight(index, region, 0, now, version, task, prompt, reference)
+            await self._send(gid, flight)
+            sent += 1
+        return sent
+
+    async def redispatch_silent(self, now: float, timeout_s: float) -> int:
+        """Send again, with a new attempt, every group whose region has been silent too long."""
+        moved = 0
+        for gid, f in list(self.in_flight.items()):
+            quiet = self.credits.silent_since(f.region)
+            if now - f.dispatched_at <= timeout_s or (quiet is not None and now - quiet <= timeout_s):
+                continue
+            old = f.region
+            f.region = self.credits.pick(self._per_region(), now, exclude=frozenset({old}))
+            f.attempt += 1
+            f.dispatched_at = now
+            log.warning("dispatch.redispatched", group_id=gid, attempt=f.attempt, from_region=old, to_region=f.region)
+            await self._send(gid, f)
+            moved += 1
+        return moved
+
+    def resolve(self, gid: str) -> InFlight | None:
+        """The group was consumed (trained, stale, or known dead): no longer in flight."""
+        return self.in_flight.pop(gid, None)
+
+    async def _send(self, gid: str, f: InFlight) -> None:
+        record = PromptRecord(
+            group_id=gid, run=self.config.run, task=f.task, n_samples=self.config.algorithm.n_samples,
+            sampling=self.sampling, prompt=f.prompt, reference=f.reference, min_version=f.min_version,
+            dispatched_at=f.dispatched_at, attempt=f.attempt,
+        )
+        await self.send(f.region, record)
+        self.in_flight[gid] = f
+        self.credits.on_dispatch(f.region, f.dispatched_at)
+
+    def _per_region(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for f in self.in_flight.values():
+            counts[f.region] = counts.get(f.region, 0) + 1
+        return counts
+
+    # -- checkpoint ---------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {"next_index": self.next_index, "exhausted": self.exhausted,
+                "in_flight": {g: asdict(f) for g, f in self.in_flight.items()}}
+
+    def restore(self, state: dict[str, Any], prompts: Iterator[PromptItem]) -> None:
+        """Continue after `state`: the prompt source restarts and skips what was drawn already."""
+        self.next_index = int(state["next_index"])
+        self.exhausted = bool(state.get("exhausted", False))
+        self.in_flight = {g: InFlight(**f) for g, f in state["in_flight"].items()}
+        self._prompts = itertools.islice(prompts, self.next_index, None)

@@ -1,0 +1,132 @@
+"""The seam between one process and `torchrun`: rank, collectives, FSDP2 sharding, state dicts.
+
+Everything distributed goes through torch.distributed's own collectives (broadcast_object_list,
+scatter_object_list, all_reduce) and FSDP2 (`fully_shard`); with a world of one, each call is the
+identity, so the learner and the trainer loop are one code path for a laptop and for a node of
+GPUs. Rank 0 leads: it alone talks to Kafka, MQTT and the hub, and tells the other ranks what to
+do next with `command`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 - an immutable default
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls, device: str = "cpu") -> DistContext:
+        """Join the process group when launched by torchrun (WORLD_SIZE > 1); gloo on CPU, nccl on CUDA."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls(device=torch.device(device))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        rank = dist.get_rank()
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+        log.info("dist.joined", rank=rank, world_size=world, device=str(dev))
+        return cls(rank=rank, world_size=world, device=dev)
+
+    def command(self, cmd: Any = None) -> Any:
+        """Rank 0 names the next collective operation; every rank returns it."""
+        if not self.distributed:
+            return cmd
+        box = [cmd]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def scatter(self, parts: list[Any] | None) -> Any:
+        """Rank 0's `parts[r]` lands on rank r."""
+        if not self.distributed:
+            assert parts is not None and len(parts) == 1
+            return parts[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, parts if self.is_leader else None, src=0)
+        return out[0]
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2: each decoder layer its own unit, then the root (embeddings, head, norm)."""
+        if not self.distributed:
+            return model.to(self.device)
+        from torch.distributed.fsdp import fully_shard
+
+        model.to(self.device)
+        for layer in _decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: DistContext) -> tuple[
+    dict[str, torch.Tensor], dict[str, Any] | None
+]:
+    """Full (unsharded) CPU state dicts; on ranks > 0 they are empty. Collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=ctx.distributed, cpu_offload=True)
+    msd = get_model_state_dict(model, options=opts)
+    osd = None if optimizer is None else get_optimizer_state_dict(model, optimizer, options=opts)
+    return msd, osd
+
+
+def set_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    msd: dict[str, torch.Tensor], osd: dict[str, Any] | None, ctx: DistContext,
+) -> None:
+    """Load full state dicts read by rank 0 into every rank (broadcast under FSDP).
+
+    Ranks > 0 pass empty dicts (and `osd={}` when the leader loads an optimizer state, None when not).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=ctx.distributed, broadcast_from_rank0=ctx.distributed)
+    set_model_state_dict(model, msd, options=opts)
+    if optimizer is not None and osd is not None:
+        set_optimizer_state_dict(model, optimizer, osd, options=opts)

@@ -1,0 +1,34 @@
+"""Errors of the trainer.
+
+    TrainerError                 base; `retriable` says whether the same call may succeed later
+    ├── DatasetError             a prompt file that cannot be read, or a line of it that is wrong
+    ├── CheckpointError          a checkpoint that cannot be written, read, or does not fit the run
+    └── AuditError               the topics and the checkpoint disagree (a group lost or trained twice)
+
+Messages name the file, line, checkpoint path or group at fault. Broker and hub errors pass
+through unchanged: they already name their topic, offset, store and key.
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Base of every trainer error."""
+
+    retriable: bool = False
+
+
+class DatasetError(TrainerError):
+    """A prompt source that cannot be read; the message names the file and line."""
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint that cannot be written or read, or that belongs to another run."""
+
+    def __init__(self, message: str, *, retriable: bool = False) -> None:
+        super().__init__(message)
+        self.retriable = retriable
+
+
+class AuditError(TrainerError):
+    """The audit found a group lost or trained more than once."""

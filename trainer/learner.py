@@ -1,0 +1,177 @@
+"""The learner: fp32 master weights, GRPO/PPO-TIS loss, AdamW, gradient clipping (DESIGN.md §6).
+
+One loop for CPU and CUDA, one process or many: the distributed difference lives in `DistContext`.
+Rank 0 calls the public methods; each first names the operation with `ctx.command`, so ranks > 0,
+parked in `follow()`, run the same collectives in the same order. Maths lives in `losses.py` and
+`advantages.py`; this file only moves tensors through them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.log import get_logger
+from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
+from fleetrl.trainer.dist import DistContext, get_state, set_state
+from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss, token_logprobs
+
+log = get_logger(__name__)
+
+_PUBLISH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DUMMY = TrainSample(
+    input_ids=torch.zeros(2, dtype=torch.long).numpy(), prompt_len=1,
+    behaviour_logprobs=torch.zeros(1).numpy(), versions=torch.zeros(1, dtype=torch.int32).numpy(),
+    advantage=0.0,
+)
+"""Stand-in micro-batch (zero loss) for a rank with fewer samples: FSDP's collectives need each
+rank to run the same number of forward and backward passes."""
+
+
+@dataclass(slots=True)
+class StepStats:
+    loss: float
+    kl: float
+    clip_fraction: float
+    tis_truncated_fraction: float
+    tis_weight_mean: float
+    grad_norm: float
+    tokens: int
+
+
+class Learner:
+    """Owns the model, its optimizer and (with `kl_coef > 0`) a frozen reference copy."""
+
+    def __init__(self, model_cfg: ModelConfig, algo: AlgorithmConfig, ctx: DistContext) -> None:
+        self.algo, self.ctx = algo, ctx
+        self.publish_dtype = _PUBLISH_DTYPES[model_cfg.publish_dtype]
+        model = model_cfg.build().float()
+        self.tied_names = _tied_duplicates(model)
+        ref = copy.deepcopy(model).requires_grad_(False) if algo.kl_coef > 0 else None
+        self.model = ctx.shard(model)
+        self.ref = ctx.shard(ref).eval() if ref is not None else None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay
+        )
+        self.clip = ClipConfig(algo.clip_low, algo.clip_high, algo.tis_cap)
+
+    # -- operations led by rank 0 -------------------------------------------------------------
+
+    def train_step(self, batch: StepBatch) -> StepStats:
+        """One optimizer step on `batch` (rank 0 holds the whole batch; it is scattered)."""
+        self.ctx.command("train")
+        return self._train(self.ctx.scatter(batch.shard(self.ctx.world_size)))
+
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """The weights as engines run them: publish dtype, CPU, tied weights once (rank 0)."""
+        self.ctx.command("state")
+        msd, _ = get_state(self.model, None, self.ctx)
+        return {k: v.to(self.publish_dtype).contiguous() for k, v in msd.items() if k not in self.tied_names}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """fp32 model and optimizer state, unsharded (rank 0)."""
+        self.ctx.command("checkpoint")
+        msd, osd = get_state(self.model, self.optimizer, self.ctx)
+        assert osd is not None
+        return msd, osd
+
+    def load_state(self, msd: dict[str, torch.Tensor], osd: dict[str, Any]) -> None:
+        self.ctx.command("load")
+        set_state(self.model, self.optimizer, msd, osd, self.ctx)
+
+    def stop_followers(self) -> None:
+        self.ctx.command("stop")
+
+    def follow(self) -> None:
+        """Ranks > 0: run what rank 0 names until it says stop."""
+        while True:
+            cmd = self.ctx.command()
+            if cmd == "stop":
+                return
+            if cmd == "train":
+                self._train(self.ctx.scatter(None))
+            elif cmd == "state":
+                get_state(self.model, None, self.ctx)
+            elif cmd == "checkpoint":
+                get_state(self.model, self.optimizer, self.ctx)
+            elif cmd == "load":
+                set_state(self.model, self.optimizer, {}, {}, self.ctx)
+            else:
+                raise RuntimeError(f"rank {self.ctx.rank}: unknown command {cmd!r} from rank 0")
+
+    # -- the step, on every rank --------------------------------------------------------------
+
+    def _train(self, shard: StepBatch) -> StepStats:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        per_rank = math.ceil(shard.total_seqs / self.ctx.world_size)
+        n_micro = max(1, math.ceil(per_rank / self.algo.micro_batch_samples))
+        sums = torch.zeros(6, dtype=torch.float64)
+        for i in range(n_micro):
+            chunk = shard.samples[i * self.algo.micro_batch_samples:(i + 1) * self.algo.micro_batch_samples]
+            sums += self._micro_step(chunk or [_DUMMY], shard, real=bool(chunk))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.grad_clip)
+        self.optimizer.step()
+        sums = self.ctx.all_reduce_sum(sums)
+        loss, kl, clipped, truncated, weight, tokens = sums.tolist()
+        n = max(tokens, 1.0)
+        return StepStats(
+            loss=loss, kl=kl / n, clip_fraction=clipped / n, tis_truncated_fraction=truncated / n,
+            tis_weight_mean=weight / n, grad_norm=float(_full(grad_norm)), tokens=int(tokens),
+        )
+
+    def _micro_step(self, chunk: list[TrainSample], shard: StepBatch, real: bool) -> torch.Tensor:
+        mb = collate(chunk, self.ctx.device)
+        with self._autocast():
+            logp = self._logprobs(self.model, mb)
+            tok_loss, st = ppo_tis_token_loss(logp, logp.detach(), mb.behaviour_logprobs, mb.advantages, self.clip)
+            kl = torch.zeros_like(logp)
+            if self.ref is not None:
+                with torch.no_grad():
+                    logp_ref = self._logprobs(self.ref, mb)
+                kl = kl_k3(logp, logp_ref)
+                tok_loss = tok_loss + self.algo.kl_coef * kl
+        loss = aggregate(tok_loss, mb.loss_mask, self.algo.aggregation,
+                         total_tokens=max(shard.total_tokens, 1), total_seqs=max(shard.total_seqs, 1))
+        # FSDP averages gradients over ranks; the step's loss is the sum of the ranks' shares.
+        scale = float(self.ctx.world_size) if real else 0.0
+        (loss * scale).backward()
+        if not real:
+            return torch.zeros(6, dtype=torch.float64)
+        m = mb.loss_mask
+        return torch.tensor([
+            loss.item(), (kl * m).sum().item(), (st["clipped"] * m).sum().item(),
+            (st["truncated"] * m).sum().item(), (st["tis_weight"] * m).sum().item(), m.sum().item(),
+        ], dtype=torch.float64)
+
+    def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        return token_logprobs(logits, mb.targets, self.algo.temperature)
+
+    def _autocast(self) -> Any:
+        # fp32 master weights; on CUDA the matmuls run in bf16, the loss maths in fp32.
+        if self.ctx.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+
+def _tied_duplicates(model: torch.nn.Module) -> frozenset[str]:
+    """Names of parameters that are another name's tensor (a tied lm_head): published once."""
+    seen: set[int] = set()
+    dups: set[str] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            dups.add(name)
+        seen.add(id(p))
+    return frozenset(dups)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t

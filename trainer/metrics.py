@@ -1,0 +1,57 @@
+"""Prometheus metrics of the trainer (units in the names) on their own registry.
+
+A registry per trainer keeps tests that build several trainers in one process apart; the daemon
+serves it on `trainer.metrics_port`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_STEP_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100)
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.reward_mean = Gauge("fleetrl_trainer_reward_mean", "Mean reward of the last step's samples", registry=r)
+        self.staleness = Histogram(
+            "fleetrl_trainer_staleness_versions", "Version lag of each trained group (learner - oldest token)",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=r,
+        )
+        self.stale_dropped = Counter(
+            "fleetrl_trainer_stale_groups_dropped_total", "Groups dropped as staler than the bound",
+            ["region"], registry=r,
+        )
+        self.duplicates = Counter(
+            "fleetrl_trainer_duplicate_groups_total", "Groups dropped as already trained, dropped or buffered",
+            ["region"], registry=r,
+        )
+        self.groups = Counter("fleetrl_trainer_groups_received_total", "Valid groups received", ["region"],
+                              registry=r)
+        self.region_rate = Gauge("fleetrl_trainer_region_groups_per_second",
+                                 "Measured throughput of a region (credit basis)", ["region"], registry=r)
+        self.dispatched = Counter("fleetrl_trainer_groups_dispatched_total", "Prompt records sent",
+                                  ["region"], registry=r)
+        self.redispatched = Counter("fleetrl_trainer_groups_redispatched_total",
+                                    "Groups sent again after their region went silent", registry=r)
+        self.foreign = Counter("fleetrl_trainer_foreign_records_total", "Records of another run dead-lettered",
+                               ["region"], registry=r)
+        self.step_seconds = Histogram("fleetrl_trainer_step_seconds", "Wall time of one optimizer step",
+                                      buckets=_STEP_BUCKETS, registry=r)
+        self.publish_seconds = Histogram("fleetrl_trainer_weight_publish_seconds",
+                                         "Time to publish one version through the hub", buckets=_STEP_BUCKETS,
+                                         registry=r)
+        self.publish_bytes = Counter("fleetrl_trainer_weight_publish_bytes_total",
+                                     "Bytes written to the home store by publishes", registry=r)
+        self.last_publish_bytes = Gauge("fleetrl_trainer_weight_publish_last_bytes",
+                                        "Bytes written by the last publish", registry=r)
+        self.checkpoint_seconds = Histogram("fleetrl_trainer_checkpoint_seconds", "Time to write a checkpoint",
+                                            buckets=_STEP_BUCKETS, registry=r)
+        self.version = Gauge("fleetrl_trainer_policy_version", "Newest published policy version", registry=r)
+        self.steps = Counter("fleetrl_trainer_steps_total", "Optimizer steps", registry=r)
+
+    def serve(self, port: int) -> int:
+        """Serve /metrics on 127.0.0.1-and-all `port` (0 picks a free one); returns the port."""
+        server, _ = start_http_server(port, registry=self.registry)
+        return int(server.server_port)
