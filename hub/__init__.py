@@ -1,1 +1,42 @@
-"""fleetrl.hub (see DESIGN.md §2)."""
+"""The tensor hub (DESIGN.md §5): exact delta weights in object stores, signed manifests, replication.
+
+The trainer publishes each version of the policy (bf16 bit patterns) into the home store as a sparse
+delta from the previous one, with a dense anchor every K versions; one replicator per region copies
+each version into the region store from the cheapest store that holds it; rollout nodes
+materialize versions from their region store only.
+"""
+
+from fleetrl.hub.errors import (
+    CodecError,
+    HubError,
+    IntegrityError,
+    LeaseLost,
+    ObjectExists,
+    ObjectNotFound,
+    SignatureError,
+    StoreError,
+    VersionConflict,
+)
+from fleetrl.hub.hub import Hub
+from fleetrl.hub.manifest import Manifest, TensorEntry
+from fleetrl.hub.publisher import PublishedVersion
+from fleetrl.hub.stores import DirStore, ObjectStore, open_store
+
+__all__ = [
+    "CodecError",
+    "DirStore",
+    "Hub",
+    "HubError",
+    "IntegrityError",
+    "LeaseLost",
+    "Manifest",
+    "ObjectExists",
+    "ObjectNotFound",
+    "ObjectStore",
+    "PublishedVersion",
+    "SignatureError",
+    "StoreError",
+    "TensorEntry",
+    "VersionConflict",
+    "open_store",
+]

@@ -1,0 +1,69 @@
+"""Errors of the tensor hub.
+
+    HubError                      anything the hub refuses or cannot do; `retriable` says whether
+    ├── StoreError                    trying again later may succeed (a network blip, a missing
+    │   ├── ObjectNotFound            object a replicator has not copied yet)
+    │   └── ObjectExists          a conditional create lost: someone else wrote that key first
+    ├── VersionConflict           another publisher claimed version N first
+    ├── IntegrityError            bytes whose sha256 does not match the manifest, a frame that
+    │                             does not decode, a manifest that contradicts its key
+    ├── SignatureError            an unsigned or mis-signed manifest, or a missing key
+    ├── LeaseLost                 a replicator's lease was taken over
+    └── CodecError                a tensor the codec cannot encode (dtype, shape)
+
+Messages name the store and key, and the tensor where one is at fault, so that an operator knows
+which object to look at.
+"""
+
+from __future__ import annotations
+
+
+class HubError(Exception):
+    """Base of every hub error."""
+
+    retriable: bool = False
+
+    def __init__(self, message: str, *, retriable: bool | None = None) -> None:
+        super().__init__(message)
+        if retriable is not None:
+            self.retriable = retriable
+
+
+class StoreError(HubError):
+    """An object store operation failed (I/O, HTTP)."""
+
+    retriable = True
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist in the store (yet)."""
+
+    retriable = True
+
+
+class ObjectExists(StoreError):
+    """A conditional create found the key already there."""
+
+    retriable = False
+
+
+class VersionConflict(HubError):
+    """Another publisher created this version's manifest first."""
+
+
+class IntegrityError(HubError):
+    """Bytes that do not match what the manifest promises."""
+
+
+class SignatureError(IntegrityError):
+    """A manifest that is unsigned, signed with another key or scheme, or unverifiable."""
+
+
+class LeaseLost(HubError):
+    """The replicator lease is held by someone else."""
+
+    retriable = True
+
+
+class CodecError(HubError):
+    """A tensor the codec cannot handle."""

@@ -1,0 +1,197 @@
+"""`Hub`: the public face of the tensor hub for the trainer, the rollout engines and the CLI.
+
+    hub = Hub.from_config(config, store="eu-west-1")   # reads go to that store only
+    pv = hub.publish(state_dict)                          # trainer: always into the home store
+    sd = hub.materialize(pv.version, into=sd, have_version=pv.version - 1)
+
+One thread pool (`hub.threads`) serves hashing, compression, decoding and parallel GETs.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from fleetrl.hub import manifest as mf
+from fleetrl.hub.errors import HubError
+from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
+from fleetrl.hub.reader import Progress, Reader, empty_words
+from fleetrl.hub.retention import GcReport, collect
+from fleetrl.hub.signing import Keys, load_keys
+from fleetrl.hub.stores import ObjectStore, open_store
+from fleetrl.hub.tensors import from_words, to_words
+
+from fleetrl.config import FleetConfig
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+
+class Hub:
+    """Publish to the home store and read from one store (`home` or a region's)."""
+
+    def __init__(self, config: FleetConfig, store: str = "home",
+                 stores: Mapping[str, ObjectStore] | None = None) -> None:
+        configs = config.stores()
+        if store not in configs:
+            raise HubError(f"no store {store!r} in config; stores: {sorted(configs)}")
+        self.config, self.run, self.cfg = config, config.run, config.hub
+        self.pool = ThreadPoolExecutor(max_workers=self.cfg.threads, thread_name_prefix="fleetrl-hub")
+        given = dict(stores or {})
+        self.store = given.get(store) or open_store(store, configs[store], threads=self.cfg.threads)
+        self.home = self.store if store == "home" else (
+            given.get("home") or open_store("home", configs["home"], threads=self.cfg.threads))
+        self._keys: Keys | None = None
+        self._lock = threading.Lock()
+        self.reader = Reader(self.store, self.run, self.keys, self.pool, self.cfg.anchor_interval,
+                             self.cfg.frame_bytes)
+        self._publisher: Publisher | None = None
+
+    @classmethod
+    def from_config(cls, config: FleetConfig, store: str = "home") -> Hub:
+        return cls(config, store)
+
+    def keys(self) -> Keys:
+        """Signing/verification keys, loaded on first use (so `ls` works without a key)."""
+        with self._lock:
+            if self._keys is None:
+                self._keys = load_keys(self.cfg.signing)
+            return self._keys
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> Hub:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- publishing -------------------------------------------------------------------------
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> PublishedVersion:
+        """Publish the next version (tensors already in publish dtype, on CPU) into the home store."""
+        if self._publisher is None:
+            self._publisher = Publisher(self.home, self.run, self.cfg, self.keys, self.pool)
+        return self._publisher.publish(state_dict)
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        return read_latest(self.store, self.run)
+
+    def versions(self) -> list[int]:
+        """Every version whose manifest is in this store, ascending."""
+        prefix = f"{self.run}/versions/"
+        return sorted(int(i.key[len(prefix):].split(".")[0]) for i in self.store.scan(prefix)
+                      if i.key.endswith(".json"))
+
+    def manifest(self, version: int) -> mf.Manifest:
+        return self.reader.manifest(version)
+
+    def holders(self, version: int) -> list[str]:
+        prefix = mf.holders_prefix(self.run, version)
+        return [i.key[len(prefix):] for i in self.store.scan(prefix)]
+
+    def gc(self, *, dry_run: bool = False) -> GcReport:
+        """Delete from this hub's store what the retention window no longer needs."""
+        return collect(self.store, self.reader, self.run, self.cfg.retention_versions, self.cfg.gc_grace_s,
+                       dry_run=dry_run)
+
+    def wait_for_version(self, min_version: int, timeout_s: float) -> int:
+        """Poll `latest` until it reaches `min_version`; returns it, or raises a retriable HubError."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            latest = self.latest()
+            if latest is not None and latest >= min_version:
+                return latest
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HubError(f"{self.store.where(mf.latest_key(self.run))}: version {min_version} not "
+                               f"published within {timeout_s:.1f} s (latest {latest})", retriable=True)
+            time.sleep(min(self.cfg.poll_interval_s, left))
+
+    def materialize(self, version: int, into: dict[str, torch.Tensor] | None = None,
+                    have_version: int | None = None, progress: Progress | None = None
+                    ) -> dict[str, torch.Tensor]:
+        """The full state dict at `version`.
+
+        With `into` (holding `have_version`), tensors are updated in place, from the caller's state when
+        that is on the chain and cheaper, else from the nearest anchor. Everything is verified before
+        `into` is touched.
+        """
+        target = self.reader.manifest(version)
+        entries = {t.name: t for t in target.tensors}
+        usable = into is not None and _matches(into, entries)
+        steps, from_caller = self.reader.plan(version, have_version if usable else None)
+        work: dict[str, np.ndarray]
+        if from_caller:
+            assert into is not None
+            work = {n: to_words(into[n]).copy() for n in self.reader.touched(steps)}
+        else:
+            work = {n: empty_words(e) for n, e in entries.items()}
+        self.reader.apply(steps, work, progress)
+        self.reader.verify(version, work, set(work))
+        out = {n: from_words(w, entries[n].dtype, entries[n].shape) for n, w in work.items()
+               if entries[n].encoding != "tied"}
+        return _hand_out(out, entries, into)
+
+    def materialize_to_safetensors(self, version: int, path: str | os.PathLike[str],
+                                   progress: Progress | None = None) -> pathlib.Path:
+        """Write `version` as a safetensors file (tied tensors once, as Hugging Face saves them)."""
+        from safetensors.torch import save_file
+
+        state = self.materialize(version, progress=progress)
+        entries = self.reader.manifest(version).tensors
+        tensors = {t.name: state[t.name] for t in entries if t.encoding != "tied"}
+        meta = {"fleetrl.run": self.run, "fleetrl.version": str(version)}
+        out = pathlib.Path(path)
+        fd, tmp = tempfile.mkstemp(dir=out.parent or ".", prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return out
+
+
+def _matches(into: Mapping[str, Any], entries: Mapping[str, mf.TensorEntry]) -> bool:
+    """Whether `into` has every tensor of the manifest with the same dtype and shape."""
+    for name, e in entries.items():
+        t = into.get(name)
+        if t is None or str(t.dtype).removeprefix("torch.") != e.dtype or list(t.shape) != e.shape:
+            return False
+    return True
+
+
+def _hand_out(out: dict[str, Any], entries: Mapping[str, mf.TensorEntry],
+              into: dict[str, Any] | None) -> dict[str, Any]:
+    """Give the verified tensors to the caller: copied into `into` in place, or as a new dict."""
+    if into is None:
+        result = {n: out[n] for n in entries if n in out}
+        for n, e in entries.items():
+            if e.encoding == "tied" and e.tied_to is not None:
+                result[n] = result[e.tied_to]
+        return result
+    for n, t in out.items():
+        if n in into and list(into[n].shape) == list(t.shape) and into[n].dtype == t.dtype:
+            into[n].copy_(t)
+        else:
+            into[n] = t
+    for n, e in entries.items():
+        if e.encoding == "tied" and e.tied_to is not None and e.tied_to in out:
+            src = into[e.tied_to]
+            if n not in into or list(into[n].shape) != list(src.shape) or into[n].dtype != src.dtype:
+                into[n] = src
+            elif into[n].data_ptr() != src.data_ptr():
+                into[n].copy_(src)
+    return into

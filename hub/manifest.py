@@ -1,0 +1,136 @@
+"""Version manifests and the store layout (DESIGN.md §5).
+
+    <run>/objects/<sha256>            immutable objects: parts back to back (content-addressed)
+    <run>/versions/<N:012d>.json      signed manifest, created with a conditional write
+    <run>/latest                      pointer to the newest version (the only mutable object)
+    <run>/holders/<N:012d>/<store>    peer reference: that store holds every object of version N
+    <run>/lease/<name>/<gen:012d>     replicator lease records (see lease.py)
+
+A manifest lists each tensor under its Hugging Face name with dtype, shape, encoding, its parts
+(object, byte range, sha256 of the part, element range) and the sha256 of its bytes after apply.
+The file is `{"manifest": {...}, "signature": {...}}`; the signature covers the canonical JSON of
+`manifest` (sorted keys, no spaces), so any edit, or a manifest copied under another key, is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fleetrl.hub.errors import IntegrityError, SignatureError
+from fleetrl.hub.signing import Keys
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+FORMAT = "fleetrl.hub/1"
+
+
+def object_key(run: str, sha: str) -> str:
+    return f"{run}/objects/{sha}"
+
+
+def version_key(run: str, version: int) -> str:
+    return f"{run}/versions/{version:012d}.json"
+
+
+def latest_key(run: str) -> str:
+    return f"{run}/latest"
+
+
+def holder_key(run: str, version: int, store: str) -> str:
+    return f"{run}/holders/{version:012d}/{store}"
+
+
+def holders_prefix(run: str, version: int) -> str:
+    return f"{run}/holders/{version:012d}/"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PartRef(_Frozen):
+    """One part: bytes [offset, offset+length) of object `object`, covering elements [start, stop)."""
+
+    object: str
+    offset: int
+    length: int
+    sha256: str
+    """Of the part's bytes as stored: checked before decoding."""
+    start: int
+    stop: int
+
+
+class TensorEntry(_Frozen):
+    name: str
+    dtype: str
+    shape: list[int]
+    sha256: str
+    """Of the tensor's bytes (little-endian, row-major) after apply."""
+    encoding: Literal["anchor", "delta", "same", "tied"]
+    parts: list[PartRef] = []
+    tied_to: str | None = None
+    """For `tied`: the tensor whose bytes these are (tied embeddings are stored once)."""
+    delta: list[PartRef] | None = None
+    """Anchors only: the sparse change from the parent, so a reader one step behind skips the dense copy."""
+
+
+class Manifest(_Frozen):
+    format: Literal["fleetrl.hub/1"] = "fleetrl.hub/1"
+    run: str
+    version: int
+    parent: int | None
+    """Version the deltas apply to (None for the very first anchor)."""
+    anchor: int
+    """The anchor the chain of this version starts from (itself for an anchor)."""
+    published_at: float
+    objects: dict[str, int]
+    """Every object this version's parts live in, with its size."""
+    tensors: list[TensorEntry]
+
+    @property
+    def is_anchor(self) -> bool:
+        return self.anchor == self.version
+
+    def delta_objects(self) -> set[str]:
+        """Objects a reader at the parent version needs (for an anchor: its `delta` parts only)."""
+        out: set[str] = set()
+        for t in self.tensors:
+            refs = t.delta if self.is_anchor else t.parts
+            out.update(p.object for p in refs or [])
+        return out
+
+
+def _canonical(body: Any) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def dump_signed(manifest: Manifest, keys: Keys) -> bytes:
+    body = manifest.model_dump(mode="json")
+    signature = {"scheme": keys.scheme, "key_id": keys.key_id, "value": keys.sign(_canonical(body))}
+    return json.dumps({"manifest": body, "signature": signature}, sort_keys=True, indent=None).encode()
+
+
+def load_signed(data: bytes, keys: Keys, where: str, *, run: str, version: int) -> Manifest:
+    """Parse, verify the signature, and check the manifest is the one its key promises."""
+    try:
+        doc = json.loads(data)
+        body, signature = doc["manifest"], doc.get("signature")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise IntegrityError(f"{where}: not a manifest document ({exc})") from exc
+    if not isinstance(signature, dict) or not isinstance(signature.get("value"), str):
+        raise SignatureError(f"{where}: manifest is unsigned")
+    if signature.get("scheme") != keys.scheme:
+        raise SignatureError(f"{where}: signed with {signature.get('scheme')!r}, this reader expects {keys.scheme!r}")
+    if signature.get("key_id") != keys.key_id:
+        raise SignatureError(f"{where}: signed with key {signature.get('key_id')}, expected key {keys.key_id}")
+    keys.verify(_canonical(body), signature["value"], where)
+    try:
+        manifest = Manifest.model_validate(body)
+    except ValidationError as exc:
+        raise IntegrityError(f"{where}: signed but malformed manifest: {exc}") from exc
+    if manifest.run != run or manifest.version != version:
+        raise IntegrityError(
+            f"{where}: manifest of run {manifest.run!r} version {manifest.version} stored as "
+            f"run {run!r} version {version} (swapped manifest)"
+        )
+    return manifest

@@ -1,0 +1,91 @@
+"""One part: the encoding of a contiguous element range of one tensor, the unit of parallel decode.
+
+A tensor is cut into parts of at most `hub.frame_bytes` raw bytes. Each part is a self-describing
+byte string, stored back to back with others in one content-addressed object; the manifest gives
+its byte range (one ranged GET) and its sha256 (checked before a single byte is decoded).
+
+    magic "FHP1" | kind u8 (0 dense, 1 delta) | pos codec u8 | value codec u8 | rice k u8 |
+    n u32 (elements) | m u32 (changed) | streams u8 | position streams u8 |
+    per stream: zstd length u32, raw length u32 | the zstd frames
+
+Words are the tensor's bit patterns viewed as unsigned integers of its item size.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from fleetrl.hub import streams as st
+from fleetrl.hub.errors import CodecError
+
+MAGIC = b"FHP1"
+_HEAD = struct.Struct("<4sBBBBIIBB")
+_STREAM = struct.Struct("<II")
+DENSE, DELTA = 0, 1
+
+
+def _pack(kind: int, pos: int, val: int, k: int, n: int, m: int, n_pos: int,
+          frames: list[bytes], sizes: list[int]) -> bytes:
+    head = _HEAD.pack(MAGIC, kind, pos, val, k, n, m, len(frames), n_pos)
+    table = b"".join(_STREAM.pack(len(f), s) for f, s in zip(frames, sizes, strict=True))
+    return head + table + b"".join(frames)
+
+
+def encode_dense_part(words: np.ndarray, level: int) -> bytes:
+    frames, sizes = st.encode_dense(words, level)
+    return _pack(DENSE, 0, 0, 0, words.size, words.size, 0, frames, sizes)
+
+
+def encode_delta_part(old: np.ndarray, new: np.ndarray, level: int) -> bytes | None:
+    """The sparse change from `old` to `new` (same shape and word dtype); None when nothing changed."""
+    pos = np.flatnonzero(old != new)
+    if pos.size == 0:
+        return None
+    pcodec, k, pframes, psizes = st.encode_positions(pos, old.size, level)
+    vcodec, vframes, vsizes = st.encode_values(old[pos], new[pos], level)
+    return _pack(DELTA, pcodec, vcodec, k, old.size, pos.size, len(pframes),
+                 pframes + vframes, psizes + vsizes)
+
+
+def _unpack(payload: bytes | memoryview) -> tuple[tuple[int, ...], list[np.ndarray]]:
+    view = memoryview(payload)
+    if len(view) < _HEAD.size:
+        raise CodecError(f"part of {len(view)} bytes is shorter than its header")
+    magic, kind, pos, val, k, n, m, n_streams, n_pos = _HEAD.unpack_from(view)
+    if magic != MAGIC:
+        raise CodecError(f"part starts with {bytes(magic)!r}, not {MAGIC!r}")
+    offset = _HEAD.size + n_streams * _STREAM.size
+    if len(view) < offset:
+        raise CodecError("part is shorter than its stream table")
+    streams = []
+    for i in range(n_streams):
+        zlen, raw = _STREAM.unpack_from(view, _HEAD.size + i * _STREAM.size)
+        if offset + zlen > len(view):
+            raise CodecError(f"stream {i} runs past the end of the part (truncated frame)")
+        streams.append(np.frombuffer(st.decompress(view[offset : offset + zlen], raw), dtype=np.uint8))
+        offset += zlen
+    if offset != len(view):
+        raise CodecError(f"{len(view) - offset} stray bytes after the last stream")
+    return (kind, pos, val, k, n, m, n_pos), streams
+
+
+def apply_part(payload: bytes | memoryview, target: np.ndarray) -> int:
+    """Apply a part to `target` (the part's element range, unsigned words) in place; returns m.
+
+    Everything is decoded and checked before `target` is written, so a bad part leaves it as it was.
+    """
+    (kind, pos_codec, val_codec, k, n, m, n_pos), streams = _unpack(payload)
+    if n != target.size:
+        raise CodecError(f"part covers {n} elements, its range holds {target.size}")
+    if kind == DENSE:
+        words = st.decode_dense(streams, target.dtype)
+        if words.size != n:
+            raise CodecError(f"dense part holds {words.size} words, expected {n}")
+        target[...] = words
+        return n
+    if kind != DELTA:
+        raise CodecError(f"unknown part kind {kind}")
+    pos = st.decode_positions(pos_codec, k, n, m, streams[:n_pos])
+    target[pos] = st.decode_values(val_codec, target[pos], streams[n_pos:])
+    return m

@@ -1,0 +1,233 @@
+"""Publisher: turns a state dict into a new version in the home store (trainer side of DESIGN.md §5).
+
+It keeps the bit patterns of the version it published last, so each call encodes only what changed:
+a `delta` part per frame-sized range that has changes, `same` for unchanged tensors, and a dense
+`anchor` every K versions (plus, on an anchor, the delta from the parent, so readers one step behind
+never download the dense copy). Parts are encoded in parallel threads and packed into
+content-addressed objects; the manifest is created with a conditional write, so of two publishers
+of version N exactly one wins and the other gets `VersionConflict`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fleetrl.hub import manifest as mf
+from fleetrl.hub.errors import ObjectExists, VersionConflict
+from fleetrl.hub.parts import encode_delta_part, encode_dense_part
+from fleetrl.hub.signing import Keys
+from fleetrl.hub.stores import ObjectStore
+from fleetrl.hub.tensors import dtype_name, sha256_words, to_words
+
+from fleetrl.config import HubConfig
+from fleetrl.log import get_logger
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger(__name__)
+OBJECT_FRAMES = 64
+"""Parts are packed into objects of at most this many frames (256 MiB at the default frame size)."""
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    version: int
+    manifest_key: str
+    anchor: int
+    sha256: str
+    """Of the manifest file's bytes."""
+    published_at: float
+    bytes_written: int
+    """Bytes of new objects plus the manifest."""
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: str
+    shape: list[int]
+    words: np.ndarray
+    sha256: str
+    tied_to: str | None = None
+
+
+def read_latest(store: ObjectStore, run: str) -> int | None:
+    from fleetrl.hub.errors import IntegrityError, ObjectNotFound
+
+    try:
+        data = store.get(mf.latest_key(run))
+    except ObjectNotFound:
+        return None
+    try:
+        return int(json.loads(data)["version"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"{store.where(mf.latest_key(run))}: not a latest pointer") from exc
+
+
+class _ObjectPacker:
+    """Packs part payloads back to back into objects of at most `limit` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.done, self.buf, self.size = limit, [], [], 0  # type: ignore[var-annotated]
+        self.pending: list[tuple[int, int, int, str]] = []  # (object idx, offset, length, sha)
+
+    def add(self, payload: bytes) -> tuple[int, int, int, str]:
+        if self.size and self.size + len(payload) > self.limit:
+            self._close()
+        ref = (len(self.done), self.size, len(payload), hashlib.sha256(payload).hexdigest())
+        self.buf.append(payload)
+        self.size += len(payload)
+        return ref
+
+    def _close(self) -> None:
+        self.done.append(b"".join(self.buf))
+        self.buf, self.size = [], 0
+
+    def finish(self) -> list[bytes]:
+        if self.buf:
+            self._close()
+        return list(self.done)
+
+
+class Publisher:
+    """Publishes versions of one run into `store` (the home store)."""
+
+    def __init__(self, store: ObjectStore, run: str, cfg: HubConfig, keys: Callable[[], Keys], pool: Executor):
+        self.store, self.run, self.cfg, self._keys, self.pool = store, run, cfg, keys, pool
+        self._prev: dict[str, _Tensor] | None = None
+        self._prev_version: int | None = None
+        self._prev_anchor = 0
+
+    def _snapshot(self, state: Mapping[str, torch.Tensor]) -> dict[str, _Tensor]:
+        """Bit patterns and hashes of every tensor; tied tensors (same storage or same bytes) once."""
+        names = list(state)
+        words = [np.array(to_words(state[n]), copy=True) for n in names]  # the trainer keeps mutating
+        shas = list(self.pool.map(sha256_words, words))
+        out: dict[str, _Tensor] = {}
+        seen: dict[tuple[str, str, tuple[int, ...]], str] = {}
+        for name, w, sha in zip(names, words, shas, strict=True):
+            t = state[name]
+            key = (dtype_name(t), sha, tuple(t.shape))
+            out[name] = _Tensor(name, key[0], list(t.shape), w, sha, tied_to=seen.get(key))
+            seen.setdefault(key, name)
+        return out
+
+    def _chunks(self, t: _Tensor) -> list[tuple[int, int]]:
+        step = max(1, self.cfg.frame_bytes // t.words.dtype.itemsize)
+        return [(s, min(s + step, t.words.size)) for s in range(0, max(t.words.size, 1), step)]
+
+    def _compatible(self, cur: dict[str, _Tensor]) -> bool:
+        prev = self._prev
+        return prev is not None and prev.keys() == cur.keys() and all(
+            (prev[n].dtype, prev[n].shape) == (t.dtype, t.shape) for n, t in cur.items()
+        )  # ties may come and go (equal norm weights diverge): readers copy tied tensors after each step
+
+    def publish(self, state: Mapping[str, torch.Tensor]) -> PublishedVersion:
+        cur = self._snapshot(state)
+        latest = read_latest(self.store, self.run)
+        version = 0 if latest is None else latest + 1
+        can_delta = self._compatible(cur) and self._prev_version == latest
+        anchor = not can_delta or version - self._prev_anchor >= self.cfg.anchor_interval
+        entries, objects = self._encode(cur, anchor=anchor, with_delta=can_delta)
+        written = self._upload(objects)
+        manifest = mf.Manifest(
+            run=self.run, version=version, parent=latest, anchor=version if anchor else self._prev_anchor,
+            published_at=time.time(), objects={mf_sha: len(o) for mf_sha, o in objects.items()}, tensors=entries,
+        )
+        data = mf.dump_signed(manifest, self._keys())
+        key = mf.version_key(self.run, version)
+        try:
+            self.store.create(key, data)
+        except ObjectExists as exc:
+            self._prev, self._prev_version = None, None  # someone else's version N: ours is not the parent
+            raise VersionConflict(f"version {version} already published at {self.store.where(key)}") from exc
+        sha = hashlib.sha256(data).hexdigest()
+        pointer = {"version": version, "manifest": key, "anchor": manifest.anchor,
+                   "sha256": sha, "published_at": manifest.published_at}
+        self.store.put(mf.holder_key(self.run, version, self.store.name), b"")
+        self.store.put(mf.latest_key(self.run), json.dumps(pointer).encode())
+        self._prev, self._prev_version, self._prev_anchor = cur, version, manifest.anchor
+        log.info("hub.published", version=version, anchor=manifest.anchor, bytes=written + len(data),
+                 tensors=len(entries), store=self.store.name)
+        return PublishedVersion(version, key, manifest.anchor, sha, manifest.published_at,
+                                written + len(data))
+
+    def _encode(self, cur: dict[str, _Tensor], *, anchor: bool, with_delta: bool
+                ) -> tuple[list[mf.TensorEntry], dict[str, bytes]]:
+        """Encode every tensor's parts in parallel; returns entries and objects by sha256."""
+        level, prev = self.cfg.zstd_level, self._prev
+        jobs: list[tuple[str, str, int, int]] = []  # (tensor, kind, start, stop)
+        for t in cur.values():
+            if t.tied_to is not None:
+                continue
+            changed = with_delta and prev is not None and prev[t.name].sha256 != t.sha256
+            for start, stop in self._chunks(t):
+                if anchor:
+                    jobs.append((t.name, "dense", start, stop))
+                if changed:
+                    jobs.append((t.name, "delta", start, stop))
+
+        def run(job: tuple[str, str, int, int]) -> bytes | None:
+            name, kind, start, stop = job
+            new = cur[name].words[start:stop]
+            if kind == "dense":
+                return encode_dense_part(new, level)
+            assert prev is not None
+            return encode_delta_part(prev[name].words[start:stop], new, level)
+
+        payloads = list(self.pool.map(run, jobs))
+        # Dense and delta parts go to separate objects: a reader one step behind an anchor fetches
+        # the small delta object whole and never touches the dense one.
+        packers = {kind: _ObjectPacker(OBJECT_FRAMES * self.cfg.frame_bytes) for kind in ("dense", "delta")}
+        refs: dict[tuple[str, str], list[tuple[tuple[int, int, int, str], int, int]]] = {}
+        for (name, kind, start, stop), payload in zip(jobs, payloads, strict=True):
+            refs.setdefault((name, kind), [])
+            if payload is not None:
+                idx, off, n, sha = packers[kind].add(payload)
+                refs[(name, kind)].append(((idx if kind == "dense" else -1 - idx, off, n, sha), start, stop))
+        dense, delta = packers["dense"].finish(), packers["delta"].finish()
+        blobs = dense + delta
+        shas = [hashlib.sha256(b).hexdigest() for b in blobs]
+        shas_at = {i: shas[i] for i in range(len(dense))} | {-1 - i: shas[len(dense) + i] for i in range(len(delta))}
+
+        def part_refs(name: str, kind: str) -> list[mf.PartRef]:
+            return [mf.PartRef(object=shas_at[i], offset=off, length=n, sha256=sha, start=s, stop=e)
+                    for (i, off, n, sha), s, e in refs.get((name, kind), [])]
+
+        entries = []
+        for t in cur.values():
+            base: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": t.shape, "sha256": t.sha256}
+            if t.tied_to is not None:
+                entries.append(mf.TensorEntry(**base, encoding="tied", tied_to=t.tied_to))
+            elif anchor:
+                entries.append(mf.TensorEntry(**base, encoding="anchor", parts=part_refs(t.name, "dense"),
+                                              delta=part_refs(t.name, "delta") if with_delta else None))
+            elif refs.get((t.name, "delta")):
+                entries.append(mf.TensorEntry(**base, encoding="delta", parts=part_refs(t.name, "delta")))
+            else:
+                entries.append(mf.TensorEntry(**base, encoding="same"))
+        return entries, dict(zip(shas, blobs, strict=True))
+
+    def _upload(self, objects: dict[str, bytes]) -> int:
+        """Create each object unless the store has it already (content-addressed); returns bytes sent."""
+
+        def put(item: tuple[str, bytes]) -> int:
+            sha, blob = item
+            key = mf.object_key(self.run, sha)
+            if self.store.exists(key):
+                return 0
+            try:
+                self.store.create(key, blob)
+            except ObjectExists:
+                return 0  # another writer uploaded the same content
+            return len(blob)
+
+        return sum(self.pool.map(put, objects.items()))

@@ -1,0 +1,201 @@
+"""Reader: materializes a version from one store (rollout side of DESIGN.md §5).
+
+A reader that holds version h and wants N applies the deltas h+1..N when that is on the chain and
+cheaper in bytes than starting over; otherwise it starts from N's anchor. Parts are fetched with as
+few GETs as possible (one ranged GET per run of neighbouring parts, the whole object when most of it
+is needed), every part's sha256 is checked before it is decoded, parts are decoded and applied in
+parallel threads into private copies, and every tensor's sha256 is checked after apply. Only then
+does anything reach the caller, so an error never leaves a half-applied state dict behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+from fleetrl.hub import manifest as mf
+from fleetrl.hub.errors import CodecError, HubError, IntegrityError
+from fleetrl.hub.parts import apply_part
+from fleetrl.hub.signing import Keys
+from fleetrl.hub.stores import ObjectStore
+from fleetrl.hub.tensors import sha256_words, word_dtype
+
+MERGE_GAP = 1 << 20
+"""Neighbouring parts closer than this are fetched in one ranged GET..."""
+RANGE_FRAMES = 4
+"""...of at most this many frames, so a large object downloads in parallel ranged GETs."""
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Apply these parts of `version`: its dense anchor, or its delta from the previous version."""
+
+    version: int
+    dense: bool
+
+
+class Reader:
+    def __init__(self, store: ObjectStore, run: str, keys: Callable[[], Keys], pool: Executor,
+                 anchor_interval: int, frame_bytes: int) -> None:
+        self.store, self.run, self._keys, self.pool = store, run, keys, pool
+        self.range_bytes = RANGE_FRAMES * frame_bytes
+        self.anchor_interval = anchor_interval
+        self._manifests: dict[int, mf.Manifest] = {}
+
+    def manifest(self, version: int) -> mf.Manifest:
+        """The verified manifest of `version` (cached: manifests are immutable)."""
+        cached = self._manifests.get(version)
+        if cached is None:
+            key = mf.version_key(self.run, version)
+            data = self.store.get(key)
+            cached = mf.load_signed(data, self._keys(), self.store.where(key), run=self.run, version=version)
+            if len(self._manifests) > 256:
+                self._manifests.clear()
+            self._manifests[version] = cached
+        return cached
+
+    # --- planning ---------------------------------------------------------------------------
+
+    def _refs(self, step: Step) -> list[tuple[str, mf.PartRef]]:
+        """(tensor, part) pairs a step applies: an anchor's dense parts, or a version's delta parts."""
+        m = self.manifest(step.version)
+        out: list[tuple[str, mf.PartRef]] = []
+        for t in m.tensors:
+            if step.dense:
+                refs = t.parts if t.encoding == "anchor" else []
+            elif m.is_anchor:
+                refs = t.delta or []
+            else:
+                refs = t.parts if t.encoding == "delta" else []
+            out.extend((t.name, r) for r in refs)
+        return out
+
+    def touched(self, steps: list[Step]) -> set[str]:
+        """Names a chain of steps writes: tensors with parts, and tensors tied to another on the way."""
+        names = {name for step in steps for name, _ in self._refs(step)}
+        for step in steps:
+            names.update(t.name for t in self.manifest(step.version).tensors if t.encoding == "tied")
+        return names
+
+    def _delta_chain(self, have: int, version: int) -> list[Step] | None:
+        """Deltas have+1..version, or None when some version lacks one (e.g. the very first anchor)."""
+        if not 0 <= version - have <= self.anchor_interval:
+            return None
+        steps = []
+        for v in range(have + 1, version + 1):
+            m = self.manifest(v)
+            if m.parent != v - 1 or (m.is_anchor and any(
+                    t.delta is None for t in m.tensors if t.encoding == "anchor")):
+                return None
+            steps.append(Step(v, dense=False))
+        return steps
+
+    def plan(self, version: int, have: int | None) -> tuple[list[Step], bool]:
+        """Steps to reach `version`, and whether they start from the caller's state (True) or zeros."""
+        target = self.manifest(version)
+        from_anchor = [Step(target.anchor, dense=True)] + [
+            Step(v, dense=False) for v in range(target.anchor + 1, version + 1)]
+        chain = self._delta_chain(have, version) if have is not None else None
+        if chain is not None and self._cost(chain) <= self._cost(from_anchor):
+            return chain, True
+        return from_anchor, False
+
+    def _cost(self, steps: list[Step]) -> int:
+        return sum(r.length for s in steps for _, r in self._refs(s))
+
+    # --- fetching ---------------------------------------------------------------------------
+
+    def fetch(self, version: int, refs: list[tuple[str, mf.PartRef]], progress: Progress | None = None
+              ) -> dict[tuple[str, int], bytes]:
+        """Payloads of `refs` keyed by (object, offset), each checked against its sha256."""
+        by_object: dict[str, list[mf.PartRef]] = {}
+        for _, r in refs:
+            by_object.setdefault(r.object, []).append(r)
+        sizes = self.manifest(version).objects
+        jobs: list[tuple[str, int, int, list[mf.PartRef]]] = []
+        for obj, parts in by_object.items():
+            jobs.extend((obj, lo, hi, group) for lo, hi, group in _ranges(parts, self.range_bytes))
+        owner = {(r.object, r.offset): name for name, r in refs}
+
+        def get(job: tuple[str, int, int, list[mf.PartRef]]) -> list[tuple[tuple[str, int], bytes]]:
+            obj, lo, hi, group = job
+            key = mf.object_key(self.run, obj)
+            whole = lo == 0 and hi == sizes.get(obj)
+            data = self.store.get(key) if whole else self.store.get(key, lo, hi)
+            if whole and hashlib.sha256(data).hexdigest() != obj:
+                raise IntegrityError(f"{self.store.where(key)}: object bytes do not match their sha256 "
+                                     f"(tensor {owner[(obj, group[0].offset)]})")
+            if progress is not None:
+                progress(len(data))
+            out = []
+            for r in group:
+                payload = data[r.offset - lo : r.offset - lo + r.length]
+                if len(payload) != r.length or hashlib.sha256(payload).hexdigest() != r.sha256:
+                    raise IntegrityError(
+                        f"{self.store.where(key)} bytes {r.offset}+{r.length}: part of tensor "
+                        f"{owner[(obj, r.offset)]} does not match its sha256")
+                out.append(((obj, r.offset), payload))
+            return out
+
+        return {k: v for chunk in self.pool.map(get, jobs) for k, v in chunk}
+
+    # --- applying ---------------------------------------------------------------------------
+
+    def apply(self, steps: list[Step], work: dict[str, np.ndarray], progress: Progress | None = None) -> None:
+        """Apply the steps in order to the word arrays in `work` (private copies, mutated in place)."""
+        for step in steps:
+            refs = self._refs(step)
+            payloads = self.fetch(step.version, refs, progress)
+            list(self.pool.map(functools.partial(self._apply_one, step.version, payloads, work), refs))
+            for t in self.manifest(step.version).tensors:
+                if t.encoding == "tied" and t.name in work and t.tied_to in work:
+                    work[t.name][...] = work[t.tied_to]
+
+    def _apply_one(self, version: int, payloads: dict[tuple[str, int], bytes], work: dict[str, np.ndarray],
+                   item: tuple[str, mf.PartRef]) -> None:
+        name, r = item
+        target = work[name]
+        if not 0 <= r.start <= r.stop <= target.size:
+            raise IntegrityError(f"version {version} tensor {name}: part range {r.start}:{r.stop} "
+                                 f"outside its {target.size} elements")
+        try:
+            apply_part(payloads[(r.object, r.offset)], target[r.start : r.stop])
+        except CodecError as exc:
+            key = self.store.where(mf.object_key(self.run, r.object))
+            raise IntegrityError(f"{key} bytes {r.offset}+{r.length}: tensor {name} of version "
+                                 f"{version}: {exc}") from exc
+
+    def verify(self, version: int, work: dict[str, np.ndarray], names: set[str]) -> None:
+        """Check the sha256 of each tensor in `names` against the manifest of `version`."""
+        entries = {t.name: t for t in self.manifest(version).tensors}
+        todo = sorted(names)
+        digests = self.pool.map(lambda n: sha256_words(work[n]), todo)
+        for name, digest in zip(todo, digests, strict=True):
+            if digest != entries[name].sha256:
+                raise IntegrityError(f"{self.store.where(mf.version_key(self.run, version))}: tensor {name} "
+                                     f"has sha256 {digest[:16]}… after apply, manifest says "
+                                     f"{entries[name].sha256[:16]}…")
+
+
+def _ranges(parts: list[mf.PartRef], limit: int) -> list[tuple[int, int, list[mf.PartRef]]]:
+    """Group the parts of one object into ranged GETs of neighbouring parts, each up to `limit` bytes."""
+    groups: list[tuple[int, int, list[mf.PartRef]]] = []
+    for r in sorted(parts, key=lambda r: r.offset):
+        if groups and r.offset - groups[-1][1] <= MERGE_GAP and r.offset + r.length - groups[-1][0] <= limit:
+            lo, hi, members = groups[-1]
+            groups[-1] = (lo, max(hi, r.offset + r.length), [*members, r])
+        else:
+            groups.append((r.offset, r.offset + r.length, [r]))
+    return groups
+
+
+def empty_words(entry: mf.TensorEntry) -> np.ndarray:
+    count = int(np.prod(entry.shape)) if entry.shape else 1
+    if count < 0:
+        raise HubError(f"tensor {entry.name} has a negative shape {entry.shape}")
+    return np.zeros(count, dtype=word_dtype(entry.dtype))

@@ -1,0 +1,64 @@
+"""Retention: delete versions older than the window, and objects no retained version needs.
+
+The window is the newest `hub.retention_versions` versions; every version back to the oldest anchor
+any of them starts from is kept too, so each retained version stays materializable. Manifests go
+first (oldest first), then holder markers, then objects: a reader never finds a manifest whose
+objects are gone. Objects younger than `hub.gc_grace_s` stay even when unreferenced, because a
+publisher may be uploading them before it creates its manifest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fleetrl.hub import manifest as mf
+from fleetrl.hub.publisher import read_latest
+from fleetrl.hub.reader import Reader
+from fleetrl.hub.stores import ObjectStore
+
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class GcReport:
+    kept_versions: list[int] = field(default_factory=list)
+    deleted_versions: list[int] = field(default_factory=list)
+    deleted_objects: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+
+
+def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_s: float,
+            *, dry_run: bool = False) -> GcReport:
+    """Apply the retention window to `store`; with `dry_run`, only report what would go."""
+    prefix = f"{run}/versions/"
+    versions = sorted(int(i.key[len(prefix):].split(".")[0]) for i in store.scan(prefix) if i.key.endswith(".json"))
+    report = GcReport()
+    if not versions:
+        return report
+    latest = read_latest(store, run)
+    newest = max(versions[-1], latest if latest is not None else -1)
+    window = [v for v in versions if v > newest - retention]
+    floor = min([reader.manifest(v).anchor for v in window] + [newest])
+    report.kept_versions = [v for v in versions if v >= floor]
+    report.deleted_versions = [v for v in versions if v < floor]
+    needed = {obj for v in report.kept_versions for obj in reader.manifest(v).objects}
+    now = time.time()
+    doomed = [i for i in store.scan(f"{run}/objects/")
+              if i.key.rsplit("/", 1)[-1] not in needed and now - i.modified >= grace_s]
+    report.deleted_objects = [i.key for i in doomed]
+    report.freed_bytes = sum(i.size for i in doomed)
+    if dry_run:
+        return report
+    for v in report.deleted_versions:
+        store.delete(mf.version_key(run, v))
+    for v in report.deleted_versions:
+        for info in store.scan(mf.holders_prefix(run, v)):
+            store.delete(info.key)
+    for info in doomed:
+        store.delete(info.key)
+    log.info("hub.gc", store=store.name, deleted_versions=len(report.deleted_versions),
+             deleted_objects=len(doomed), freed_bytes=report.freed_bytes)
+    return report

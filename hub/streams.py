@@ -1,0 +1,243 @@
+"""Entropy streams of the delta codec: zstd frames, changed positions and stored values.
+
+A delta part (see `parts.py`) is a handful of byte streams, each its own zstd frame so that zstd's
+Huffman stage sees one distribution at a time. Positions of changed elements are gap-coded in one of
+three ways, whichever is smallest for the part: gap bytes (gaps < 255 in one byte, larger ones in a
+side stream; near the entropy bound for 1/200 < p < 1/2), Rice (k raw low bits plus a small
+quotient; for very sparse changes), or a bitmap (dense changes). Values are bit patterns taken as
+unsigned integers, stored raw, XOR-ed with the old pattern, or as the zigzag of the wrapping integer
+difference of the patterns (at RL learning rates almost every change is ±1 ulp, one bit of entropy).
+Everything is integer arithmetic on bit patterns: decode(encode(old, new)) == new bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import IntEnum
+
+import numpy as np
+import zstandard
+from fleetrl.hub.errors import CodecError
+
+_local = threading.local()
+ESCAPE = 255
+
+
+class PosCodec(IntEnum):
+    GAP8 = 1
+    RICE = 2
+    BITMAP = 3
+
+
+class ValCodec(IntEnum):
+    RAW = 1
+    XOR = 2
+    SUB = 3
+    SUB_PACKED = 4
+    """SUB with at most 16 distinct differences: a table plus 1, 2 or 4-bit indices (zstd's Huffman
+    stage spends 1.5 bits on a two-symbol byte stream; packed, ±1 ulp costs one bit)."""
+
+
+def compress(data: bytes | memoryview | np.ndarray, level: int) -> bytes:
+    """One zstd frame (content size written, no checksum: parts carry a sha256 of their own)."""
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        params = zstandard.ZstdCompressionParameters.from_level(level, write_checksum=0, write_content_size=1)
+        cctx = cache[level] = zstandard.ZstdCompressor(compression_params=params)
+    return cctx.compress(data.tobytes() if isinstance(data, np.ndarray) else bytes(data))
+
+
+def decompress(frame: bytes | memoryview, expected: int) -> bytes:
+    """Decode one frame that must hold exactly `expected` bytes."""
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    try:
+        out = dctx.decompress(frame, max_output_size=max(expected, 1))
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd frame does not decode: {exc}") from exc
+    if len(out) != expected:
+        raise CodecError(f"zstd frame holds {len(out)} bytes, expected {expected}")
+    return out
+
+
+# --- positions --------------------------------------------------------------------------------
+
+
+def _escape_bytes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Values < 255 as bytes; larger ones become 255 in the byte stream and go to a uint32 side stream."""
+    small = values < ESCAPE
+    return np.where(small, values, ESCAPE).astype(np.uint8), values[~small].astype("<u4")
+
+
+def _unescape(stream: np.ndarray, big: np.ndarray) -> np.ndarray:
+    out = stream.astype(np.int64)
+    marks = out == ESCAPE
+    if int(marks.sum()) != big.size:
+        raise CodecError(f"{int(marks.sum())} escapes but {big.size} large values")
+    out[marks] = big
+    return out
+
+
+def encode_positions(pos: np.ndarray, n: int, level: int) -> tuple[IntEnum, int, list[bytes], list[int]]:
+    """Smallest coding of the sorted changed positions `pos` in [0, n).
+
+    Returns (codec, rice k, zstd streams, raw lengths of the streams).
+    """
+    m = pos.size
+    gaps = np.diff(pos, prepend=-1) - 1
+    candidates: list[tuple[IntEnum, int, list[np.ndarray]]] = [(PosCodec.GAP8, 0, list(_escape_bytes(gaps)))]
+    if m * 64 < n:
+        k = max(1, int(np.log2(n / m)) - 1)
+        quotient, big = _escape_bytes(gaps >> k)
+        low = np.packbits(((gaps[:, None] >> np.arange(k)) & 1).astype(np.uint8), bitorder="little")
+        candidates.append((PosCodec.RICE, k, [low, quotient, big]))
+    if m * 6 > n:
+        mask = np.zeros(n, dtype=np.uint8)
+        mask[pos] = 1
+        candidates.append((PosCodec.BITMAP, 0, [np.packbits(mask, bitorder="little")]))
+    return _smallest(candidates, level)
+
+
+def decode_positions(codec: int, k: int, n: int, m: int, streams: list[np.ndarray]) -> np.ndarray:
+    """Inverse of `encode_positions`; checks that the positions are increasing and inside [0, n)."""
+    if codec == PosCodec.GAP8:
+        gaps = _unescape(streams[0], streams[1].view("<u4"))
+    elif codec == PosCodec.RICE:
+        bits = np.unpackbits(streams[0], bitorder="little", count=m * k).reshape(m, k).astype(np.int64)
+        gaps = (_unescape(streams[1], streams[2].view("<u4")) << k) | (bits << np.arange(k)).sum(axis=1)
+    elif codec == PosCodec.BITMAP:
+        pos = np.flatnonzero(np.unpackbits(streams[0], bitorder="little", count=n))
+        if pos.size != m:
+            raise CodecError(f"bitmap marks {pos.size} positions, header says {m}")
+        return pos
+    else:
+        raise CodecError(f"unknown position codec {codec}")
+    if gaps.size != m:
+        raise CodecError(f"{gaps.size} gaps, header says {m}")
+    pos = np.cumsum(gaps + 1) - 1
+    if m and (int(pos[-1]) >= n or int(gaps.min()) < 0):
+        raise CodecError(f"positions run past the part's {n} elements")
+    return pos
+
+
+# --- values -----------------------------------------------------------------------------------
+
+
+def _planes(words: np.ndarray) -> list[np.ndarray]:
+    """Byte planes of little-endian words: the high planes (sign, exponent) compress on their own."""
+    width = words.dtype.itemsize
+    as_bytes = words.astype(words.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, width)
+    return [np.ascontiguousarray(as_bytes[:, i]) for i in range(width)]
+
+
+def _unplanes(planes: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    if len(planes) != dtype.itemsize or len({p.size for p in planes}) != 1:
+        raise CodecError(f"{len(planes)} byte planes of unequal or wrong count for {dtype.itemsize}-byte words")
+    stacked = np.stack(planes, axis=1) if planes[0].size else np.zeros((0, len(planes)), np.uint8)
+    return np.ascontiguousarray(stacked).view(dtype.newbyteorder("<")).reshape(-1).astype(dtype, copy=False)
+
+
+def _signed(dtype: np.dtype) -> np.dtype:
+    return np.dtype(f"i{dtype.itemsize}")
+
+
+def _zigzag(diff: np.ndarray) -> np.ndarray:
+    signed = diff.view(_signed(diff.dtype))
+    shift = 8 * diff.dtype.itemsize - 1
+    return ((signed << 1) ^ (signed >> shift)).view(diff.dtype)
+
+
+def _unzigzag(zz: np.ndarray) -> np.ndarray:
+    sign = (zz & 1).view(_signed(zz.dtype))
+    return (zz >> 1) ^ (-sign).view(zz.dtype)
+
+
+def _index_bits(symbols: int) -> int:
+    return 1 if symbols <= 2 else 2 if symbols <= 4 else 4
+
+
+def _pack_small(values: np.ndarray) -> list[np.ndarray] | None:
+    """Table of distinct values and their indices packed 8/b to a byte; None past 16 distinct values."""
+    table, index = np.unique(values, return_inverse=True)
+    if table.size > 16:
+        return None
+    bits = _index_bits(table.size)
+    per_byte = 8 // bits
+    padded = np.zeros(-(-index.size // per_byte) * per_byte, dtype=np.uint8)
+    padded[: index.size] = index
+    shifts = (np.arange(per_byte) * bits).astype(np.uint8)
+    packed = np.bitwise_or.reduce(padded.reshape(-1, per_byte) << shifts, axis=1).astype(np.uint8)
+    return [table.astype(table.dtype.newbyteorder("<")).view(np.uint8), packed]
+
+
+def _unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int) -> np.ndarray:
+    if len(streams) != 2 or streams[0].size % dtype.itemsize:
+        raise CodecError("packed values need a table and an index stream")
+    table = streams[0].view(dtype.newbyteorder("<")).astype(dtype)
+    bits = _index_bits(table.size)
+    per_byte = 8 // bits
+    if streams[1].size * per_byte < m or (table.size == 0 and m):
+        raise CodecError(f"packed index stream too short for {m} values")
+    shifts = (np.arange(per_byte) * bits).astype(np.uint8)
+    index = ((streams[1][:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:m]
+    if m and int(index.max()) >= table.size:
+        raise CodecError(f"packed index past the end of a {table.size}-entry table")
+    out: np.ndarray = table[index]
+    return out
+
+
+def encode_values(old: np.ndarray, new: np.ndarray, level: int) -> tuple[IntEnum, list[bytes], list[int]]:
+    """Smallest of raw, XOR and zigzag-difference coding of the changed words (`old`/`new` at positions)."""
+    diff = _zigzag(new - old)
+    candidates: list[tuple[IntEnum, int, list[np.ndarray]]] = [
+        (ValCodec.RAW, 0, _planes(new)),
+        (ValCodec.XOR, 0, _planes(old ^ new)),
+        (ValCodec.SUB, 0, _planes(diff)),
+    ]
+    packed = _pack_small(diff)
+    if packed is not None:
+        candidates.append((ValCodec.SUB_PACKED, 0, packed))
+    codec, _, frames, sizes = _smallest(candidates, level)
+    return codec, frames, sizes
+
+
+def decode_values(codec: int, old: np.ndarray, streams: list[np.ndarray]) -> np.ndarray:
+    if codec == ValCodec.SUB_PACKED:
+        return old + _unzigzag(_unpack_small(streams, old.dtype, old.size))
+    words = _unplanes(streams, old.dtype)
+    if words.size != old.size:
+        raise CodecError(f"{words.size} values for {old.size} positions")
+    if codec == ValCodec.RAW:
+        return words
+    if codec == ValCodec.XOR:
+        return old ^ words
+    if codec == ValCodec.SUB:
+        return old + _unzigzag(words)
+    raise CodecError(f"unknown value codec {codec}")
+
+
+def encode_dense(words: np.ndarray, level: int) -> tuple[list[bytes], list[int]]:
+    planes = _planes(words)
+    return [compress(p, level) for p in planes], [p.size for p in planes]
+
+
+def decode_dense(streams: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    return _unplanes(streams, dtype)
+
+
+def _smallest(
+    candidates: list[tuple[IntEnum, int, list[np.ndarray]]], level: int
+) -> tuple[IntEnum, int, list[bytes], list[int]]:
+    """Compress every candidate coding and keep the one with the fewest bytes."""
+    best: tuple[int, IntEnum, int, list[bytes], list[int]] | None = None
+    for codec, k, raw in candidates:
+        frames = [compress(r, level) for r in raw]
+        size = sum(len(f) for f in frames)
+        if best is None or size < best[0]:
+            best = (size, codec, k, frames, [r.nbytes for r in raw])
+    assert best is not None
+    return best[1], best[2], best[3], best[4]

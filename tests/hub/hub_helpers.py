@@ -1,0 +1,75 @@
+"""Helpers shared by the hub tests (imported by name: tests/ folders are not packages)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from fleetrl.config import FleetConfig
+
+HMAC_KEY = "test-hub-key-0123456789"
+
+
+def make_config(run: str, stores: dict[str, str], *, anchor_interval: int = 5, s3_endpoint: str | None = None,
+                link_costs: dict[str, dict[str, float]] | None = None, **hub: Any) -> FleetConfig:
+    """A config whose `home` and regions use the given store URLs (`s3://` ones on `s3_endpoint`)."""
+
+    def store(url: str) -> dict[str, Any]:
+        return {"url": url, "endpoint_url": s3_endpoint, "region_name": "us-east-1"} if url.startswith("s3://") \
+            else {"url": url}
+
+    regions = [
+        {"name": name, "kafka": "127.0.0.1:9", "store": store(url), "link_costs": (link_costs or {}).get(name, {})}
+        for name, url in stores.items() if name != "home"
+    ] or [{"name": "r1", "kafka": "127.0.0.1:9", "store": {"url": stores["home"] + "-r1"}}]
+    return FleetConfig.model_validate({
+        "run": run,
+        "hub": {"home_store": store(stores["home"]), "anchor_interval": anchor_interval, "threads": 2,
+                "frame_bytes": 64 * 1024, **hub},
+        "regions": regions,
+    })
+
+
+def tiny_state(seed: int = 0, hidden: int = 64) -> dict[str, torch.Tensor]:
+    """A small bf16 state dict shaped like a transformer's, with a tied embedding."""
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(96, hidden, generator=g) * 0.02
+    sd = {
+        "model.embed_tokens.weight": emb,
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(hidden, hidden, generator=g) * 0.02,
+        "model.layers.0.self_attn.q_proj.bias": torch.zeros(hidden),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(2 * hidden, hidden, generator=g) * 0.02,
+        "model.layers.0.input_layernorm.weight": torch.ones(hidden),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": emb,
+    }
+    return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+
+
+def step(state: dict[str, torch.Tensor], seed: int, frac: float = 0.03) -> dict[str, torch.Tensor]:
+    """A new version: a random `frac` of each tensor's bf16 elements moves by one ulp (ties kept)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name == "lm_head.weight":
+            continue
+        bits = t.view(torch.int16).clone()
+        mask = torch.rand(bits.shape, generator=g) < frac
+        sign = torch.where(torch.rand(bits.shape, generator=g) < 0.5, 1, -1).to(torch.int16)
+        out[name] = torch.where(mask, bits + sign, bits).view(torch.bfloat16)
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
+
+
+def hmac_env() -> dict[str, str]:
+    return {**os.environ, "FLEETRL_HUB_KEY": HMAC_KEY}
