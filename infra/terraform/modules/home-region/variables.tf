@@ -182,3 +182,9 @@ variable "tags" {
   default     = {}
   description = "Tags added to every resource of the home region."
 }
+
+variable "generate_secrets" {
+  type        = bool
+  default     = true
+  description = "Generate the HMAC signing key and the MQTT password (ephemeral, stored write-only). false: the secrets are created empty and you put the values yourself."
+}

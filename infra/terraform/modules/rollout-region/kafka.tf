@@ -108,11 +108,6 @@ resource "aws_msk_cluster" "kafka" {
   tags = local.tags
 }
 
-ephemeral "aws_secretsmanager_random_password" "kafka" {
-  count               = local.msk ? 1 : 0
-  password_length     = 40
-  exclude_punctuation = true
-}
 
 resource "aws_secretsmanager_secret" "kafka" {
   #checkov:skip=CKV2_AWS_57:MSK SCRAM secrets rotate by bumping kafka_password_version (a new write-only value); an automatic rotation Lambda would race running clients.
@@ -125,21 +120,20 @@ resource "aws_secretsmanager_secret" "kafka" {
   tags                    = local.tags
 }
 
-resource "aws_secretsmanager_secret_version" "kafka" {
-  count     = local.msk ? 1 : 0
-  secret_id = aws_secretsmanager_secret.kafka[0].id
-  secret_string_wo = jsonencode({
-    username = var.kafka.sasl_username
-    password = ephemeral.aws_secretsmanager_random_password.kafka[0].random_password
-  })
-  secret_string_wo_version = var.kafka_password_version
+
+module "kafka_password" {
+  source        = "../generated-secret"
+  count         = local.generate ? 1 : 0
+  secret_id     = aws_secretsmanager_secret.kafka[0].id
+  username      = var.kafka.sasl_username
+  value_version = var.kafka_password_version
 }
 
 resource "aws_msk_scram_secret_association" "kafka" {
   count           = local.msk ? 1 : 0
   cluster_arn     = aws_msk_cluster.kafka[0].arn
   secret_arn_list = [aws_secretsmanager_secret.kafka[0].arn]
-  depends_on      = [aws_secretsmanager_secret_version.kafka]
+  depends_on      = [module.kafka_password]
 }
 
 locals {

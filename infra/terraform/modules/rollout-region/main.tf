@@ -6,6 +6,7 @@ data "aws_region" "current" {}
 
 locals {
   msk        = var.kafka.mode == "msk"
+  generate   = local.msk && var.generate_secrets
   prefix     = "fleetrl-${var.run}-${var.name}"
   kafka_port = 9096 # MSK's SASL/SCRAM listener
   account_id = data.aws_caller_identity.current.account_id

@@ -264,3 +264,9 @@ variable "tags" {
   default     = {}
   description = "Tags added to every resource of the region."
 }
+
+variable "generate_secrets" {
+  type        = bool
+  default     = true
+  description = "Generate the Kafka SCRAM password (ephemeral, stored write-only). false: the secret is created empty and you put {\"username\", \"password\"} yourself."
+}
