@@ -1,0 +1,122 @@
+"""Terraform itself on infra/terraform: fmt, init + validate against the provider schema, and a
+mocked `terraform test` apply of the two-regions environment whose state the other checks read."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import pathlib
+from typing import Any
+
+import pytest
+import yaml
+from tf_support import TF_ROOT, Terraform, resources
+
+from fleetrl.config import parse_config
+
+PROVIDER_FREE = ["modules/fleet-config", "modules/node-bootstrap"]
+AWS_DIRS = [
+    "modules/s3-store",
+    "modules/generated-secret",
+    "modules/rollout-region",
+    "modules/home-region",
+    "environments/two-regions",
+]
+
+
+def test_every_terraform_dir_is_covered() -> None:
+    dirs = {str(p.parent.relative_to(TF_ROOT)) for p in TF_ROOT.glob("*/*/versions.tf")}
+    assert dirs == set(PROVIDER_FREE + AWS_DIRS)
+
+
+def test_fmt_check(terraform: Terraform) -> None:
+    proc = terraform.run("fmt", "-check", "-recursive", "-diff", "-no-color", cwd=TF_ROOT, check=False)
+    assert proc.returncode == 0, f"run `infra/terraform/bin/terraform fmt -recursive infra/terraform`:\n{proc.stdout}"
+
+
+def _validate(terraform: Terraform, path: pathlib.Path, plugin_dir: pathlib.Path | None) -> None:
+    terraform.init(path, plugin_dir)
+    result = json.loads(terraform.run("validate", "-json", cwd=path, check=False).stdout)
+    assert result["valid"], [d.get("summary", "") + ": " + d.get("detail", "") for d in result["diagnostics"]]
+
+
+@pytest.mark.parametrize("rel", PROVIDER_FREE)
+def test_validate_provider_free(terraform: Terraform, tf_copy: pathlib.Path, rel: str) -> None:
+    _validate(terraform, tf_copy / rel, None)
+
+
+@pytest.mark.parametrize("rel", AWS_DIRS)
+def test_validate_against_aws_schema(terraform: Terraform, tf_copy: pathlib.Path,
+                                     plugin_dir: pathlib.Path, rel: str) -> None:
+    _validate(terraform, tf_copy / rel, plugin_dir)
+
+
+def test_mocked_apply_runs_pass(mock_apply: dict[str, Any]) -> None:
+    runs = {e["test_run"]["run"]: e["test_run"].get("status") for e in mock_apply["events"]
+            if e.get("type") == "test_run" and e["test_run"].get("progress") == "complete"}
+    assert runs == {"renders_fleet_yaml": "pass", "refuses_home_as_region_name": "pass",
+                    "refuses_world_open_cidr": "pass", "refuses_duplicate_region_names": "pass"}
+
+
+def _cloud_config(b64gzip: str) -> dict[str, Any]:
+    text = gzip.decompress(base64.b64decode(b64gzip)).decode()
+    assert text.startswith("#cloud-config\n")
+    data = yaml.safe_load(text)
+    assert isinstance(data, dict)
+    return data
+
+
+def _files(cloud: dict[str, Any]) -> dict[str, str]:
+    return {f["path"]: f["content"] for f in cloud["write_files"]}
+
+
+def test_provisioned_fleet_yaml_validates(mock_apply: dict[str, Any]) -> None:
+    fleet_yaml = mock_apply["state"]["outputs"]["fleet_yaml"]["value"]
+    config = parse_config(fleet_yaml, source="terraform output fleet_yaml", env={})
+    assert [r.name for r in config.regions] == ["us-west-2", "eu-west-1"]
+    assert config.regions[0].kafka.bootstrap.endswith(":9096")
+    assert config.regions[0].kafka.sasl_mechanism == "SCRAM-SHA-512"
+    assert config.regions[0].link_costs == {"home": 2.0, "eu-west-1": 8.0}
+    assert config.hub.home_store.url.startswith("s3://") and config.hub.home_store.region_name
+    assert config.mqtt.url == "mqtt://10.0.1.10:1883"
+    assert config.algorithm.lr == pytest.approx(1e-6)
+    assert config.trainer.checkpoint_dir == "/var/lib/fleetrl/checkpoints"
+
+
+def test_every_node_boots_with_that_fleet_yaml(mock_apply: dict[str, Any]) -> None:
+    state = mock_apply["state"]
+    fleet_yaml = state["outputs"]["fleet_yaml"]["value"]
+    config = parse_config(fleet_yaml, env={})
+    templates = [r for r in resources(state["root_module"]) if r["type"] == "aws_launch_template"]
+    trainers = [r for r in resources(state["root_module"]) if r["address"] == "module.home.aws_instance.trainer"]
+    assert len(templates) == 2 and len(trainers) == 1
+    for lt in templates:
+        files = _files(_cloud_config(lt["values"]["user_data"]))
+        assert files["/etc/fleetrl/fleet.yaml"] == fleet_yaml
+        region = "us-west-2" if "region_a" in lt["address"] else "eu-west-1"
+        agent = files["/etc/systemd/system/fleetrl-agent.service"]
+        assert (f"ExecStart=/opt/fleetrl/venv/bin/fleetrl agent --region {region} --node ${{FLEETRL_NODE}} "
+                "--config /etc/fleetrl/fleet.yaml --log-json") in agent
+        assert f"replicator --region {region} --config" in files["/etc/systemd/system/fleetrl-replicator.service"]
+        secrets = json.loads(files["/etc/fleetrl/secrets.json"])
+        # Every *_env the node's config names is filled at boot, and nothing holds a value.
+        needed = {config.mqtt.password_env, config.hub.signing.key_env, config.region(region).kafka.sasl_password_env}
+        assert needed == set(secrets["env"])
+        assert all(set(src) == {"arn", "json_key"} for src in secrets["env"].values())
+    files = _files(_cloud_config(trainers[0]["values"]["user_data_base64"]))
+    assert files["/etc/fleetrl/fleet.yaml"] == fleet_yaml
+    unit = files["/etc/systemd/system/fleetrl-trainer.service"]
+    assert "ExecStartPre=/opt/fleetrl/venv/bin/fleetrl topics create --config /etc/fleetrl/fleet.yaml" in unit
+    env_names = set(json.loads(files["/etc/fleetrl/secrets.json"])["env"])
+    assert {r.kafka.sasl_password_env for r in config.regions} <= env_names
+
+
+def test_security_groups_open_only_design_ports(mock_apply: dict[str, Any]) -> None:
+    rules = [r["values"] for r in resources(mock_apply["state"]["root_module"])
+             if r["type"] in ("aws_vpc_security_group_ingress_rule", "aws_vpc_security_group_egress_rule")]
+    ports = {(v["from_port"], v["to_port"]) for v in rules}
+    assert ports <= {(443, 443), (80, 80), (1883, 1883), (8883, 8883), (9096, 9096), (9092, 9096),
+                     (9400, 9400), (9401, 9401)}
+    world = [v for v in rules if v.get("cidr_ipv4") == "0.0.0.0/0"]
+    assert {(v["from_port"]) for v in world} <= {80, 443}, "only package/API egress may reach the internet"
