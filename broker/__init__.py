@@ -4,6 +4,8 @@ Public surface; other packages import only these names.
 """
 
 from fleetrl.broker.codec import decode_record, encode_record, expand_versions, rle_versions
+from fleetrl.broker.consumer import Consumer, Delivery
+from fleetrl.broker.deadletter import DeadLetter
 from fleetrl.broker.errors import (
     BrokerError,
     ControlPlaneError,
@@ -23,6 +25,7 @@ from fleetrl.broker.naming import (
     topic_name,
     trainer_group,
 )
+from fleetrl.broker.producer import Producer
 from fleetrl.broker.records import (
     FINISH_REASONS,
     SCHEMA_GROUP,
@@ -42,6 +45,7 @@ from fleetrl.broker.records import (
     floats,
     ids,
 )
+from fleetrl.broker.topics import TopicChange, TopicSpec, ensure_topics, topic_specs
 
 __all__ = [
     "FINISH_REASONS",
@@ -51,12 +55,16 @@ __all__ = [
     "SCHEMA_PROMPT",
     "STREAMS",
     "BrokerError",
+    "Consumer",
     "ControlPlaneError",
+    "DeadLetter",
+    "Delivery",
     "GroupRecord",
     "HandedOverBy",
     "KafkaError",
     "PartialRecord",
     "PartialSample",
+    "Producer",
     "PromptRecord",
     "Record",
     "RecordError",
@@ -66,11 +74,14 @@ __all__ = [
     "Sampling",
     "Stream",
     "Timings",
+    "TopicChange",
     "TopicError",
+    "TopicSpec",
     "check_record",
     "control_topic",
     "decode_record",
     "encode_record",
+    "ensure_topics",
     "expand_versions",
     "floats",
     "ids",
@@ -79,5 +90,6 @@ __all__ = [
     "rle_versions",
     "rollout_group",
     "topic_name",
+    "topic_specs",
     "trainer_group",
 ]

@@ -1,0 +1,334 @@
+"""The data-plane consumer: decode, bounds-check, dead-letter, commit only what is durable.
+
+`poll` returns `Delivery`s of records that decoded and passed their schema's bounds. A record that
+fails goes to the dead-letter topic with its reason (via the caller's `Producer`), is never
+returned and never silently dropped; its offset counts as handled. If the dead letter cannot be
+produced, the whole batch is rewound and the error raised, so nothing is skipped.
+
+`commit(deliveries)` is commit-after-effect: the caller passes what is durable (a produced record
+acknowledged, a checkpoint written) and the consumer commits one past the highest such offset per
+partition (see `fleetrl.broker.offsets`). Offsets are never auto-committed, and closing does not
+commit: a consumer that dies before committing leaves its records to the next member of its group.
+
+With `priority=True` the streams are in priority order: while a higher stream (`partials`) has
+records waiting, lower ones (`prompts`) are paused and not returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.protocol.group import LeaveGroupRequest
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, translated
+from fleetrl.broker.codec import decode_record
+from fleetrl.broker.errors import KafkaError, RecordError
+from fleetrl.broker.naming import Stream, topic_name
+from fleetrl.broker.offsets import TP, OffsetTracker
+from fleetrl.broker.producer import Producer
+from fleetrl.broker.records import SCHEMA_GROUP, SCHEMA_PARTIAL, SCHEMA_PROMPT, Record, RecordLimits
+
+from fleetrl.config import FleetConfig
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+EXPECTED_SCHEMA: dict[str, str] = {"prompts": SCHEMA_PROMPT, "partials": SCHEMA_PARTIAL, "trajectories": SCHEMA_GROUP}
+# Decoding is cheap (numpy views over the bytes), but a batch of multi-MB groups still blocks the
+# loop for a while: above this many bytes it runs in a thread.
+_DECODE_IN_THREAD_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One decoded, bounds-checked record and where it came from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    record: Record
+    headers: dict[str, bytes]
+    stream: Stream
+
+    @property
+    def tp(self) -> TP:
+        return (self.topic, self.partition)
+
+
+class Consumer:
+    """`async with Consumer(config, region, streams, group, limits, dead_letter, client_id) as c`."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        region: str,
+        streams: list[Stream],
+        group: str,
+        limits: RecordLimits,
+        dead_letter: Producer,
+        client_id: str,
+        priority: bool = False,
+        *,
+        session_timeout_s: float = 10.0,
+        heartbeat_interval_s: float = 1.0,
+        max_poll_interval_s: float = 600.0,
+    ) -> None:
+        if not streams or len(set(streams)) != len(streams) or "dead-letter" in streams:
+            raise ValueError(f"streams must be distinct data streams, got {streams!r}")
+        config.region(region)
+        self.config, self.region, self.group, self.client_id = config, region, group, client_id
+        self.streams, self.limits, self.priority = list(streams), limits, priority
+        self._dead_letter = dead_letter
+        self._topics = [topic_name(config.run, s) for s in streams]
+        self._stream_of: dict[str, Stream] = dict(zip(self._topics, streams, strict=True))
+        self._timeouts = (session_timeout_s, heartbeat_interval_s, max_poll_interval_s)
+        self._consumer: AIOKafkaConsumer | None = None
+        self._closed = False
+        self._tracker = OffsetTracker()
+        self._pending_seeks: dict[TP, int] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> Consumer:
+        if self._closed:
+            raise KafkaError(f"consumer {self.client_id!r} was closed and cannot be reopened")
+        if self._consumer is not None:
+            return self
+        fetch_bytes = self.config.kafka.max_message_bytes + DEAD_LETTER_SLACK_BYTES
+        session, heartbeat, max_poll = self._timeouts
+        self._consumer = AIOKafkaConsumer(
+            **client_kwargs(self.config, self.region, self.client_id),
+            group_id=self.group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=fetch_bytes,
+            fetch_max_bytes=fetch_bytes,
+            session_timeout_ms=int(session * 1000),
+            heartbeat_interval_ms=int(heartbeat * 1000),
+            max_poll_interval_ms=int(max_poll * 1000),
+        )
+        self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
+        try:
+            await bounded(self._consumer.start(), self.config.kafka.request_timeout_s,
+                          f"start consumer {self.client_id!r} of group {self.group!r} (region {self.region!r})")
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def close(self) -> None:
+        """Leave the group within the request timeout; commits nothing. Idempotent."""
+        self._closed = True
+        consumer, self._consumer = self._consumer, None
+        if consumer is None:
+            return
+        await self._leave_generation_zero(consumer)
+        try:
+            await bounded(consumer.stop(), self.config.kafka.request_timeout_s, f"stop consumer {self.client_id!r}")
+        except KafkaError as exc:
+            log.warning("consumer.stop_failed", group=self.group, client_id=self.client_id, error=str(exc))
+
+    async def _leave_generation_zero(self, consumer: AIOKafkaConsumer) -> None:
+        """Leave the group explicitly when its generation is 0.
+
+        tansu numbers a group's first generation 0 where Kafka starts at 1, and aiokafka sends
+        LeaveGroup only from generation > 0: without this, the next member to join waits a whole
+        session timeout for this one to expire.
+        """
+        coordinator = getattr(consumer, "_coordinator", None)
+        if coordinator is None or getattr(coordinator, "generation", -1) != 0:
+            return
+        request = LeaveGroupRequest(coordinator.group_id, coordinator.member_id)
+        try:
+            await bounded(coordinator._send_req(request), self.config.kafka.request_timeout_s,
+                          f"leave group {self.group!r}")
+        except KafkaError as exc:
+            log.warning("consumer.leave_failed", group=self.group, client_id=self.client_id, error=str(exc))
+        coordinator.reset_generation()
+
+    async def __aenter__(self) -> Consumer:
+        return await self.start()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def _c(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            raise KafkaError(f"consumer {self.client_id!r} is not started (use `async with`)")
+        return self._consumer
+
+    def assignment(self) -> set[TP]:
+        """Partitions this member holds right now."""
+        return {(tp.topic, tp.partition) for tp in self._c.assignment()}
+
+    # -- polling --------------------------------------------------------------------------------
+
+    async def poll(self, max_records: int, timeout_s: float) -> list[Delivery]:
+        """Up to `max_records` good records, waiting at most about `timeout_s` for the first."""
+        raw = await self._fetch(max_records, timeout_s)
+        messages = [m for batch in raw.values() for m in batch]
+        size = sum(len(m.value or b"") for m in messages)
+        if size > _DECODE_IN_THREAD_BYTES:
+            decoded = await asyncio.to_thread(self._decode_all, messages)
+        else:
+            decoded = self._decode_all(messages)
+        try:
+            return await self._route(messages, decoded)
+        except BaseException:
+            self._rewind(raw)
+            raise
+
+    def _decode_all(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
+        out: list[Record | RecordError] = []
+        for m in messages:
+            try:
+                out.append(decode_record(m.value or b"", self.limits, expect=EXPECTED_SCHEMA[self._stream_of[m.topic]]))
+            except RecordError as err:
+                out.append(err.at(m.topic, m.partition, m.offset))
+        return out
+
+    async def _route(
+        self, messages: list[ConsumerRecord[Any, Any]], decoded: list[Record | RecordError]
+    ) -> list[Delivery]:
+        good: list[Delivery] = []
+        for m, result in zip(messages, decoded, strict=True):
+            tp = (m.topic, m.partition)
+            headers = list(m.headers or ())
+            if isinstance(result, RecordError):
+                await self._dead_letter.dead_letter(m.key, m.value or b"", result, m.topic, m.partition,
+                                                    m.offset, headers=headers)
+                self._tracker.dead(tp, m.offset)
+                continue
+            good.append(Delivery(
+                topic=m.topic, partition=m.partition, offset=m.offset,
+                key=m.key.decode(errors="replace") if m.key is not None else None,
+                record=result, headers=dict(headers), stream=self._stream_of[m.topic],
+            ))
+        for d in good:
+            self._tracker.delivered(d.tp, d.offset)
+        return good
+
+    def _rewind(self, raw: dict[TopicPartition, list[ConsumerRecord[Any, Any]]]) -> None:
+        """Put the positions back to the start of a batch that could not be handled in full."""
+        for tp, batch in raw.items():
+            if batch and self._consumer is not None and tp in self._consumer.assignment():
+                self._consumer.seek(tp, batch[0].offset)
+        self._tracker.forget((tp.topic, tp.partition) for tp in raw)
+
+    async def _fetch(self, max_records: int, timeout_s: float) -> dict[TopicPartition, list[ConsumerRecord[Any, Any]]]:
+        c = self._c
+        if not self.priority or len(self._topics) == 1:
+            return await self._getmany((), max_records, timeout_s)
+        assigned = c.assignment()
+        levels = [[tp for tp in assigned if tp.topic == topic] for topic in self._topics]
+        for i, tps in enumerate(levels[:-1]):
+            if tps and await self._has_backlog(tps):
+                lower = [tp for level in levels[i + 1 :] for tp in level]
+                c.pause(*lower)
+                c.resume(*tps)
+                return await self._getmany(tps, max_records, timeout_s)
+        c.resume(*assigned)
+        raw = await self._getmany((), max_records, timeout_s)
+        return self._keep_highest(raw)
+
+    async def _getmany(
+        self, tps: Any, max_records: int, timeout_s: float
+    ) -> dict[TopicPartition, list[ConsumerRecord[Any, Any]]]:
+        what = f"poll group {self.group!r} (region {self.region!r})"
+        bound = timeout_s + self.config.kafka.request_timeout_s
+        result: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await bounded(
+            self._c.getmany(*tps, timeout_ms=int(timeout_s * 1000), max_records=max_records), bound, what
+        )
+        return result
+
+    async def _has_backlog(self, tps: list[TopicPartition]) -> bool:
+        c = self._c
+        with translated(f"read end offsets of {tps[0].topic}"):
+            ends = await bounded(c.end_offsets(tps), self.config.kafka.request_timeout_s, "end offsets")
+            for tp in tps:
+                if await bounded(c.position(tp), self.config.kafka.request_timeout_s, "position") < ends[tp]:
+                    return True
+        return False
+
+    def _keep_highest(
+        self, raw: dict[TopicPartition, list[ConsumerRecord[Any, Any]]]
+    ) -> dict[TopicPartition, list[ConsumerRecord[Any, Any]]]:
+        """Of records fetched from several levels at once, keep the highest level's; rewind the rest."""
+        present = [self._topics.index(tp.topic) for tp, batch in raw.items() if batch]
+        if not present:
+            return raw
+        top = min(present)
+        lower = {tp: batch for tp, batch in raw.items() if self._topics.index(tp.topic) != top}
+        self._rewind(lower)
+        return {tp: batch for tp, batch in raw.items() if self._topics.index(tp.topic) == top}
+
+    # -- offsets --------------------------------------------------------------------------------
+
+    def committable_offsets(self, deliveries: list[Delivery] | None = None) -> dict[TP, int]:
+        """Resume points per partition: what is committed, moved on by `deliveries` if given.
+
+        The trainer stores this (with the deliveries its checkpoint covers) and `seek`s to it on
+        start; `commit(deliveries)` would commit exactly these points.
+        """
+        given = [(d.tp, d.offset) for d in deliveries or []]
+        return {**self._tracker.positions(), **self._tracker.targets(given)}
+
+    async def commit(self, deliveries: list[Delivery]) -> None:
+        """Commit one past the highest offset of `deliveries` per partition (and handled dead letters).
+
+        Partitions this member no longer holds are skipped: their new owner re-reads them, and
+        receivers deduplicate by group id.
+        """
+        given = [(d.tp, d.offset) for d in deliveries]
+        targets = self._tracker.targets(given)
+        assigned = self.assignment()
+        points = {tp: off for tp, off in targets.items() if tp in assigned}
+        if len(points) < len(targets):
+            log.warning("commit.skipped_revoked", group=self.group,
+                        partitions=sorted(f"{t}[{p}]" for t, p in set(targets) - set(points)))
+        if points:
+            offsets = {TopicPartition(t, p): off for (t, p), off in points.items()}
+            await bounded(self._c.commit(offsets), self.config.kafka.request_timeout_s,
+                          f"commit group {self.group!r} (region {self.region!r})")
+        self._tracker.committed(points, given)
+
+    def seek(self, offsets: dict[TP, int]) -> None:
+        """Read each partition from the given offset: now if assigned, else when it is assigned."""
+        assigned = self._c.assignment() if self._consumer is not None else set()
+        for (topic, partition), offset in offsets.items():
+            tp = TopicPartition(topic, partition)
+            if tp in assigned:
+                self._c.seek(tp, offset)
+                self._tracker.forget([(topic, partition)])
+            else:
+                self._pending_seeks[(topic, partition)] = offset
+
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        for tp in assigned:
+            offset = self._pending_seeks.pop((tp.topic, tp.partition), None)
+            if offset is not None:
+                self._c.seek(tp, offset)
+        log.info("consumer.assigned", group=self.group, client_id=self.client_id, partitions=len(assigned))
+
+    def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._tracker.forget((tp.topic, tp.partition) for tp in revoked)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Forwards aiokafka's rebalance callbacks to the owning `Consumer`."""
+
+    def __init__(self, owner: Consumer) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._owner._on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._owner._on_assigned(assigned)

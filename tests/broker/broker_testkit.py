@@ -1,0 +1,85 @@
+"""Helpers of the broker tests: a fleet config pointing at the fixture servers, records to send."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import yaml
+from fleetrl.broker import GroupRecord, PromptRecord, Sample, Sampling, floats, ids
+
+from fleetrl.config import FleetConfig, parse_config
+
+VOCAB = 128
+
+
+def fleet_yaml(run_id: str, bootstrap: str, mqtt_port: int = 1883, partitions: int = 4, **extra: Any) -> dict[str, Any]:
+    """A small fleet.yaml (as a dict) with one region `r1` on `bootstrap`."""
+    data: dict[str, Any] = {
+        "run": run_id,
+        "model": {"tiny": {"vocab_size": VOCAB}},
+        "algorithm": {"n_samples": 4, "max_new_tokens": 16},
+        "dataset": {"task": "reverse"},
+        "mqtt": {"url": f"mqtt://127.0.0.1:{mqtt_port}", "reconnect_max_s": 1.0},
+        "kafka": {
+            "partitions": {"prompts": partitions, "partials": partitions, "trajectories": partitions,
+                           "dead_letter": 1},
+            "max_message_bytes": 1024 * 1024,
+            "request_timeout_s": 10.0,
+            "retries": 2,
+        },
+        "regions": [{"name": "r1", "kafka": bootstrap, "store": "/tmp/fleetrl-test-store"}],
+    }
+    for key, value in extra.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return data
+
+
+def make_config(data: dict[str, Any]) -> FleetConfig:
+    return parse_config(yaml.safe_dump(data), source="test-fleet.yaml", env={})
+
+
+def write_config(data: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def make_group(group_id: str, run: str = "run", n_samples: int = 2, n_tokens: int = 5, **over: Any) -> GroupRecord:
+    """A valid finished group unless `over` says otherwise (task, token ids, logprobs)."""
+    rng = np.random.default_rng(abs(hash(group_id)) % 2**32)
+    samples = []
+    for _ in range(n_samples):
+        tokens = over.get("tokens", rng.integers(0, VOCAB, n_tokens))
+        logprobs = over.get("logprobs", -rng.random(len(tokens)))
+        samples.append(Sample(ids(tokens), floats(logprobs), ids(np.zeros(len(tokens))), reward=1.0,
+                              finish_reason="stop"))
+    return GroupRecord(group_id=group_id, run=run, task=over.get("task", "reverse"), attempt=0, region="r1",
+                       node="n1", prompt_ids=ids([1, 2, 3]), samples=samples)
+
+
+def make_prompt(group_id: str, run: str = "run", task: str = "reverse") -> PromptRecord:
+    return PromptRecord(group_id=group_id, run=run, task=task, n_samples=2, sampling=Sampling(max_new_tokens=8),
+                        prompt=f"reverse {group_id}")
+
+
+async def poll_until(consumer: Any, n: int, timeout_s: float = 30.0, max_records: int = 100) -> list[Any]:
+    """Poll until `n` deliveries arrived (or the deadline passed); returns what arrived."""
+    got: list[Any] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while len(got) < n and loop.time() < deadline:
+        got += await consumer.poll(max_records=max_records, timeout_s=0.5)
+    return got
+
+
+async def wait_for(predicate: Callable[[], Any], timeout_s: float, step_s: float = 0.05) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(step_s)
+    return bool(predicate())

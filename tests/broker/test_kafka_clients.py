@@ -1,0 +1,123 @@
+"""Producer and Consumer against a real tansu: round trip, size refusal, commit-after-effect, priority."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from broker_testkit import make_group, make_prompt, poll_until
+from fleetrl.broker import (
+    SCHEMA_HEADER,
+    Consumer,
+    GroupRecord,
+    Producer,
+    RecordLimits,
+    RecordTooLarge,
+    ensure_topics,
+    rollout_group,
+    topic_name,
+    trainer_group,
+)
+from fleetrl.broker.lag import end_offsets
+
+from fleetrl.config import FleetConfig
+
+pytestmark = pytest.mark.integration
+
+
+async def test_groups_round_trip_with_schema_header(fleet_config: FleetConfig, limits: RecordLimits) -> None:
+    await ensure_topics(fleet_config, "r1")
+    sent = [make_group(f"g{i}", run=fleet_config.run, n_samples=3, n_tokens=7) for i in range(5)]
+    async with Producer(fleet_config, "r1", "test-producer") as producer:
+        for group in sent:
+            await producer.send("trajectories", group.group_id, group)
+        async with Consumer(fleet_config, "r1", ["trajectories"], trainer_group(fleet_config.run), limits,
+                            producer, "test-consumer") as consumer:
+            got = await poll_until(consumer, len(sent))
+    assert sorted(d.key for d in got) == sorted(g.group_id for g in sent)
+    by_id = {g.group_id: g for g in sent}
+    for d in got:
+        assert d.topic == topic_name(fleet_config.run, "trajectories") and d.stream == "trajectories"
+        assert d.headers[SCHEMA_HEADER] == b"fleetrl.group/1"
+        assert isinstance(d.record, GroupRecord)
+        want = by_id[d.record.group_id]
+        for a, b in zip(d.record.samples, want.samples, strict=True):
+            np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+
+
+async def test_record_over_max_message_bytes_is_refused_before_sending(fleet_config: FleetConfig) -> None:
+    await ensure_topics(fleet_config, "r1")
+    # 4 samples x 40,000 tokens x 8 bytes is about 1.3 MB, over the 1 MiB limit of this config.
+    big = make_group("too-big-1", run=fleet_config.run, n_samples=4, n_tokens=40_000)
+    topic = topic_name(fleet_config.run, "trajectories")
+    async with Producer(fleet_config, "r1", "test-producer") as producer:
+        with pytest.raises(RecordTooLarge) as info:
+            await producer.send("trajectories", big.group_id, big)
+    assert "too-big-1" in str(info.value) and str(info.value.size) in str(info.value)
+    assert info.value.size > fleet_config.kafka.max_message_bytes == info.value.limit
+    assert sum((await end_offsets(fleet_config, "r1", topic)).values()) == 0
+
+
+async def test_uncommitted_records_go_to_the_next_member(fleet_config: FleetConfig, limits: RecordLimits) -> None:
+    await ensure_topics(fleet_config, "r1")
+    group = rollout_group(fleet_config.run)
+    async with Producer(fleet_config, "r1", "test-producer") as producer:
+        for i in range(12):
+            await producer.send("prompts", f"p{i}", make_prompt(f"p{i}", run=fleet_config.run))
+        async with Consumer(fleet_config, "r1", ["prompts"], group, limits, producer, "first") as first:
+            got = await poll_until(first, 12)
+            assert len(got) == 12
+            # Only the effects of partitions 0 and 1 became durable; the rest is never committed.
+            durable = [d for d in got if d.partition in (0, 1)]
+            await first.commit(durable)
+        async with Consumer(fleet_config, "r1", ["prompts"], group, limits, producer, "second") as second:
+            again = await poll_until(second, 12 - len(durable), timeout_s=20)
+            assert not await second.poll(max_records=100, timeout_s=1.0)
+    assert sorted(d.key for d in again) == sorted(d.key for d in got if d.partition not in (0, 1))
+
+
+async def test_partials_are_consumed_before_prompts(fleet_config: FleetConfig, limits: RecordLimits) -> None:
+    await ensure_topics(fleet_config, "r1")
+    run = fleet_config.run
+    async with Producer(fleet_config, "r1", "test-producer") as producer:
+        for i in range(6):
+            await producer.send("prompts", f"p{i}", make_prompt(f"p{i}", run=run))
+        for i in range(5):
+            await producer.send("partials", f"h{i}", _partial(f"h{i}", run))
+        async with Consumer(fleet_config, "r1", ["partials", "prompts"], rollout_group(run), limits, producer,
+                            "prio", priority=True) as consumer:
+            order = [d.stream for d in await poll_until(consumer, 11, max_records=2)]
+            assert order == ["partials"] * 5 + ["prompts"] * 6
+            # A partial handed over later still overtakes prompts produced earlier.
+            for i in range(6, 9):
+                await producer.send("prompts", f"p{i}", make_prompt(f"p{i}", run=run))
+            await producer.send("partials", "h-late", _partial("h-late", run))
+            later = await poll_until(consumer, 4, max_records=1)
+    assert later[0].key == "h-late"
+    assert sorted(d.key for d in later[1:]) == ["p6", "p7", "p8"]
+
+
+async def test_seek_resumes_from_checkpointed_offsets(fleet_config: FleetConfig, limits: RecordLimits) -> None:
+    await ensure_topics(fleet_config, "r1")
+    group = trainer_group(fleet_config.run)
+    async with Producer(fleet_config, "r1", "test-producer") as producer:
+        for i in range(8):
+            g = make_group(f"g{i}", run=fleet_config.run)
+            await producer.send("trajectories", g.group_id, g)
+        async with Consumer(fleet_config, "r1", ["trajectories"], group, limits, producer, "a") as a:
+            got = await poll_until(a, 8)
+            trained = [d for d in got if d.offset == 0]
+            checkpoint = a.committable_offsets(trained)  # what the trainer writes into its checkpoint
+        assert checkpoint == {d.tp: 1 for d in trained}
+        async with Consumer(fleet_config, "r1", ["trajectories"], group, limits, producer, "b") as b:
+            b.seek(checkpoint)
+            rest = await poll_until(b, 8 - len(trained))
+    assert sorted(d.key for d in rest) == sorted(d.key for d in got if d.offset != 0)
+
+
+def _partial(group_id: str, run: str) -> object:
+    from fleetrl.broker import HandedOverBy, PartialRecord, PartialSample, floats, ids
+
+    sample = PartialSample(ids([5, 6]), floats([-0.5, -0.25]), ids([0, 0]))
+    return PartialRecord(prompt=make_prompt(group_id, run=run), samples=[sample],
+                         handed_over_by=HandedOverBy(region="r1", node="n1", reason="preempted"))
