@@ -103,17 +103,20 @@ def test_reserved_region_name_refused_by_terraform(terraform: Terraform, tmp_pat
     assert proc.returncode != 0 and 'must not be "home"' in proc.stderr
 
 
+def _named_blocks(module: str, file: str, kind: str) -> dict[str, Any]:
+    with open(TF_ROOT / "modules" / module / file) as f:
+        blocks = hcl2.load(f, serialization_options=HCL_OPTS)[kind]
+    return {next(iter(b)): next(iter(b.values())) for b in blocks}
+
+
 def _module_var_attrs(module: str, var: str) -> set[str]:
-    with open(TF_ROOT / "modules" / module / "variables.tf") as f:
-        variables = {next(iter(v)): next(iter(v.values())) for v in hcl2.load(f, serialization_options=HCL_OPTS)["variable"]}
+    variables = _named_blocks(module, "variables.tf", "variable")
     # python-hcl2 gives the type as one expression string: take every `name =` in it, at any depth.
     return set(re.findall(r"(\w+) = ", str(variables[var]["type"])))
 
 
 def _output_keys(module: str, output: str) -> set[str]:
-    with open(TF_ROOT / "modules" / module / "outputs.tf") as f:
-        outputs = {next(iter(o)): next(iter(o.values())) for o in hcl2.load(f, serialization_options=HCL_OPTS)["output"]}
-    return set(outputs[output]["value"])
+    return set(_named_blocks(module, "outputs.tf", "output")[output]["value"])
 
 
 def test_region_modules_match_fleet_config_inputs() -> None:
@@ -123,7 +126,8 @@ def test_region_modules_match_fleet_config_inputs() -> None:
                     "tensor_parallel_size", "max_num_seqs", "enforce_eager"}
     assert _output_keys("rollout-region", "fleet_region") == region_attrs - engine_attrs
     assert _output_keys("home-region", "fleet_home") == _module_var_attrs("fleet-config", "home")
-    assert set(MSK_REGION) == region_attrs - engine_attrs and set(HOME_HMAC) == _module_var_attrs("fleet-config", "home")
+    assert set(MSK_REGION) == region_attrs - engine_attrs
+    assert set(HOME_HMAC) == _module_var_attrs("fleet-config", "home")
     assert engine_attrs <= region_attrs
     assert engine_attrs <= set(TorchEngineConfig.model_fields) | set(VllmEngineConfig.model_fields)
     assert engine_attrs == _module_var_attrs("rollout-region", "engine")
