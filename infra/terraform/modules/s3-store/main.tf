@@ -48,7 +48,7 @@ resource "aws_s3_bucket_versioning" "store" {
 resource "aws_s3_bucket_lifecycle_configuration" "store" {
   bucket = aws_s3_bucket.store.id
   rule {
-    id     = var.expiry_days == null ? "tidy" : "expire-replicas-after-retention-window"
+    id     = var.expiry_days == null ? "expire-deleted-versions" : "expire-replicas-after-retention-window"
     status = "Enabled"
     filter {
       prefix = "${var.path}/"
@@ -62,6 +62,11 @@ resource "aws_s3_bucket_lifecycle_configuration" "store" {
     noncurrent_version_expiration {
       noncurrent_days = 1
     }
+  }
+  rule {
+    id     = "abort-incomplete-uploads"
+    status = "Enabled"
+    filter {}
     abort_incomplete_multipart_upload {
       days_after_initiation = 1
     }
