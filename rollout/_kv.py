@@ -9,6 +9,8 @@ leading columns no row uses any more, so the cache stays as short as its longest
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -20,11 +22,13 @@ def new_cache() -> DynamicCache:
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    layers: list[Any] = list(cache.layers)  # DynamicLayer: the cache is built without a config
+    return [(layer.keys, layer.values) for layer in layers]
 
 
 def _set(cache: DynamicCache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for layer, (k, v) in zip(cache.layers, kv, strict=True):
+    layers: list[Any] = list(cache.layers)
+    for layer, (k, v) in zip(layers, kv, strict=True):
         layer.keys, layer.values = k, v
 
 

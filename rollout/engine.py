@@ -93,6 +93,15 @@ class Engine(ABC):
         """Policy version of the weights the next step decodes with (once staged ones apply)."""
         return self._version
 
+    @property
+    def staged_version(self) -> int | None:
+        """Version handed to `stage_weights` and not applied yet, if any."""
+        with self._staged_lock:
+            return None if self._staged is None else self._staged[1]
+
+    def has_staged(self) -> bool:
+        return self.staged_version is not None
+
     def submit(self, request: GroupRequest) -> None:
         """Queue a group; its samples join the batch as slots free up."""
         if request.group_id in self._groups:

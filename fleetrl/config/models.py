@@ -354,6 +354,10 @@ class RolloutConfig(Model):
     """Prometheus port of the worker (0 picks a free port; None disables)."""
     seed: int = 0
     """Base seed of sampling; a sample's randomness depends only on it, the group and position."""
+    idle_poll_s: float = Field(0.5, gt=0)
+    """How long an idle worker waits on Kafka per poll (a busy one only takes what is already there)."""
+    stats_interval_s: float = Field(10.0, gt=0)
+    """How often a worker logs `worker.stats` (groups and tokens done and in flight, tokens/s)."""
 
 
 class RegionConfig(Model):

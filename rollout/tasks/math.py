@@ -103,4 +103,4 @@ def reference_number(reference: Any) -> Fraction:
 
 
 def numbers_equal(a: Fraction, b: Fraction) -> bool:
-    return a == b or abs(a - b) <= Fraction(1, 10**6) * max(1, abs(b))
+    return a == b or abs(a - b) <= Fraction(1, 10**6) * max(Fraction(1), abs(b))

@@ -1,0 +1,92 @@
+"""A group of work inside the worker, and the records it becomes (DESIGN.md §3).
+
+A `Job` is one consumed delivery (a `fleetrl.prompt/1` or a `fleetrl.partial/1`) from the moment
+it is polled until the record it owes is acknowledged: a finished `fleetrl.group/1` on
+`trajectories`, or a `fleetrl.partial/1` handed over on `partials`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from fleetrl.broker import (
+    Delivery,
+    GroupRecord,
+    HandedOverBy,
+    PartialRecord,
+    PartialSample,
+    PromptRecord,
+    Sample,
+    Timings,
+    floats,
+    ids,
+)
+from fleetrl.rollout.tasks import Task
+from fleetrl.rollout.tokenize import TextCodec
+
+
+@dataclass(slots=True)
+class Job:
+    delivery: Delivery
+    prompt: PromptRecord
+    prompt_ids: list[int]
+    resume: list[PartialSample] | None
+    received_mono: float = field(default_factory=time.monotonic)
+    started_mono: float | None = None
+    started_wall: float = 0.0
+
+    @property
+    def group_id(self) -> str:
+        return self.prompt.group_id
+
+    @classmethod
+    def from_delivery(cls, d: Delivery, codec: TextCodec) -> Job:
+        record = d.record
+        if isinstance(record, PartialRecord):
+            prompt, resume = record.prompt, list(record.samples)
+        elif isinstance(record, PromptRecord):
+            prompt, resume = record, None
+        else:
+            raise TypeError(f"{d.topic}[{d.partition}]@{d.offset}: a {type(record).__name__} is not rollout work")
+        if prompt.prompt_ids is not None:
+            prompt_ids = [int(t) for t in prompt.prompt_ids]
+        else:
+            prompt_ids = codec.encode(prompt.prompt or "")
+            # Carry the ids on: a later handover then never depends on re-tokenizing the same way.
+            prompt = dataclasses.replace(prompt, prompt_ids=ids(prompt_ids))
+        return cls(d, prompt, prompt_ids, resume)
+
+    def start(self) -> None:
+        self.started_mono, self.started_wall = time.monotonic(), time.time()
+
+
+def group_record(job: Job, samples: list[PartialSample], task: Task, codec: TextCodec,
+                 region: str, node: str) -> GroupRecord:
+    """Score finished samples and build the `fleetrl.group/1` record."""
+    p = job.prompt
+    scored = [
+        Sample(s.completion_ids, s.logprobs, s.versions,
+               reward=float(task.reward(codec.decode(s.completion_ids), p.reference)),
+               finish_reason=s.finish_reason or "abort")
+        for s in samples
+    ]
+    return GroupRecord(
+        group_id=p.group_id, run=p.run, task=p.task, attempt=p.attempt, region=region, node=node,
+        prompt_ids=ids(job.prompt_ids), samples=scored,
+        timings=Timings(queued=p.dispatched_at, started=job.started_wall, finished=time.time()),
+    )
+
+
+def partial_record(job: Job, samples: list[PartialSample] | None, region: str, node: str,
+                   reason: str) -> PartialRecord:
+    """Hand a group over as `fleetrl.partial/1`: the samples as far as they got on this worker."""
+    if samples is None:  # never started here: pass on what it came with
+        samples = job.resume or [_empty() for _ in range(job.prompt.n_samples)]
+    return PartialRecord(prompt=job.prompt, samples=samples,
+                         handed_over_by=HandedOverBy(region=region, node=node, reason=reason))
+
+
+def _empty() -> PartialSample:
+    return PartialSample(ids([]), floats([]), ids([]))

@@ -1,0 +1,292 @@
+"""The region rollout worker: partials and prompts in, finished groups out (DESIGN.md §1, §3).
+
+One worker per node. It consumes `partials` before `prompts` in the region's rollout consumer
+group, keeps up to `rollout.max_groups_in_flight` groups in its engine (their samples share the
+engine's continuous batch), scores finished groups with the task's reward and produces them to
+`trajectories`. A delivery's offset is committed only after the record it owes is acknowledged,
+and in offset order per partition (`CommitQueue`), so a worker killed at any point leaves its
+unfinished work to the next member of the group (at-least-once; the trainer deduplicates).
+
+Groups leave the worker unfinished in three cases, always as a `fleetrl.partial/1` carrying every
+token generated so far with its logprob and version, and `handed_over_by`:
+* `min_version`: the weights the prompt asks for did not arrive within `rollout.min_version_wait_s`;
+* `deadline`: the group ran longer than `rollout.group_deadline_s` here (long-tail cut);
+* `sigterm` / `preempted`: the worker is stopping; it admits nothing more and hands over every
+  unfinished group within `rollout.handover_timeout_s`, commits, and returns.
+The engine steps in a thread; weights refresh in the background (`WeightSync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from fleetrl.broker import (
+    Consumer,
+    Delivery,
+    Producer,
+    RecordError,
+    RecordLimits,
+    encode_record,
+    rollout_group,
+)
+from fleetrl.hub import Hub
+from fleetrl.rollout.commits import CommitQueue
+from fleetrl.rollout.engine import Engine, FinishedGroup, GroupRequest
+from fleetrl.rollout.errors import TaskError
+from fleetrl.rollout.jobs import Job, group_record, partial_record
+from fleetrl.rollout.tasks import get_task
+from fleetrl.rollout.tokenize import TextCodec, load_codec
+from fleetrl.rollout.weights import WeightSync
+
+from fleetrl.config import FleetConfig
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+_IDLE_WAKE_S = 0.05  # an idle loop's longest nap: bounds how late it sees a stop or new weights
+
+
+def build_engine(config: FleetConfig, region: str, node: str) -> Engine:
+    """The engine a node runs: the node's own engine config, else its region's."""
+    r = config.region(region)
+    engine_cfg = next((n.engine for n in r.nodes if n.name == node and n.engine is not None), r.engine)
+    if engine_cfg.kind == "vllm":
+        from fleetrl.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine.from_config(config.model, engine_cfg)
+    from fleetrl.rollout.torch_engine import TorchEngine
+
+    return TorchEngine.from_config(config.model, engine_cfg)
+
+
+class RolloutWorker:
+    """One node's worker loop; `run()` returns after a clean handover."""
+
+    def __init__(self, config: FleetConfig, region: str, node: str, engine: Engine | None = None,
+                 hub: Hub | None = None, codec: TextCodec | None = None) -> None:
+        config.region(region)
+        self.config, self.region, self.node, self.cfg = config, region, node, config.rollout
+        self.engine = engine if engine is not None else build_engine(config, region, node)
+        self.hub = hub if hub is not None else Hub.from_config(config, store=region)
+        self.codec = codec if codec is not None else load_codec(config.model, sorted(self.engine.eos_ids))
+        self.weights = WeightSync(self.hub, self.engine, self.cfg.weight_poll_s)
+        self.client_id = f"fleetrl-rollout-{region}-{node}"
+        self._jobs: dict[str, Job] = {}  # admitted, not yet handed to a record
+        self._waiting: list[Job] = []  # admitted, waiting for min_version
+        self._commits = CommitQueue()
+        self._commit_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.groups_done = 0
+        self.groups_handed_over = 0
+        self.tokens_generated = 0
+        self._started = self._last_stats = time.monotonic()
+        self._admitting = True
+        self._work_arrived = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event, preempted: asyncio.Event | None = None) -> None:
+        """Work until `stop` (reason `sigterm`) or `preempted` is set, then hand over and return."""
+        try:
+            await self._run(stop, preempted)
+        finally:
+            self.hub.close()
+
+    async def _run(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
+        limits = RecordLimits.from_config(self.config)
+        async with Producer(self.config, self.region, self.client_id) as producer:
+            self.producer = producer
+            async with Consumer(self.config, self.region, ["partials", "prompts"], rollout_group(self.config.run),
+                                limits, producer, self.client_id, priority=True) as consumer:
+                self.consumer = consumer
+                if not await self.weights.load_first(lambda: stop.is_set() or bool(preempted and preempted.is_set())):
+                    return
+                poller = asyncio.create_task(self.weights.run(), name="weight-sync")
+                intake = asyncio.create_task(self._intake(), name="intake")
+                try:
+                    reason = await self._loop(stop, preempted, intake)
+                finally:
+                    poller.cancel()
+                    self._admitting = False
+                await self._stop_intake(intake)
+                await self._bounded_handover(reason)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    async def _loop(self, stop: asyncio.Event, preempted: asyncio.Event | None, intake: asyncio.Task[None]) -> str:
+        log.info("worker.started", region=self.region, node=self.node, version=self.engine.version)
+        while True:
+            if preempted is not None and preempted.is_set():
+                return "preempted"
+            if stop.is_set():
+                return "sigterm"
+            if intake.done():
+                intake.result()  # the intake died: surface why
+            self._start_ready_jobs()
+            if self.engine.has_work() or self.engine.has_staged():
+                for group in await asyncio.to_thread(self.engine.step):
+                    self._spawn(self._finish(group))
+            else:
+                # Idle: wake on new work, or soon enough to see a stop or a min_version arrive.
+                self._work_arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._work_arrived.wait(), timeout=_IDLE_WAKE_S)
+            self._cut_long_tail()
+            self._surface_task_errors()
+            self._maybe_log_stats()
+
+    async def _intake(self) -> None:
+        """Poll Kafka beside the engine (a poll costs round trips) whenever a group slot is free."""
+        while self._admitting:
+            free = self.cfg.max_groups_in_flight - len(self._jobs) - len(self._waiting)
+            if free <= 0:
+                await asyncio.sleep(_IDLE_WAKE_S)
+                continue
+            for d in await self.consumer.poll(free, self.cfg.idle_poll_s):
+                self._take_on(d)
+
+    def _take_on(self, d: Delivery) -> None:
+        self._commits.owe(d)
+        job = Job.from_delivery(d, self.codec)
+        if job.group_id in self._jobs or any(w.group_id == job.group_id for w in self._waiting):
+            # A second delivery of a group already here (a redispatch): the first one's record serves.
+            log.info("worker.duplicate_delivery", group_id=job.group_id, offset=d.offset)
+            self._spawn(self._mark_done(d))
+            return
+        log.info("worker.admitted", group_id=job.group_id, stream=d.stream, offset=d.offset)
+        self._waiting.append(job)
+        self._work_arrived.set()
+
+    async def _stop_intake(self, intake: asyncio.Task[None]) -> None:
+        """Let a poll in progress finish (its records join the handover); cancel one that hangs."""
+        try:
+            await asyncio.wait_for(intake, timeout=self.cfg.handover_timeout_s / 2)
+        except TimeoutError:
+            log.warning("worker.intake_cancelled")
+
+    def _start_ready_jobs(self) -> None:
+        """Submit jobs whose min_version the engine has (or has staged); hand back those that waited too long."""
+        have = max(self.engine.version, self.engine.staged_version or -1)
+        still: list[Job] = []
+        for job in self._waiting:
+            if job.prompt.min_version <= have:
+                self._submit(job)
+            elif time.monotonic() - job.received_mono > self.cfg.min_version_wait_s:
+                log.info("worker.min_version_timeout", group_id=job.group_id, min_version=job.prompt.min_version,
+                         have=have)
+                self._spawn(self._hand_over(job, None, "min_version"))
+            else:
+                still.append(job)
+        self._waiting = still
+
+    def _submit(self, job: Job) -> None:
+        p = job.prompt
+        job.start()
+        self._jobs[job.group_id] = job
+        self.engine.submit(GroupRequest(p.group_id, job.prompt_ids, p.sampling, p.n_samples,
+                                        seed=self.cfg.seed, resume=job.resume))
+
+    def _cut_long_tail(self) -> None:
+        now = time.monotonic()
+        for gid, job in list(self._jobs.items()):
+            if job.started_mono is not None and now - job.started_mono > self.cfg.group_deadline_s \
+                    and gid in self.engine.group_ids():
+                samples = self.engine.take(gid)
+                log.info("worker.deadline_cut", group_id=gid, tokens=sum(len(s.completion_ids) for s in samples))
+                self._spawn(self._hand_over(self._jobs.pop(gid), samples, "deadline"))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for heartbeats and logs (the region agent reports them)."""
+        in_flight = sum(self.engine.tokens_so_far(g) for g in self.engine.group_ids())
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        return {"groups_done": self.groups_done, "handed_over": self.groups_handed_over,
+                "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
+                "tokens_per_s": round((self.tokens_generated + in_flight) / elapsed, 2),
+                "version": self.engine.version}
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats >= self.cfg.stats_interval_s:
+            self._last_stats = now
+            log.info("worker.stats", **self.stats())
+
+    # -- effects: a record produced, then the offset committed ---------------------------------
+
+    async def _finish(self, group: FinishedGroup) -> None:
+        job = self._jobs.pop(group.group_id)
+        task_name = job.prompt.task
+        try:
+            record = group_record(job, group.samples, get_task(task_name), self.codec, self.region, self.node)
+        except TaskError as exc:
+            await self._dead_letter(job, exc)
+            return
+        await self.producer.send("trajectories", group.group_id, record)
+        self.groups_done += 1
+        self.tokens_generated += sum(len(s.completion_ids) for s in group.samples)
+        log.info("worker.group_done", group_id=group.group_id, reward=round(
+            sum(s.reward for s in record.samples) / len(record.samples), 4))
+        await self._mark_done(job.delivery)
+
+    async def _hand_over(self, job: Job, samples: Any, reason: str) -> None:
+        record = partial_record(job, samples, self.region, self.node, reason)
+        await self.producer.send("partials", job.group_id, record)
+        self.groups_handed_over += 1
+        log.info("worker.handed_over", group_id=job.group_id, reason=reason,
+                 tokens=sum(len(s.completion_ids) for s in record.samples))
+        await self._mark_done(job.delivery)
+
+    async def _dead_letter(self, job: Job, exc: TaskError) -> None:
+        d = job.delivery
+        err = RecordError("reward", str(exc), field="reference", group_id=job.group_id).at(d.topic, d.partition,
+                                                                                             d.offset)
+        await self.producer.dead_letter(d.key.encode() if d.key else None, encode_record(d.record), err,
+                                        d.topic, d.partition, d.offset)
+        await self._mark_done(d)
+
+    async def _mark_done(self, d: Delivery) -> None:
+        self._commits.done(d)
+        async with self._commit_lock:
+            ready = self._commits.ready()
+            if ready:
+                await self.consumer.commit(ready)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+
+    def _surface_task_errors(self) -> None:
+        for task in [t for t in self._tasks if t.done()]:
+            self._tasks.discard(task)
+            task.result()  # an effect that failed beyond its retries stops the worker (nothing committed)
+
+    # -- handover -------------------------------------------------------------------------------
+
+    async def _bounded_handover(self, reason: str) -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._handover(reason), timeout=self.cfg.handover_timeout_s)
+        except TimeoutError:
+            log.error("worker.handover_timeout", timeout_s=self.cfg.handover_timeout_s,
+                      uncommitted=self._commits.outstanding())
+            return
+        log.info("worker.stopped", reason=reason, seconds=round(time.monotonic() - started, 3),
+                 groups_done=self.groups_done, handed_over=self.groups_handed_over)
+
+    async def _handover(self, reason: str) -> None:
+        """Publish every unfinished group as a partial, let in-flight records land, commit."""
+        for gid in list(self._jobs):
+            if gid in self.engine.group_ids():
+                self._spawn(self._hand_over(self._jobs.pop(gid), self.engine.take(gid), reason))
+        for job in self._waiting:
+            self._spawn(self._hand_over(job, None, reason))
+        self._waiting = []
+        if self._tasks:
+            await asyncio.gather(*self._tasks)
+        self._tasks.clear()
+
+
+async def run_worker(config: FleetConfig, region: str, node: str, stop: asyncio.Event,
+                     engine: Engine | None = None, preempted: asyncio.Event | None = None) -> None:
+    """Run one node's rollout worker until `stop` (SIGTERM) or `preempted`; hand over and return."""
+    await RolloutWorker(config, region, node, engine=engine).run(stop, preempted)

@@ -1,0 +1,184 @@
+"""The worker against real tansu and a directory hub: nothing lost, nothing duplicated, handover keeps tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import numpy as np
+import pytest
+import torch
+from rollout_testkit import (
+    HUB_KEY,
+    REGION,
+    fleet_dict,
+    groups,
+    make_config,
+    partials,
+    prompts,
+    publish_tiny,
+    read_stream,
+    send_prompts,
+    setup_topics,
+)
+
+from fleetrl.config import FleetConfig
+from fleetrl.rollout.worker import RolloutWorker
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETRL_HUB_KEY", HUB_KEY)
+    torch.set_num_threads(1)
+
+
+async def _run_worker_until(config: FleetConfig, node: str, done: Any, timeout_s: float) -> RolloutWorker:
+    """Run an in-process worker until `done(worker)` holds (bounded), then stop it (SIGTERM path)."""
+    worker, stop = RolloutWorker(config, REGION, node), asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not done(worker) and loop.time() < deadline and not task.done():
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, timeout=30)
+    return worker
+
+
+async def test_n_prompts_become_n_groups(run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path) -> None:
+    config = make_config(fleet_dict(run_id, tansu_bootstrap, tmp_path / "store"))
+    publish_tiny(config)
+    await setup_topics(config)
+    sent = prompts(config, 6, max_new_tokens=8)
+    await send_prompts(config, sent)
+    worker = await _run_worker_until(config, "n1", lambda w: w.groups_done >= 6, timeout_s=60)
+    out = groups(await read_stream(config, "trajectories", 6, timeout_s=20))
+    assert sorted(g.group_id for g in out) == sorted(p.group_id for p in sent)  # none lost, none twice
+    by_id = {p.group_id: p for p in sent}
+    for g in out:
+        assert (g.region, g.node, g.task, len(g.samples)) == (REGION, "n1", "reverse", 4)
+        assert g.prompt_ids[0] == 1 and len(g.prompt_ids) == len(by_id[g.group_id].prompt or "") + 1
+        for s in g.samples:
+            assert 1 <= len(s.completion_ids) <= 8 and (s.versions == 0).all()
+            assert s.finish_reason in ("stop", "length") and 0.0 <= s.reward <= 1.0
+            assert np.isfinite(s.logprobs).all() and (s.logprobs <= 0).all()
+    assert worker.groups_handed_over == 0
+    # Everything was committed: a new member of the rollout group finds no work.
+    again = await read_stream(config, "prompts", 1, timeout_s=2, group=f"fleetrl.{run_id}.rollout")
+    assert again == []
+
+
+def _spawn_worker(config_path: pathlib.Path, node: str, log_path: pathlib.Path) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by the test after the process ended
+    env = {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.rollout", "--config", str(config_path),
+                             "--region", REGION, "--node", node], stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, log
+
+
+def _events(log_path: pathlib.Path) -> Iterator[dict[str, Any]]:
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
+def _wait_for_event(proc: subprocess.Popen[bytes], log_path: pathlib.Path, pred: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(pred(e) for e in _events(log_path)):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"worker never logged the awaited event; log tail: {log_path.read_text()[-2000:]}")
+
+
+@pytest.fixture
+def worker_procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Worker subprocesses a test starts; any still running at the end are killed by their PID."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
+async def test_sigkill_before_commit_redoes_the_prompts(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, worker_procs: list[subprocess.Popen[bytes]]
+) -> None:
+    data = fleet_dict(run_id, tansu_bootstrap, tmp_path / "store")
+    config = make_config(data)
+    config_path = tmp_path / "fleet.yaml"
+    config_path.write_text(json.dumps(data))
+    publish_tiny(config)
+    await setup_topics(config)
+    # min_version 1 is not published yet: the worker takes the prompts and holds them uncommitted.
+    sent = prompts(config, 4, max_new_tokens=8, min_version=1)
+    await send_prompts(config, sent)
+    proc, log = _spawn_worker(config_path, "doomed", tmp_path / "doomed.log")
+    worker_procs.append(proc)
+    admitted: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(admitted) < 4 and time.monotonic() < deadline and proc.poll() is None:
+        admitted = {e["group_id"] for e in _events(tmp_path / "doomed.log") if e.get("event") == "worker.admitted"}
+        time.sleep(0.05)
+    assert len(admitted) == 4, (tmp_path / "doomed.log").read_text()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    log.close()
+    publish_tiny(config, seed=1)  # version 1 arrives; a new worker redoes every prompt
+    await _run_worker_until(config, "survivor", lambda w: w.groups_done >= 4, timeout_s=60)
+    out = groups(await read_stream(config, "trajectories", 4, timeout_s=20))
+    assert sorted(g.group_id for g in out) == sorted(p.group_id for p in sent)
+    assert all(g.node == "survivor" and all((s.versions == 1).all() for s in g.samples) for g in out)
+
+
+async def test_sigterm_mid_generation_hands_over_tokens_that_another_worker_keeps(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, worker_procs: list[subprocess.Popen[bytes]]
+) -> None:
+    long = 400  # a random-init model rarely emits EOS: generation is long enough to interrupt
+    data = fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", max_new_tokens=long)
+    config = make_config(data)
+    config_path = tmp_path / "fleet.yaml"
+    config_path.write_text(json.dumps(data))
+    publish_tiny(config)
+    await setup_topics(config)
+    sent = prompts(config, 3, max_new_tokens=long)
+    await send_prompts(config, sent)
+    proc, log = _spawn_worker(config_path, "preempted", tmp_path / "preempted.log")
+    worker_procs.append(proc)
+    _wait_for_event(proc, tmp_path / "preempted.log",
+                    lambda e: e.get("event") == "worker.stats" and e["tokens_in_flight"] > 0, timeout_s=60)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    log.close()
+    handed = partials(await read_stream(config, "partials", 1, timeout_s=10, group=f"{run_id}-peek"))
+    assert handed and all(p.handed_over_by.reason == "sigterm" for p in handed)
+    assert all(p.handed_over_by.node == "preempted" for p in handed)
+    assert sum(len(s.completion_ids) for p in handed for s in p.samples) > 0
+
+    await _run_worker_until(config, "finisher", lambda w: w.groups_done >= len(handed), timeout_s=90)
+    out = groups(await read_stream(config, "trajectories", 3, timeout_s=20))
+    assert sorted(g.group_id for g in out) == sorted(p.group_id for p in sent)  # none lost, none twice
+    final = {g.group_id: g for g in out}
+    for p in handed:
+        g = final[p.group_id]
+        assert g.node == "finisher"
+        for before, after in zip(p.samples, g.samples, strict=True):
+            n = len(before.completion_ids)
+            np.testing.assert_array_equal(after.completion_ids[:n], before.completion_ids)
+            np.testing.assert_array_equal(after.logprobs[:n], before.logprobs)
+            np.testing.assert_array_equal(after.versions[:n], before.versions)
+            if before.finish_reason is not None:
+                assert after.finish_reason == before.finish_reason and len(after.completion_ids) == n
