@@ -18,8 +18,10 @@ from fleetrl.hub.errors import (
     VersionConflict,
 )
 from fleetrl.hub.hub import Hub
+from fleetrl.hub.lease import Lease
 from fleetrl.hub.manifest import Manifest, TensorEntry
 from fleetrl.hub.publisher import PublishedVersion
+from fleetrl.hub.replicator import Replicator
 from fleetrl.hub.stores import DirStore, ObjectStore, open_store
 
 __all__ = [
@@ -28,12 +30,14 @@ __all__ = [
     "Hub",
     "HubError",
     "IntegrityError",
+    "Lease",
     "LeaseLost",
     "Manifest",
     "ObjectExists",
     "ObjectNotFound",
     "ObjectStore",
     "PublishedVersion",
+    "Replicator",
     "SignatureError",
     "StoreError",
     "TensorEntry",

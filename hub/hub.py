@@ -175,18 +175,34 @@ def _matches(into: Mapping[str, Any], entries: Mapping[str, mf.TensorEntry]) -> 
 
 def _hand_out(out: dict[str, Any], entries: Mapping[str, mf.TensorEntry],
               into: dict[str, Any] | None) -> dict[str, Any]:
-    """Give the verified tensors to the caller: copied into `into` in place, or as a new dict."""
+    """Give the verified tensors to the caller: copied into `into` in place, or as a new dict.
+
+    Tied tensors are handed out as one tensor, as a tied model's `state_dict()` has them. Tensors of
+    `into` that share storage without being tied in this version (equal norm weights tied by content
+    in an earlier version, say) are separated first, so writing one never changes the other.
+    """
     if into is None:
         result = {n: out[n] for n in entries if n in out}
         for n, e in entries.items():
             if e.encoding == "tied" and e.tied_to is not None:
                 result[n] = result[e.tied_to]
         return result
+    root = {n: (e.tied_to if e.encoding == "tied" and e.tied_to else n) for n, e in entries.items()}
+    sharing: dict[int, set[str]] = {}
+    for n in entries:
+        if n in into:
+            sharing.setdefault(into[n].data_ptr(), set()).add(n)
     for n, t in out.items():
-        if n in into and list(into[n].shape) == list(t.shape) and into[n].dtype == t.dtype:
-            into[n].copy_(t)
-        else:
+        current = into.get(n)
+        if current is None or list(current.shape) != list(t.shape) or current.dtype != t.dtype:
             into[n] = t
+            continue
+        group = sharing.get(current.data_ptr(), {n})
+        if any(root.get(m) != root[n] for m in group):
+            group.discard(n)
+            into[n] = t  # break an alias this version does not have
+        else:
+            current.copy_(t)
     for n, e in entries.items():
         if e.encoding == "tied" and e.tied_to is not None and e.tied_to in out:
             src = into[e.tied_to]

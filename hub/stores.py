@@ -40,6 +40,9 @@ class StoreStats:
 
     gets: int = 0
     get_bytes: int = 0
+    object_gets: int = 0
+    """GETs of hub objects (weights), as opposed to manifests, pointers and markers."""
+    object_bytes: int = 0
     puts: int = 0
     put_bytes: int = 0
     lists: int = 0
@@ -65,7 +68,8 @@ class ObjectStore(abc.ABC):
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or bytes [start, end) of it (one ranged GET)."""
         data = self._get(key, start, end)
-        self.stats.add(gets=1, get_bytes=len(data))
+        obj = "/objects/" in key
+        self.stats.add(gets=1, get_bytes=len(data), object_gets=int(obj), object_bytes=len(data) if obj else 0)
         return data
 
     def put(self, key: str, data: bytes) -> None:

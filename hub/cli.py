@@ -1,0 +1,158 @@
+"""Handlers of `fleetrl hub ...` and `fleetrl replicator` (named in fleetrl/cli.py).
+
+Each takes `(args, config)` and returns an exit code. Long transfers show a rich progress bar on a
+terminal; the replicator daemon logs JSON events and, on SIGTERM, finishes the version it is copying,
+releases its lease and exits 0 (or exits 3 if that takes longer than the lease TTL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from fleetrl.hub.errors import HubError
+from fleetrl.hub.hub import Hub
+from fleetrl.hub.reader import Progress
+from fleetrl.hub.replicator import Replicator
+
+from fleetrl.config import FleetConfig
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def _progress(label: str, total: int | None) -> Iterator[Progress]:
+    """A byte-counting callback drawing a rich progress bar on a terminal (silent otherwise)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _version(hub: Hub, text: str) -> int:
+    if text == "latest":
+        latest = hub.latest()
+        if latest is None:
+            raise HubError(f"{hub.store.where(hub.run + '/latest')}: no version published yet")
+        return latest
+    try:
+        return int(text)
+    except ValueError:
+        raise HubError(f"version {text!r} is neither a number nor 'latest'") from None
+
+
+def _load_safetensors(path: pathlib.Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise HubError(f"{path}: no .safetensors files")
+    state: dict[str, Any] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def publish(args: argparse.Namespace, config: FleetConfig) -> int:
+    with Hub.from_config(config) as hub:
+        pv = hub.publish(_load_safetensors(pathlib.Path(args.path)))
+    print(json.dumps({"version": pv.version, "anchor": pv.anchor, "manifest": pv.manifest_key,
+                      "sha256": pv.sha256, "bytes_written": pv.bytes_written}))
+    return 0
+
+
+def pull(args: argparse.Namespace, config: FleetConfig) -> int:
+    with Hub.from_config(config, store=args.store) as hub:
+        version = _version(hub, args.hub_version)
+        steps, _ = hub.reader.plan(version, None)
+        with _progress(f"v{version}", hub.reader._cost(steps)) as progress:
+            out = hub.materialize_to_safetensors(version, args.out, progress=progress)
+    print(json.dumps({"version": version, "path": str(out), "bytes": out.stat().st_size}))
+    return 0
+
+
+def verify(args: argparse.Namespace, config: FleetConfig) -> int:
+    with Hub.from_config(config, store=args.store) as hub:
+        version = _version(hub, args.hub_version)
+        steps, _ = hub.reader.plan(version, None)
+        with _progress(f"verify v{version}", hub.reader._cost(steps)) as progress:
+            state = hub.materialize(version, progress=progress)  # checks signature, parts and tensors
+    print(json.dumps({"version": version, "store": args.store, "tensors": len(state), "ok": True}))
+    return 0
+
+
+def ls(args: argparse.Namespace, config: FleetConfig) -> int:
+    with Hub.from_config(config, store=args.store) as hub:
+        latest = hub.latest()
+        rows: list[dict[str, Any]] = []
+        for v in hub.versions():
+            m = hub.manifest(v)
+            encodings: dict[str, int] = {}
+            for t in m.tensors:
+                encodings[t.encoding] = encodings.get(t.encoding, 0) + 1
+            rows.append({"version": v, "anchor": m.anchor, "latest": v == latest, "bytes": sum(m.objects.values()),
+                         "encodings": encodings, "holders": hub.holders(v),
+                         "published_at": datetime.datetime.fromtimestamp(m.published_at, datetime.UTC).isoformat()})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("version", "anchor", "bytes", "encodings", "holders", "published (UTC)",
+                  title=f"{config.run} in {args.store}")
+    for r in rows:
+        table.add_row(f"{r['version']}{' *' if r['latest'] else ''}", str(r["anchor"]), f"{r['bytes']:,}",
+                      " ".join(f"{k}:{n}" for k, n in sorted(r["encodings"].items())), ",".join(r["holders"]),
+                      r["published_at"][:19])
+    Console().print(table)
+    return 0
+
+
+def gc(args: argparse.Namespace, config: FleetConfig) -> int:
+    with Hub.from_config(config, store=args.store) as hub:
+        report = hub.gc(dry_run=args.dry_run)
+    print(json.dumps({"store": args.store, "dry_run": args.dry_run, "kept_versions": report.kept_versions,
+                      "deleted_versions": report.deleted_versions, "deleted_objects": len(report.deleted_objects),
+                      "freed_bytes": report.freed_bytes}))
+    return 0
+
+
+def run_replicator(args: argparse.Namespace, config: FleetConfig) -> int:
+    """The region's replicator daemon: contend for the lease, replicate, drain on SIGTERM."""
+    try:
+        config.region(args.region)
+    except KeyError as exc:
+        raise HubError(str(exc.args[0])) from None
+    replicator = Replicator(config, args.region)
+    stop = threading.Event()
+    bound_s = config.hub.lease_ttl_s
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info("replicator.draining", region=args.region, signal=signum, bound_s=bound_s)
+        stop.set()
+        # Past the bound our lease may be someone else's: leave without writing anything more.
+        timer = threading.Timer(bound_s, lambda: os._exit(3))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("replicator.started", region=args.region, holder=replicator.lease.holder)
+    with _progress(f"replicate {args.region}", None) as progress:
+        replicator.progress = progress
+        replicator.serve(stop, once=args.once)
+    log.info("replicator.stopped", region=args.region)
+    return 0

@@ -1,0 +1,185 @@
+"""Replicator: copies each version into one region's store, crossing the WAN once per region.
+
+One replicator per region does the work, elected by a lease in the region store (see lease.py).
+For each version the home store has and the region lacks, it reads the peer references
+(`holders/<N>/` in the home store), picks the holder with the lowest link cost from this region,
+copies the manifest (verified) and every object the region does not have yet (each checked
+against its sha256 before it is written), and then writes the peer reference `holders/<N>/<region>`
+into the region store and the home store, and moves the region's `latest`. Rollout nodes of the
+region read only their region store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from fleetrl.hub import manifest as mf
+from fleetrl.hub.errors import HubError, IntegrityError, LeaseLost, ObjectExists, ObjectNotFound
+from fleetrl.hub.lease import Lease
+from fleetrl.hub.publisher import read_latest
+from fleetrl.hub.signing import Keys, load_keys
+from fleetrl.hub.stores import ObjectStore, open_store
+
+from fleetrl.config import FleetConfig
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
+Progress = Callable[[int], None]
+
+
+class Replicator:
+    """Keeps the store of `region` up to date with the home store."""
+
+    def __init__(self, config: FleetConfig, region: str, stores: Mapping[str, ObjectStore] | None = None,
+                 holder: str | None = None, keys: Keys | None = None) -> None:
+        self.config, self.run, self.region = config, config.run, region
+        self.costs = config.region(region).link_costs
+        given = dict(stores or {})
+        self.stores = {name: given.get(name) or open_store(name, cfg, threads=config.hub.threads)
+                       for name, cfg in config.stores().items()}
+        self.local, self.home = self.stores[region], self.stores["home"]
+        self.keys = keys or load_keys(config.hub.signing)
+        self.lease = Lease(self.local, self.run, "replicator", config.hub.lease_ttl_s, holder)
+        self.progress: Progress | None = None
+        self._renewed = 0.0
+
+    # --- one pass ---------------------------------------------------------------------------
+
+    def pending(self) -> list[int]:
+        """Versions to copy, oldest first: from the region's latest on, or from the newest anchor."""
+        home_latest = read_latest(self.home, self.run)
+        if home_latest is None:
+            return []
+        have = read_latest(self.local, self.run)
+        if have is not None and have >= home_latest:
+            return []
+        start = (have + 1) if have is not None else home_latest
+        if have is None or home_latest - have > self.config.hub.anchor_interval:
+            start = self._manifest(self.home, home_latest)[0].anchor
+        return list(range(start, home_latest + 1))
+
+    def replicate_once(self, stop: threading.Event | None = None) -> list[int]:
+        """Copy every pending version (the caller holds the lease); returns the versions copied.
+
+        With `stop` set, the version being copied is finished and the rest left for the next holder.
+        """
+        done: list[int] = []
+        for version in self.pending():
+            if stop is not None and stop.is_set():
+                break
+            self._keep_lease()
+            try:
+                self.copy_version(version)
+            except ObjectNotFound as exc:
+                # Collected by gc at home before we got to it: skip ahead to what is still there.
+                log.warning("replicator.version_gone", version=version, region=self.region, error=str(exc))
+                continue
+            done.append(version)
+        return done
+
+    def sources(self, version: int) -> list[ObjectStore]:
+        """Stores holding `version`, nearest first by this region's link costs; home always last resort."""
+        prefix = mf.holders_prefix(self.run, version)
+        names = {i.key[len(prefix):] for i in self.home.scan(prefix)} | {"home"}
+        names = {n for n in names if n in self.stores and n != self.region}
+        ranked = sorted(names, key=lambda n: (self.costs.get(n, math.inf if n != "home" else 1e300), n))
+        return [self.stores[n] for n in ranked]
+
+    def copy_version(self, version: int) -> int:
+        """Copy one version's manifest and missing objects; returns the object bytes copied."""
+        errors: list[str] = []
+        for source in self.sources(version):
+            try:
+                copied = self._copy_from(source, version)
+            except (ObjectNotFound, IntegrityError) as exc:
+                errors.append(f"{source.name}: {exc}")
+                continue
+            log.info("replicator.copied", version=version, region=self.region, source=source.name, bytes=copied)
+            return copied
+        raise ObjectNotFound(f"no store could supply version {version} to {self.region}: {'; '.join(errors)}")
+
+    def _manifest(self, store: ObjectStore, version: int) -> tuple[mf.Manifest, bytes]:
+        key = mf.version_key(self.run, version)
+        data = store.get(key)
+        return mf.load_signed(data, self.keys, store.where(key), run=self.run, version=version), data
+
+    def _copy_from(self, source: ObjectStore, version: int) -> int:
+        manifest, raw = self._manifest(source, version)
+        copied = 0
+        for obj, size in sorted(manifest.objects.items()):
+            key = mf.object_key(self.run, obj)
+            if self.local.exists(key):
+                continue
+            data = source.get(key)
+            if len(data) != size or hashlib.sha256(data).hexdigest() != obj:
+                raise IntegrityError(f"{source.where(key)}: object does not match its sha256 (version {version})")
+            with contextlib.suppress(ObjectExists):  # a previous lease holder got there first: same bytes
+                self.local.create(key, data)
+            copied += len(data)
+            if self.progress is not None:
+                self.progress(len(data))
+        with contextlib.suppress(ObjectExists):
+            self.local.create(mf.version_key(self.run, version), raw)
+        self._keep_lease()
+        self.local.put(mf.holder_key(self.run, version, self.region), b"")
+        self.home.put(mf.holder_key(self.run, version, self.region), b"")
+        if (read_latest(self.local, self.run) or -1) < version:
+            pointer = {"version": version, "manifest": mf.version_key(self.run, version),
+                       "anchor": manifest.anchor, "sha256": hashlib.sha256(raw).hexdigest(),
+                       "published_at": manifest.published_at}
+            self.local.put(mf.latest_key(self.run), json.dumps(pointer).encode())
+        return copied
+
+    def _keep_lease(self) -> None:
+        """Renew at a third of the TTL; a replicator that lost its lease must stop writing."""
+        if self.lease._generation is None:
+            return  # used without a lease (tests, `--once` after acquiring)
+        if time.monotonic() - self._renewed >= self.config.hub.lease_ttl_s / 3:
+            self.lease.renew()
+            self._renewed = time.monotonic()
+        if not self.lease.held:
+            raise LeaseLost(f"lease of {self.region} expired while copying")
+
+    # --- the daemon loop --------------------------------------------------------------------
+
+    def serve(self, stop: threading.Event, *, once: bool = False) -> None:
+        """Contend for the lease and replicate until `stop` is set (or after one pass with `once`)."""
+        poll = self.config.hub.poll_interval_s
+        try:
+            while not stop.is_set():
+                if self._hold():
+                    try:
+                        self.replicate_once(stop)
+                    except LeaseLost as exc:
+                        log.warning("replicator.lease_lost", region=self.region, error=str(exc))
+                    except HubError as exc:
+                        if not exc.retriable:
+                            raise
+                        log.warning("replicator.retry", region=self.region, error=str(exc))
+                    if once:
+                        return
+                elif once:
+                    raise LeaseLost(f"{self.region}: replicator lease is held by {self.lease.current()}")
+                stop.wait(poll)
+        finally:
+            self.lease.release()
+
+    def _hold(self) -> bool:
+        """Renew the lease we hold (at a third of its TTL), or try to take it."""
+        if self.lease.held:
+            try:
+                self._keep_lease()
+                return True
+            except LeaseLost as exc:
+                log.warning("replicator.lease_lost", region=self.region, error=str(exc))
+                return False
+        if self.lease.acquire():
+            self._renewed = time.monotonic()
+            return True
+        return False

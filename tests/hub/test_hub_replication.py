@@ -1,0 +1,102 @@
+"""Leases and replication: one WAN copy per region, from the cheapest holder, verified."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import pytest
+from fleetrl.hub import DirStore, Hub, Lease, LeaseLost, Replicator, open_store
+from fleetrl.hub.stores import ObjectStore
+from hub_helpers import make_config, same_bits, step, tiny_state
+
+from fleetrl.config import FleetConfig
+
+
+def test_lease_one_holder_renewal_expiry_steal_and_release(tmp_path: pathlib.Path) -> None:
+    store = DirStore("r", tmp_path)
+    a = Lease(store, "run", "replicator", ttl_s=0.4, holder="a")
+    b = Lease(store, "run", "replicator", ttl_s=0.4, holder="b")
+    assert a.acquire() and a.held
+    assert not b.acquire() and not b.held
+    a.renew()
+    assert store.scan("run/lease/") and len(store.scan("run/lease/")) <= 2  # old generations cleaned
+    time.sleep(0.5)  # a died without renewing: its record expires
+    assert not a.held
+    assert b.acquire() and b.held
+    current = b.current()
+    assert current is not None and current.holder == "b"
+    with pytest.raises(LeaseLost):
+        a.renew()
+    b.release()
+    assert a.acquire()
+
+
+def three_stores(kind: str, run: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> FleetConfig:
+    if kind == "s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        urls = {n: f"s3://{bucket}/{n}" for n in ("home", "near", "far")}
+        endpoint = request.getfixturevalue("s3_endpoint")
+    else:
+        urls, endpoint = {n: (tmp_path / n).as_uri() for n in ("home", "near", "far")}, None
+    # `far` is expensive to reach from home but close to `near`: it should copy from `near`.
+    costs = {"near": {"home": 1, "far": 5}, "far": {"home": 10, "near": 1}}
+    return make_config(run, urls, s3_endpoint=endpoint, link_costs=costs, anchor_interval=5)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["dir", "s3"])
+def test_each_version_crosses_between_stores_once_per_region(
+        kind: str, run_id: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> None:
+    config = three_stores(kind, run_id, tmp_path, request)
+
+    def clients() -> dict[str, ObjectStore]:  # one client per actor: its counters are its own reads
+        return {n: open_store(n, c) for n, c in config.stores().items()}
+
+    with Hub.from_config(config) as trainer:
+        states = [tiny_state()]
+        trainer.publish(states[0])
+        for v in range(1, 5):
+            states.append(step(states[-1], v))
+            trainer.publish(states[-1])
+        total = sum(sum(trainer.manifest(v).objects.values()) for v in range(5))
+        n_objects = len({o for v in range(5) for o in trainer.manifest(v).objects})
+
+    near_view, far_view = clients(), clients()
+    assert Replicator(config, "near", stores=near_view).replicate_once() == [0, 1, 2, 3, 4]
+    assert Replicator(config, "far", stores=far_view).replicate_once() == [0, 1, 2, 3, 4]
+    assert near_view["home"].stats.object_bytes == total and near_view["home"].stats.object_gets == n_objects
+    assert far_view["near"].stats.object_bytes == total  # the cheaper peer, not home
+    assert far_view["home"].stats.object_gets == 0 and near_view["far"].stats.object_gets == 0
+    assert Replicator(config, "far", stores=far_view).replicate_once() == []  # nothing twice
+
+    # Four nodes per region read only their region store: no object crosses again.
+    for region in ("near", "far"):
+        for _ in range(4):
+            view = clients()
+            with Hub(config, store=region, stores=view) as node:
+                assert node.holders(4) == [region]  # its own peer reference
+                state = node.materialize(0)
+                for v in range(1, 5):
+                    state = node.materialize(v, into=state, have_version=v - 1)
+                assert same_bits(state, states[4])
+            assert all(view[n].stats.object_gets == 0 for n in view if n != region)
+
+    # Peer references in the home store name every holder.
+    with Hub.from_config(config) as home:
+        assert home.holders(4) == ["far", "home", "near"]
+
+
+@pytest.mark.integration
+def test_a_replicator_that_joins_late_starts_from_the_newest_anchor(run_id: str, tmp_path: pathlib.Path) -> None:
+    urls = {n: (tmp_path / n).as_uri() for n in ("home", "near")}
+    config = make_config(run_id, urls, link_costs={"near": {"home": 1}}, anchor_interval=3)
+    with Hub.from_config(config) as trainer:
+        state = tiny_state()
+        for v in range(8):
+            trainer.publish(state)
+            state = step(state, v + 1)
+    replicator = Replicator(config, "near")
+    assert replicator.replicate_once() == [6, 7]
+    with Hub.from_config(config, store="near") as node:
+        assert node.latest() == 7 and node.versions() == [6, 7]

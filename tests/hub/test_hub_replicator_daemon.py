@@ -1,0 +1,101 @@
+"""Two `fleetrl replicator` daemons for one region: one holds the lease, the other takes over."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import yaml
+from fleetrl.hub import Hub, Lease
+from hub_helpers import HMAC_KEY, step, tiny_state
+
+from fleetrl.config import load_config
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def config_file(tmp_path: pathlib.Path, run_id: str) -> pathlib.Path:
+    doc = {
+        "run": run_id,
+        "hub": {"home_store": str(tmp_path / "home"), "anchor_interval": 4, "lease_ttl_s": 1.5,
+                "poll_interval_s": 0.1, "threads": 1},
+        "regions": [{"name": "west", "kafka": "127.0.0.1:9", "store": str(tmp_path / "west"),
+                     "link_costs": {"home": 1}}],
+    }
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def daemons(config_file: pathlib.Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    env = {**os.environ, "FLEETRL_HUB_KEY": HMAC_KEY, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "fleetrl.cli", "replicator", "--config", str(config_file), "--region", "west",
+            "--log-json"]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    yield procs
+    for p in procs:  # only the processes this test started, by their pid
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+        if p.stderr is not None:
+            p.stderr.close()
+
+
+def test_one_daemon_holds_the_lease_and_the_other_takes_over_after_a_kill(
+        config_file: pathlib.Path, daemons: list[subprocess.Popen[bytes]]) -> None:
+    config = load_config(config_file)
+    hub = Hub.from_config(config)
+    region = Hub.from_config(config, store="west")
+    lease = Lease(region.store, config.run, "replicator", ttl_s=1.5, holder="observer")
+    state = tiny_state()
+    hub.publish(state)
+    wait_for(lambda: region.latest() == 0, 30, "the first version to reach the region")
+
+    def holder_pid() -> int | None:
+        record = lease.current()
+        if record is None or record.expires_at < time.time():
+            return None
+        return int(record.holder.split("-")[-2])
+
+    pids = {p.pid: p for p in daemons}
+    holder = holder_pid()
+    assert holder in pids
+    for _ in range(5):  # the lease stays with one holder while it renews
+        time.sleep(0.3)
+        assert holder_pid() == holder
+    assert all(p.poll() is None for p in daemons)
+
+    os.kill(holder, signal.SIGKILL)
+    pids[holder].wait(timeout=10)
+    for v in range(1, 3):
+        state = step(state, v)
+        hub.publish(state)
+    wait_for(lambda: region.latest() == 2, 30, "the other daemon to take over and replicate")
+    survivor = next(pid for pid in pids if pid != holder)
+    assert holder_pid() == survivor
+
+    os.kill(survivor, signal.SIGTERM)  # bounded drain, then exit 0
+    assert pids[survivor].wait(timeout=15) == 0
+    stderr = pids[survivor].stderr.read().decode() if pids[survivor].stderr else ""
+    events = [json.loads(line)["event"] for line in stderr.splitlines() if line.startswith("{")]
+    assert "lease.acquired" in events and "replicator.stopped" in events
+    hub.close()
+    region.close()
