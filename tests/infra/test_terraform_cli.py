@@ -120,3 +120,17 @@ def test_security_groups_open_only_design_ports(mock_apply: dict[str, Any]) -> N
                      (9400, 9400), (9401, 9401)}
     world = [v for v in rules if v.get("cidr_ipv4") == "0.0.0.0/0"]
     assert {(v["from_port"]) for v in world} <= {80, 443}, "only package/API egress may reach the internet"
+
+
+def test_mosquitto_cloud_config(mock_apply: dict[str, Any]) -> None:
+    address = "module.home.aws_instance.mqtt[0]"
+    (mqtt,) = [r for r in resources(mock_apply["state"]["root_module"]) if r["address"] == address]
+    cloud = _cloud_config(mqtt["values"]["user_data_base64"])
+    files = _files(cloud)
+    conf = files["/etc/mosquitto/conf.d/fleetrl.conf"]
+    assert "listener 1883" in conf and "allow_anonymous false" in conf
+    assert "mosquitto_passwd -b /etc/mosquitto/fleetrl.passwd 'fleetrl' \"$MQTT_PASSWORD\"" in \
+        files["/usr/local/lib/fleetrl/mqtt-auth.sh"]
+    spec = json.loads(files["/etc/fleetrl/secrets.json"])
+    assert spec["env"]["MQTT_PASSWORD"]["json_key"] == "password"
+    assert "mosquitto" in cloud["packages"]
