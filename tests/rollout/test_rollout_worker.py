@@ -16,6 +16,7 @@ from typing import IO, Any
 import numpy as np
 import pytest
 import torch
+from fleetrl.rollout.worker import RolloutWorker
 from rollout_testkit import (
     HUB_KEY,
     REGION,
@@ -31,7 +32,6 @@ from rollout_testkit import (
 )
 
 from fleetrl.config import FleetConfig
-from fleetrl.rollout.worker import RolloutWorker
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,9 @@ async def test_n_prompts_become_n_groups(run_id: str, tansu_bootstrap: str, tmp_
     assert again == []
 
 
-def _spawn_worker(config_path: pathlib.Path, node: str, log_path: pathlib.Path) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+def _spawn_worker(
+    config_path: pathlib.Path, node: str, log_path: pathlib.Path
+) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
     log = open(log_path, "wb")  # noqa: SIM115 - closed by the test after the process ended
     env = {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "fleetrl.rollout", "--config", str(config_path),
