@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
-from fleetrl.hub.reader import Progress, Reader, empty_words
+from fleetrl.hub.reader import Progress, Reader, Step, empty_words
 from fleetrl.hub.retention import GcReport, collect
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
@@ -132,6 +132,15 @@ class Hub:
         usable = into is not None and _matches(into, entries)
         steps, from_caller = self.reader.plan(version, have_version if usable else None)
         work: dict[str, np.ndarray]
+        if from_caller and into is not None and self._in_place_ok(steps, entries, into):
+            changed = {n for step in steps for n, _ in self.reader._refs(step)}
+            targets = {n: to_words(into[n]) for n in changed}
+            decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
+            self.reader.apply_verified(version, decoded, targets)
+            for n, e in entries.items():
+                if e.encoding == "tied" and e.tied_to and into[n].data_ptr() != into[e.tied_to].data_ptr():
+                    into[n].copy_(into[e.tied_to])
+            return into
         if from_caller:
             assert into is not None
             work = {n: to_words(into[n]).copy() for n in self.reader.touched(steps)}
@@ -162,6 +171,25 @@ class Hub:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return out
+
+
+    def _in_place_ok(self, steps: list[Step], entries: Mapping[str, mf.TensorEntry], into: Mapping[str, Any]) -> bool:
+        """Whether the chain can be checked on scratch blocks and then applied straight into `into`:
+        CPU contiguous tensors, ties unchanged along the chain, no storage shared by untied tensors."""
+        ties = {(n, e.tied_to) for n, e in entries.items() if e.encoding == "tied"}
+        for step in steps:
+            m = self.reader.manifest(step.version)
+            if {(t.name, t.tied_to) for t in m.tensors if t.encoding == "tied"} != ties:
+                return False
+        root = {n: (e.tied_to if e.encoding == "tied" and e.tied_to else n) for n, e in entries.items()}
+        owner: dict[int, str] = {}
+        for n in entries:
+            t = into[n]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                return False
+            if owner.setdefault(t.data_ptr(), root[n]) != root[n] and t.numel():
+                return False
+        return True
 
 
 def _matches(into: Mapping[str, Any], entries: Mapping[str, mf.TensorEntry]) -> bool:

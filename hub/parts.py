@@ -14,6 +14,7 @@ Words are the tensor's bit patterns viewed as unsigned integers of its item size
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 from fleetrl.hub import streams as st
@@ -70,22 +71,60 @@ def _unpack(payload: bytes | memoryview) -> tuple[tuple[int, ...], list[np.ndarr
     return (kind, pos, val, k, n, m, n_pos), streams
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """A decoded part: dense words, or sorted changed positions (relative to the part) and their words."""
+
+    dense: bool
+    n: int
+    pos: np.ndarray | None
+    codec: int
+    words: np.ndarray
+
+
+def decode_part(payload: bytes | memoryview, dtype: np.dtype, n_expected: int) -> Decoded:
+    """Decode and check a part without touching any tensor."""
+    (kind, pos_codec, val_codec, k, n, m, n_pos), streams = _unpack(payload)
+    if n != n_expected:
+        raise CodecError(f"part covers {n} elements, its range holds {n_expected}")
+    if kind == DENSE:
+        words = st.decode_dense(streams, dtype)
+        if words.size != n:
+            raise CodecError(f"dense part holds {words.size} words, expected {n}")
+        return Decoded(True, n, None, 0, words)
+    if kind != DELTA:
+        raise CodecError(f"unknown part kind {kind}")
+    pos = st.decode_positions(pos_codec, k, n, m, streams[:n_pos])
+    if val_codec == st.ValCodec.SUB_PACKED:
+        words = st.unpack_small(streams[n_pos:], dtype, m)
+    else:
+        words = st.decode_dense(streams[n_pos:], dtype)
+    if words.size != m or val_codec not in {int(c) for c in st.ValCodec}:
+        raise CodecError(f"{words.size} values for {m} positions (value codec {val_codec})")
+    return Decoded(False, n, pos, val_codec, words)
+
+
+def apply_window(d: Decoded, block: np.ndarray, offset: int) -> None:
+    """Apply the part's changes that fall in `block`, which holds the part's elements from `offset`."""
+    hi = offset + block.size
+    if d.dense:
+        lo_c, hi_c = max(offset, 0), min(hi, d.n)
+        if lo_c < hi_c:
+            block[lo_c - offset : hi_c - offset] = d.words[lo_c:hi_c]
+        return
+    assert d.pos is not None
+    i0, i1 = np.searchsorted(d.pos, [offset, hi])
+    if i0 == i1:
+        return
+    where = d.pos[i0:i1] - offset
+    block[where] = st.new_values(d.codec, block[where], d.words[i0:i1])
+
+
 def apply_part(payload: bytes | memoryview, target: np.ndarray) -> int:
     """Apply a part to `target` (the part's element range, unsigned words) in place; returns m.
 
     Everything is decoded and checked before `target` is written, so a bad part leaves it as it was.
     """
-    (kind, pos_codec, val_codec, k, n, m, n_pos), streams = _unpack(payload)
-    if n != target.size:
-        raise CodecError(f"part covers {n} elements, its range holds {target.size}")
-    if kind == DENSE:
-        words = st.decode_dense(streams, target.dtype)
-        if words.size != n:
-            raise CodecError(f"dense part holds {words.size} words, expected {n}")
-        target[...] = words
-        return n
-    if kind != DELTA:
-        raise CodecError(f"unknown part kind {kind}")
-    pos = st.decode_positions(pos_codec, k, n, m, streams[:n_pos])
-    target[pos] = st.decode_values(val_codec, target[pos], streams[n_pos:])
-    return m
+    d = decode_part(payload, target.dtype, target.size)
+    apply_window(d, target, 0)
+    return d.n if d.dense else int(d.words.size)

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import CodecError, HubError, IntegrityError
-from fleetrl.hub.parts import apply_part
+from fleetrl.hub.parts import Decoded, apply_window, decode_part
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
 from fleetrl.hub.tensors import sha256_words, word_dtype
@@ -28,7 +29,13 @@ MERGE_GAP = 1 << 20
 """Neighbouring parts closer than this are fetched in one ranged GET..."""
 RANGE_FRAMES = 4
 """...of at most this many frames, so a large object downloads in parallel ranged GETs."""
+VERIFY_BLOCK = 1 << 19
+"""Elements per block when checking changes on a scratch copy before applying them in place."""
 Progress = Callable[[int], None]
+
+
+def _little(words: np.ndarray) -> Any:
+    return np.ascontiguousarray(words.astype(words.dtype.newbyteorder("<"), copy=False))
 
 
 @dataclass(frozen=True)
@@ -146,29 +153,74 @@ class Reader:
 
     # --- applying ---------------------------------------------------------------------------
 
-    def apply(self, steps: list[Step], work: dict[str, np.ndarray], progress: Progress | None = None) -> None:
-        """Apply the steps in order to the word arrays in `work` (private copies, mutated in place)."""
+    def decode(self, steps: list[Step], sizes: Mapping[str, int], progress: Progress | None = None
+               ) -> dict[str, list[tuple[int, Decoded]]]:
+        """Fetch, check and decode every part of the steps (in parallel); per tensor, in step order."""
+        out: dict[str, list[tuple[int, Decoded]]] = {}
         for step in steps:
             refs = self._refs(step)
             payloads = self.fetch(step.version, refs, progress)
-            list(self.pool.map(functools.partial(self._apply_one, step.version, payloads, work), refs))
-            for t in self.manifest(step.version).tensors:
-                if t.encoding == "tied" and t.name in work and t.tied_to in work:
-                    work[t.name][...] = work[t.tied_to]
+            decode = functools.partial(self._decode_one, step.version, payloads, sizes)
+            for (name, r), d in zip(refs, self.pool.map(decode, refs), strict=True):
+                out.setdefault(name, []).append((r.start, d))
+        return out
 
-    def _apply_one(self, version: int, payloads: dict[tuple[str, int], bytes], work: dict[str, np.ndarray],
-                   item: tuple[str, mf.PartRef]) -> None:
+    def _decode_one(self, version: int, payloads: dict[tuple[str, int], bytes], sizes: Mapping[str, int],
+                    item: tuple[str, mf.PartRef]) -> Decoded:
         name, r = item
-        target = work[name]
-        if not 0 <= r.start <= r.stop <= target.size:
+        if name not in sizes or not 0 <= r.start <= r.stop <= sizes[name]:
             raise IntegrityError(f"version {version} tensor {name}: part range {r.start}:{r.stop} "
-                                 f"outside its {target.size} elements")
+                                 f"outside its {sizes.get(name)} elements")
+        entry = next(t for t in self.manifest(version).tensors if t.name == name)
         try:
-            apply_part(payloads[(r.object, r.offset)], target[r.start : r.stop])
+            return decode_part(payloads[(r.object, r.offset)], word_dtype(entry.dtype), r.stop - r.start)
         except CodecError as exc:
             key = self.store.where(mf.object_key(self.run, r.object))
             raise IntegrityError(f"{key} bytes {r.offset}+{r.length}: tensor {name} of version "
                                  f"{version}: {exc}") from exc
+
+    def apply(self, steps: list[Step], work: dict[str, np.ndarray], progress: Progress | None = None) -> None:
+        """Apply the steps in order to the word arrays in `work` (private copies, mutated in place)."""
+        for step in steps:
+            decoded = self.decode([step], {n: w.size for n, w in work.items()}, progress)
+
+            def run(name: str, decoded: dict[str, list[tuple[int, Decoded]]] = decoded) -> None:
+                for start, d in decoded[name]:
+                    apply_window(d, work[name][start : start + d.n], 0)
+
+            list(self.pool.map(run, list(decoded)))
+            for t in self.manifest(step.version).tensors:
+                if t.encoding == "tied" and t.name in work and t.tied_to in work:
+                    work[t.name][...] = work[t.tied_to]
+
+    def apply_verified(self, version: int, decoded: dict[str, list[tuple[int, Decoded]]],
+                       targets: dict[str, np.ndarray]) -> None:
+        """Apply decoded changes straight into `targets` (the caller's memory), but only after checking,
+        block by block on a scratch copy, that every result matches the manifest's sha256."""
+        entries = {t.name: t for t in self.manifest(version).tensors}
+        names = sorted(decoded)
+
+        def check(name: str) -> str:
+            target, digest = targets[name], hashlib.sha256()
+            for lo in range(0, target.size, VERIFY_BLOCK):
+                block = target[lo : lo + VERIFY_BLOCK].copy()
+                for start, d in decoded[name]:
+                    if start < lo + block.size and lo < start + d.n:
+                        apply_window(d, block, lo - start)
+                digest.update(memoryview(_little(block)).cast("B"))
+            return digest.hexdigest()
+
+        for name, digest in zip(names, self.pool.map(check, names), strict=True):
+            if digest != entries[name].sha256:
+                raise IntegrityError(f"{self.store.where(mf.version_key(self.run, version))}: tensor {name} "
+                                     f"would have sha256 {digest[:16]}… after apply, manifest says "
+                                     f"{entries[name].sha256[:16]}…; nothing was applied")
+
+        def commit(name: str) -> None:
+            for start, d in decoded[name]:
+                apply_window(d, targets[name][start : start + d.n], 0)
+
+        list(self.pool.map(commit, names))
 
     def verify(self, version: int, work: dict[str, np.ndarray], names: set[str]) -> None:
         """Check the sha256 of each tensor in `names` against the manifest of `version`."""

@@ -174,7 +174,7 @@ def _pack_small(values: np.ndarray) -> list[np.ndarray] | None:
     return [table.astype(table.dtype.newbyteorder("<")).view(np.uint8), packed]
 
 
-def _unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int) -> np.ndarray:
+def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int) -> np.ndarray:
     if len(streams) != 2 or streams[0].size % dtype.itemsize:
         raise CodecError("packed values need a table and an index stream")
     table = streams[0].view(dtype.newbyteorder("<")).astype(dtype)
@@ -205,17 +205,13 @@ def encode_values(old: np.ndarray, new: np.ndarray, level: int) -> tuple[IntEnum
     return codec, frames, sizes
 
 
-def decode_values(codec: int, old: np.ndarray, streams: list[np.ndarray]) -> np.ndarray:
-    if codec == ValCodec.SUB_PACKED:
-        return old + _unzigzag(_unpack_small(streams, old.dtype, old.size))
-    words = _unplanes(streams, old.dtype)
-    if words.size != old.size:
-        raise CodecError(f"{words.size} values for {old.size} positions")
+def new_values(codec: int, old: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """The new words at the changed positions from the old ones and the stored words."""
     if codec == ValCodec.RAW:
         return words
     if codec == ValCodec.XOR:
         return old ^ words
-    if codec == ValCodec.SUB:
+    if codec in (ValCodec.SUB, ValCodec.SUB_PACKED):
         return old + _unzigzag(words)
     raise CodecError(f"unknown value codec {codec}")
 

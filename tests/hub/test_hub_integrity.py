@@ -119,3 +119,16 @@ def test_ed25519_readers_verify_with_the_public_key_only(
     (tmp_path / "hub.pub").write_text(other)
     with Hub.from_config(reader_cfg) as reader, pytest.raises(SignatureError, match="expected key"):
         reader.materialize(1)
+
+
+def test_a_caller_state_that_is_not_the_claimed_version_is_refused_untouched(
+        dir_config: Callable[..., FleetConfig]) -> None:
+    hub, states = published(dir_config())
+    with hub:
+        into = {k: v.clone() for k, v in states[0].items()}
+        into["lm_head.weight"] = into["model.embed_tokens.weight"]
+        into["model.layers.0.mlp.up_proj.weight"].view(-1)[5] += 1  # not version 0 any more
+        before = {k: v.clone() for k, v in into.items()}
+        with pytest.raises(IntegrityError, match="nothing was applied"):
+            hub.materialize(1, into=into, have_version=0)
+        assert same_bits(into, before)
