@@ -68,3 +68,25 @@ def test_wrong_json_key_named(s3_endpoint: str, tmp_path: pathlib.Path) -> None:
     arn = _secret(s3_endpoint, json.dumps({"username": "fleetrl", "pass": "x"}))
     proc = _run(s3_endpoint, {"env": {"FLEETRL_MQTT_PASSWORD": {"arn": arn, "json_key": "password"}}}, tmp_path)
     assert proc.returncode == 1 and "no JSON key 'password'" in proc.stderr
+
+
+def test_waits_for_a_value_stored_later(s3_endpoint: str, tmp_path: pathlib.Path) -> None:
+    # A secret created without a value (as Terraform does for an Ed25519 key) is waited for.
+    client = boto3.client("secretsmanager", endpoint_url=s3_endpoint, region_name="us-east-1")
+    arn = client.create_secret(Name=f"fleetrl-{uuid.uuid4().hex[:8]}")["ARN"]
+    (tmp_path / "secrets.json").write_text(json.dumps({"env": {"FLEETRL_HUB_KEY": {"arn": arn, "json_key": None}}}))
+    with subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tmp_path / "secrets.json"), str(tmp_path / "env"), "--node", "n1",
+         "--wait-s", "30"],
+        env={**os.environ, "AWS_ENDPOINT_URL": s3_endpoint}, stderr=subprocess.PIPE, text=True,
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            assert "retrying" in proc.stderr.readline()  # it found no value and is waiting
+            client.put_secret_value(SecretId=arn, SecretString="0123abcd")
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    assert 'FLEETRL_HUB_KEY="0123abcd"' in (tmp_path / "env").read_text()

@@ -3,7 +3,7 @@
 
 Run by fleetrl-secrets.service before any FleetRL daemon starts:
 
-    fetch-secrets.py /etc/fleetrl/secrets.json /run/fleetrl/env [--node NAME]
+    fetch-secrets.py /etc/fleetrl/secrets.json /run/fleetrl/env [--node NAME] [--wait-s S]
 
 `secrets.json` (written by Terraform, holding secret ARNs, never values) looks like
 `{"env": {"FLEETRL_HUB_KEY": {"arn": "...", "json_key": null}}, "files": {"/etc/fleetrl/hub.pub": {...}}}`.
@@ -56,8 +56,10 @@ def node_name(explicit: str | None) -> str:
     return name
 
 
-def fetch(arn: str, json_key: str | None, target: str) -> str:
-    """One secret's value, with bounded retries for throttling and a node that boots before its role."""
+def fetch(arn: str, json_key: str | None, target: str, wait_s: float = 0.0) -> str:
+    """One secret's value. Transient errors (throttling, a role not yet propagated) are retried a
+    few times; any error, a missing value included, is retried until `wait_s` has passed, so nodes
+    can boot before an operator has stored a key."""
     import boto3  # installed with FleetRL; imported late so --help works anywhere
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -65,15 +67,19 @@ def fetch(arn: str, json_key: str | None, target: str) -> str:
     if len(parts) < 7 or parts[2] != "secretsmanager":
         raise SecretProblem(f"{target}: {arn!r} is not a Secrets Manager ARN")
     client = boto3.client("secretsmanager", region_name=parts[3])
-    for attempt in range(1, ATTEMPTS + 1):
+    deadline = time.monotonic() + wait_s
+    attempt = 0
+    while True:
         try:
             text = client.get_secret_value(SecretId=arn)["SecretString"]
             break
         except (BotoCoreError, ClientError) as exc:
-            # A fresh instance may ask before its role has propagated: retry all but a missing secret.
+            attempt += 1
             code = exc.response["Error"]["Code"] if isinstance(exc, ClientError) else ""
-            if attempt == ATTEMPTS or code == "ResourceNotFoundException":
+            transient = code != "ResourceNotFoundException"
+            if time.monotonic() >= deadline and (not transient or attempt >= ATTEMPTS):
                 raise SecretProblem(f"{target}: cannot read secret {arn}: {exc}") from exc
+            print(f"fleetrl-secrets: {target}: {code or type(exc).__name__}, retrying", file=sys.stderr)
             time.sleep(min(2.0**attempt, 30.0))
     if json_key is None:
         return str(text)
@@ -111,14 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("env_file", type=pathlib.Path, help="EnvironmentFile to write")
     parser.add_argument("--node", help="node name (default: EC2 instance id, else short host name)")
     parser.add_argument("--file-group", default="fleetrl", help="group that may read secret files")
+    parser.add_argument("--wait-s", type=float, default=0.0, help="keep retrying missing secrets this long")
     args = parser.parse_args(argv)
     try:
         spec: dict[str, Any] = json.loads(args.spec.read_text())
         lines = [f"FLEETRL_NODE={node_name(args.node)}\n"]
         for name, src in sorted(spec.get("env", {}).items()):
-            lines.append(env_line(name, fetch(src["arn"], src.get("json_key"), name), src["arn"]))
+            lines.append(env_line(name, fetch(src["arn"], src.get("json_key"), name, args.wait_s), src["arn"]))
         for path, src in sorted(spec.get("files", {}).items()):
-            value = fetch(src["arn"], src.get("json_key"), path)
+            value = fetch(src["arn"], src.get("json_key"), path, args.wait_s)
             write_private(pathlib.Path(path), value.strip() + "\n", 0o640, args.file_group)
         write_private(args.env_file, "".join(lines), 0o600)
     except (SecretProblem, OSError, ValueError, KeyError) as exc:
