@@ -253,7 +253,9 @@ class Consumer:
         with translated(f"read end offsets of {tps[0].topic}"):
             ends = await bounded(c.end_offsets(tps), self.config.kafka.request_timeout_s, "end offsets")
             for tp in tps:
-                if await bounded(c.position(tp), self.config.kafka.request_timeout_s, "position") < ends[tp]:
+                # tansu with S3 storage under-reports ListOffsets; the fetched high watermark is right.
+                end = max(ends[tp], c.highwater(tp) or 0)
+                if await bounded(c.position(tp), self.config.kafka.request_timeout_s, "position") < end:
                     return True
         return False
 

@@ -8,12 +8,14 @@ from there (`auto_offset_reset=earliest`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs
+from fleetrl.broker.errors import KafkaError
 from fleetrl.broker.naming import Stream, rollout_group, topic_name, trainer_group
 from fleetrl.broker.topics import admin_client, describe_topics
 
@@ -56,7 +58,8 @@ async def reader(
 
 async def end_offsets(config: FleetConfig, region: str, topic: str) -> dict[int, int]:
     """Next offset to be written, per partition of `topic`."""
-    return (await _offsets(config, region, [topic]))[1]
+    _, ends = await _offsets(config, region, [topic])
+    return {tp.partition: offset for tp, offset in ends.items()}
 
 
 async def _offsets(
@@ -68,9 +71,31 @@ async def _offsets(
         return {}, {}
     timeout = config.kafka.request_timeout_s
     async with reader(config, region) as consumer:
+        consumer.assign(tps)
         starts = await bounded(consumer.beginning_offsets(tps), timeout, f"log start offsets ({region!r})")
-        ends = await bounded(consumer.end_offsets(tps), timeout, f"end offsets ({region!r})")
+        ends = await log_ends(consumer, tps, timeout)
     return starts, ends
+
+
+async def log_ends(
+    consumer: AIOKafkaConsumer, tps: list[TopicPartition], timeout_s: float
+) -> dict[TopicPartition, int]:
+    """End offsets of assigned partitions, confirmed by a fetch.
+
+    tansu with S3 storage answers ListOffsets(latest) wrongly (1 where the log holds 6), while its
+    fetch responses carry the right high watermark: so fetch once from the reported end and keep
+    the larger of the two. Moves the partitions' positions.
+    """
+    ends = await bounded(consumer.end_offsets(tps), timeout_s, f"end offsets of {tps[0].topic}")
+    for tp in tps:
+        consumer.seek(tp, ends[tp])
+    try:
+        async with asyncio.timeout(timeout_s):
+            while any(consumer.highwater(tp) is None for tp in tps):
+                await consumer.getmany(*tps, timeout_ms=200, max_records=1)
+    except TimeoutError as exc:
+        raise KafkaError(f"no fetch answer for {tps[0].topic} within {timeout_s:.1f} s", retriable=True) from exc
+    return {tp: max(ends[tp], consumer.highwater(tp)) for tp in tps}
 
 
 async def end_offsets_by_tp(config: FleetConfig, region: str, topics: list[str]) -> dict[tuple[str, int], int]:

@@ -1,0 +1,137 @@
+"""Every bound of the schema, checked by the real Consumer: the record goes to dead-letter with its reason.
+
+One scenario runs for the module (a consumer group join costs seconds on tansu): good and bad groups
+are produced to `trajectories`, one Consumer polls and commits, and a group-less reader collects
+the dead-letter topic. Each test then checks one bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from broker_testkit import VOCAB, fleet_yaml, make_config, make_group, poll_until
+from fleetrl.broker import (
+    SCHEMA_HEADER,
+    Consumer,
+    DeadLetter,
+    Delivery,
+    Producer,
+    RecordLimits,
+    decode_record,
+    ensure_topics,
+    topic_name,
+    trainer_group,
+)
+from fleetrl.broker.dlq import read_dead_letters
+from fleetrl.broker.lag import group_lag
+
+from fleetrl import devstack
+
+pytestmark = pytest.mark.integration
+
+# key -> what is wrong with the group produced under that key
+BAD: dict[str, dict[str, Any]] = {
+    "bad-token-range": {"tokens": [1, 2, VOCAB + 5]},
+    "bad-negative-token": {"tokens": [1, -3, 2]},
+    "bad-samples": {"n_samples": 5},  # the config allows 4 samples per group
+    "bad-nan-logprob": {"logprobs": [-0.1, math.nan, -0.2]},
+    "bad-positive-logprob": {"logprobs": [-0.1, 0.5, -0.2]},
+    "bad-task": {"task": "no-such-task"},
+}
+GOOD = [f"good-{i}" for i in range(4)]
+
+
+@dataclass
+class Outcome:
+    run: str
+    delivered: list[Delivery]
+    dead: dict[str, DeadLetter]
+    lag_after_commit: int
+    limits: RecordLimits
+
+
+@pytest.fixture(scope="module")
+def outcome(tansu: devstack.ServerProcess) -> Outcome:
+    return asyncio.run(_scenario(f"127.0.0.1:{tansu.port}"))
+
+
+async def _scenario(bootstrap: str) -> Outcome:
+    config = make_config(fleet_yaml(f"t{uuid.uuid4().hex[:10]}", bootstrap))
+    limits = RecordLimits.from_config(config)
+    await ensure_topics(config, "r1")
+    async with Producer(config, "r1", "dl-producer") as producer:
+        for key in [*GOOD[:2], *BAD, *GOOD[2:]]:
+            spec = dict(BAD.get(key, {}))
+            n_samples = spec.pop("n_samples", 2)
+            group = make_group(key, run=config.run, n_samples=n_samples, n_tokens=3, **spec)
+            await producer.send("trajectories", key, group)
+        await producer.send_raw(topic_name(config.run, "trajectories"), b"bad-bytes", b"\xc1 not msgpack",
+                                [(SCHEMA_HEADER, b"fleetrl.group/1")])
+        async with Consumer(config, "r1", ["trajectories"], trainer_group(config.run), limits, producer,
+                            "dl-consumer") as consumer:
+            delivered = await poll_until(consumer, len(GOOD))
+            delivered += await consumer.poll(max_records=100, timeout_s=1.0)  # anything fetched late
+            await consumer.commit(delivered)
+    dead = {(d.key or b"").decode(): d for d in await read_dead_letters(config, "r1", limit=100)}
+    lag = sum(row.lag for row in await group_lag(config, "r1") if row.topic.endswith("trajectories"))
+    return Outcome(config.run, delivered, dead, lag, limits)
+
+
+def _dead(outcome: Outcome, key: str, reason: str, field: str) -> DeadLetter:
+    letter = outcome.dead[key]
+    assert letter.reason == reason
+    assert letter.field is not None and letter.field.endswith(field)
+    assert letter.original_topic == topic_name(outcome.run, "trajectories")
+    assert letter.original_partition is not None and letter.original_offset is not None
+    assert f"{letter.original_topic}[{letter.original_partition}]@{letter.original_offset}" in letter.message
+    assert key in letter.message  # the group id is named
+    return letter
+
+
+def test_token_id_outside_vocab_is_dead_lettered(outcome: Outcome) -> None:
+    letter = _dead(outcome, "bad-token-range", "token_range", "completion_ids")
+    assert letter.schema == "fleetrl.group/1"
+    # The dead letter holds the original bytes: they decode (without bounds) to the group that was sent.
+    record = decode_record(letter.value)
+    assert record.group_id == "bad-token-range"
+    np.testing.assert_array_equal(record.samples[0].completion_ids, [1, 2, VOCAB + 5])  # type: ignore[union-attr]
+
+
+def test_negative_token_id_is_dead_lettered(outcome: Outcome) -> None:
+    _dead(outcome, "bad-negative-token", "token_range", "completion_ids")
+
+
+def test_too_many_samples_is_dead_lettered(outcome: Outcome) -> None:
+    _dead(outcome, "bad-samples", "samples_bound", "samples")
+
+
+def test_non_finite_logprob_is_dead_lettered(outcome: Outcome) -> None:
+    _dead(outcome, "bad-nan-logprob", "logprob_bound", "logprobs")
+
+
+def test_positive_logprob_is_dead_lettered(outcome: Outcome) -> None:
+    _dead(outcome, "bad-positive-logprob", "logprob_bound", "logprobs")
+
+
+def test_unknown_task_is_dead_lettered(outcome: Outcome) -> None:
+    letter = _dead(outcome, "bad-task", "unknown_task", "task")
+    assert "no-such-task" in letter.message
+
+
+def test_undecodable_bytes_are_dead_lettered(outcome: Outcome) -> None:
+    letter = outcome.dead["bad-bytes"]
+    assert letter.reason == "malformed" and letter.value == b"\xc1 not msgpack"
+
+
+def test_nothing_is_lost_and_dead_letters_are_committed(outcome: Outcome) -> None:
+    # Every produced record is either delivered or dead-lettered, never both, never neither ...
+    assert sorted(d.key for d in outcome.delivered if d.key) == sorted(GOOD)
+    assert set(outcome.dead) == {*BAD, "bad-bytes"}
+    # ... and committing the good ones also covered the dead letters around them: no lag is left.
+    assert outcome.lag_after_commit == 0
