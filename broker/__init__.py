@@ -5,6 +5,7 @@ Public surface; other packages import only these names.
 
 from fleetrl.broker.codec import decode_record, encode_record, expand_versions, rle_versions
 from fleetrl.broker.consumer import Consumer, Delivery
+from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement
 from fleetrl.broker.deadletter import DeadLetter
 from fleetrl.broker.errors import (
     BrokerError,
@@ -14,6 +15,7 @@ from fleetrl.broker.errors import (
     RecordTooLarge,
     TopicError,
 )
+from fleetrl.broker.mqtt import ControlPlane
 from fleetrl.broker.naming import (
     SCHEMA_HEADER,
     STREAMS,
@@ -56,14 +58,18 @@ __all__ = [
     "STREAMS",
     "BrokerError",
     "Consumer",
+    "ControlCommand",
+    "ControlPlane",
     "ControlPlaneError",
     "DeadLetter",
     "Delivery",
     "GroupRecord",
     "HandedOverBy",
+    "Heartbeat",
     "KafkaError",
     "PartialRecord",
     "PartialSample",
+    "PolicyAnnouncement",
     "Producer",
     "PromptRecord",
     "Record",

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import aiokafka.errors as ak_errors
-from fleetrl.broker.errors import KafkaError
 
+from fleetrl.broker.errors import KafkaError
 from fleetrl.config import FleetConfig, KafkaClusterConfig
 from fleetrl.log import get_logger
 

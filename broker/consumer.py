@@ -24,6 +24,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.protocol.group import LeaveGroupRequest
+
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, translated
 from fleetrl.broker.codec import decode_record
 from fleetrl.broker.errors import KafkaError, RecordError
@@ -31,7 +32,6 @@ from fleetrl.broker.naming import Stream, topic_name
 from fleetrl.broker.offsets import TP, OffsetTracker
 from fleetrl.broker.producer import Producer
 from fleetrl.broker.records import SCHEMA_GROUP, SCHEMA_PARTIAL, SCHEMA_PROMPT, Record, RecordLimits
-
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from aiokafka import TopicPartition
+
 from fleetrl.broker.clients import bounded
 from fleetrl.broker.deadletter import DeadLetter
 from fleetrl.broker.errors import KafkaError, TopicError
@@ -19,7 +20,6 @@ from fleetrl.broker.lag import log_ends, reader
 from fleetrl.broker.naming import STREAMS, topic_name
 from fleetrl.broker.producer import Producer
 from fleetrl.broker.topics import describe_topics
-
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 

@@ -14,11 +14,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs
 from fleetrl.broker.errors import KafkaError
 from fleetrl.broker.naming import Stream, rollout_group, topic_name, trainer_group
 from fleetrl.broker.topics import admin_client, describe_topics
-
 from fleetrl.config import FleetConfig
 
 GROUP_STREAMS: dict[str, tuple[Stream, ...]] = {"rollout": ("prompts", "partials"), "trainer": ("trajectories",)}

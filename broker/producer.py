@@ -14,13 +14,13 @@ from types import TracebackType
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, translated, with_retries
 from fleetrl.broker.codec import encode_record
 from fleetrl.broker.deadletter import dead_letter_headers
 from fleetrl.broker.errors import KafkaError, RecordError, RecordTooLarge
 from fleetrl.broker.naming import SCHEMA_HEADER, Stream, topic_name
 from fleetrl.broker.records import Record
-
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs
 from fleetrl.broker.errors import TopicError
 from fleetrl.broker.naming import STREAMS, Stream, topic_name
-
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 import yaml
-from fleetrl.broker import GroupRecord, PromptRecord, Sample, Sampling, floats, ids
 
+from fleetrl.broker import GroupRecord, PromptRecord, Sample, Sampling, floats, ids
 from fleetrl.config import FleetConfig, parse_config
 
 VOCAB = 128

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from broker_testkit import fleet_yaml, make_config
-from fleetrl.broker import RecordLimits
 
+from fleetrl.broker import RecordLimits
 from fleetrl.config import FleetConfig
 
 

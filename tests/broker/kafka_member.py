@@ -13,7 +13,6 @@ import json
 import sys
 
 from fleetrl.broker import Consumer, Producer, RecordLimits
-
 from fleetrl.config import load_config
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from broker_testkit import make_group, make_prompt, poll_until
+
 from fleetrl.broker import (
     SCHEMA_HEADER,
     Consumer,
@@ -18,7 +19,6 @@ from fleetrl.broker import (
     trainer_group,
 )
 from fleetrl.broker.lag import end_offsets
-
 from fleetrl.config import FleetConfig
 
 pytestmark = pytest.mark.integration

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 from broker_testkit import VOCAB, fleet_yaml, make_config, make_group, poll_until
+
+from fleetrl import devstack
 from fleetrl.broker import (
     SCHEMA_HEADER,
     Consumer,
@@ -30,8 +32,6 @@ from fleetrl.broker import (
 )
 from fleetrl.broker.dlq import read_dead_letters
 from fleetrl.broker.lag import group_lag
-
-from fleetrl import devstack
 
 pytestmark = pytest.mark.integration
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from broker_testkit import fleet_yaml, make_config, make_group, poll_until
-from fleetrl.broker import Consumer, Producer, RecordLimits, ensure_topics, topic_name, trainer_group
-from fleetrl.broker.lag import end_offsets
 
 from fleetrl import devstack
+from fleetrl.broker import Consumer, Producer, RecordLimits, ensure_topics, topic_name, trainer_group
+from fleetrl.broker.lag import end_offsets
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

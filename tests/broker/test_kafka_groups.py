@@ -12,8 +12,8 @@ import sys
 
 import pytest
 from broker_testkit import fleet_yaml, make_config, make_prompt, poll_until, write_config
-from fleetrl.broker import Consumer, Producer, RecordLimits, ensure_topics, rollout_group
 
+from fleetrl.broker import Consumer, Producer, RecordLimits, ensure_topics, rollout_group
 from fleetrl.config import FleetConfig
 
 pytestmark = pytest.mark.integration

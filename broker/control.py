@@ -1,0 +1,58 @@
+"""Payloads of the MQTT control plane (DESIGN.md §4): small JSON documents validated with pydantic.
+
+    fleetrl/<run>/policy                  PolicyAnnouncement   retained: the newest published version
+    fleetrl/<run>/nodes/<region>/<node>   Heartbeat            retained; the last will says "offline"
+    fleetrl/<run>/control/<region>        ControlCommand       not retained: drain / resume / stop
+
+Nothing here is the only copy of anything: a node that missed a message recovers from the retained
+state and the object store.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Payload(BaseModel):
+    # Unknown keys are ignored (a newer publisher may add fields); wrong types are refused.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class PolicyAnnouncement(_Payload):
+    """The newest policy version, announced by the trainer's publisher after the manifest is durable."""
+
+    version: int = Field(ge=0)
+    manifest: str
+    """Store key of the version's manifest (`<run>/versions/<N:012d>.json`)."""
+    anchor: int = Field(ge=0)
+    """Version of the anchor the delta chain starts from."""
+    sha256: str
+    """Hash of the manifest bytes."""
+    published_at: float
+
+
+class Heartbeat(_Payload):
+    """A node's retained state; `ts` lets a reader tell a stale "up" from a live one."""
+
+    state: Literal["up", "draining", "offline"]
+    version: int | None = None
+    """Policy version the node's engines run (None before the first load)."""
+    tokens_per_s: float = 0.0
+    in_flight: int = 0
+    """Groups being decoded."""
+    engines: int | list[str] = 0
+    """Engines on the node: a count, or their names."""
+    ts: float = Field(default_factory=time.time)
+
+
+class ControlCommand(_Payload):
+    """An operator's (or the trainer's) command to every node of a region."""
+
+    cmd: Literal["drain", "resume", "stop"]
+    reason: str = ""
