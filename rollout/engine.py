@@ -83,6 +83,7 @@ class Engine(ABC):
         self.max_context = max_context
         self._version = version
         self._groups: dict[str, list[SeqState]] = {}
+        self._touched: set[str] = set()
         self._staged: tuple[Mapping[str, Any], int] | None = None
         self._staged_lock = threading.Lock()
 
@@ -108,6 +109,7 @@ class Engine(ABC):
             raise EngineError(f"group {request.group_id} is already in the engine")
         seqs = self._states(request)
         self._groups[request.group_id] = seqs
+        self._touched.add(request.group_id)  # a resumed group may hold only finished samples
         self._enqueue([s for s in seqs if s.finish_reason is None])
 
     def step(self) -> list[FinishedGroup]:
@@ -179,6 +181,8 @@ class Engine(ABC):
             seq.finish_reason = "stop"
         elif len(seq.tokens) >= seq.sampling.max_new_tokens or self._context_full(seq):
             seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self._touched.add(seq.group_id)
 
     def _context_full(self, seq: SeqState) -> bool:
         return len(seq.prompt_ids) + len(seq.tokens) >= self.max_context
@@ -194,7 +198,10 @@ class Engine(ABC):
             self._version = version
 
     def _collect_finished(self) -> list[FinishedGroup]:
-        done = [g for g, seqs in self._groups.items() if all(s.finish_reason is not None for s in seqs)]
+        # Only groups with a sample that finished since the last step (or submitted finished) can be done.
+        touched, self._touched = self._touched, set()
+        done = [g for g in touched if g in self._groups
+                and all(s.finish_reason is not None for s in self._groups[g])]
         return [FinishedGroup(g, [s.to_partial() for s in self._groups.pop(g)]) for g in done]
 
     def _states(self, r: GroupRequest) -> list[SeqState]:

@@ -6,8 +6,9 @@ not depend on which other samples share the batch, on how many steps ran before,
 sample was handed over and resumed on another node: a resumed partial reproduces the continuation
 an uninterrupted run would have produced (up to floating-point ties in the logits).
 
-Sampling is inverse-CDF over the probabilities sorted in descending order (ties broken by token
-id), after temperature scaling and top-p truncation. The recorded behaviour log-probability is that
+Sampling is inverse-CDF after temperature scaling: over the probabilities sorted in descending
+order (ties broken by token id) and truncated to the top-p set when `top_p < 1`, in token-id order
+when `top_p == 1` (no sort needed); both are fixed functions of the logits and the uniform. The recorded behaviour log-probability is that
 of the distribution actually sampled from:
 
     logprob = log_softmax(logits / T)[token] - log(mass kept by top-p)
@@ -59,6 +60,20 @@ def sample_tokens(
     """
     logp = torch.log_softmax(logits.float() / temperature.float()[:, None], dim=-1)
     probs = logp.exp()
+    full = top_p >= 1.0
+    if bool(full.all()):
+        return _sample_full(logp, probs, u)
+    tokens, behaviour = _sample_top_p(logp, probs, top_p, u)
+    if bool(full.any()):
+        # Each row's rule depends only on its own top_p, never on the rest of the batch.
+        tokens_f, behaviour_f = _sample_full(logp, probs, u)
+        tokens, behaviour = torch.where(full, tokens_f, tokens), torch.where(full, behaviour_f, behaviour)
+    return tokens, behaviour
+
+
+def _sample_top_p(
+    logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     before = sorted_p.cumsum(dim=-1) - sorted_p
     # Keep the smallest prefix whose mass reaches top_p; the most likely token is always kept.
@@ -73,10 +88,15 @@ def sample_tokens(
     pos = torch.minimum(pos, last_kept)
     tokens = order.gather(1, pos).squeeze(1)
     token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
-    truncated = top_p < 1.0
-    log_mass = torch.where(truncated, mass.log(), torch.zeros_like(mass))
-    behaviour = (token_logp - log_mass).clamp(max=0.0)
-    return tokens, behaviour
+    return tokens, (token_logp - mass.log()).clamp(max=0.0)
+
+
+def _sample_full(logp: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with top_p == 1: inverse CDF in token-id order, no sort needed."""
+    cum = probs.cumsum(dim=-1)
+    target = (u.to(cum.dtype) * cum[:, -1])[:, None]
+    tokens = torch.searchsorted(cum, target, right=True).clamp(max=probs.shape[1] - 1).squeeze(1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1).clamp(max=0.0)
 
 
 def behaviour_logprobs(

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from fleetrl.rollout import _kv
 from fleetrl.rollout.engine import Engine, SeqState
@@ -36,6 +37,7 @@ class TorchEngine(Engine):
     def __init__(
         self, model: Any, *, max_batch: int = 32, device: str = "cpu", dtype: str = "float32",
         eos_ids: list[int] | None = None, pad_id: int | None = None, version: int = 0,
+        refill_fraction: float = 0.125,
     ) -> None:
         cfg = model.config
         eos = eos_ids if eos_ids is not None else _as_list(cfg.eos_token_id)
@@ -48,6 +50,8 @@ class TorchEngine(Engine):
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=_DTYPES[dtype]).eval()
         self.max_batch = max_batch
+        # Admitting costs one prefill pass whatever its size: wait until a few slots are free.
+        self.refill_min = max(1, int(max_batch * refill_fraction))
         self.pad_id = int(pad_id if pad_id is not None else (cfg.pad_token_id or 0))
         self._params = _param_index(self.model)
         self._waiting: deque[SeqState] = deque()
@@ -56,13 +60,16 @@ class TorchEngine(Engine):
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._temp = torch.zeros(0, device=self.device)
+        self._top_p = torch.zeros(0, device=self.device)
+        self._keys = np.zeros(0, dtype=np.uint64)
 
     @classmethod
     def from_config(cls, model_config: Any, engine_config: Any, version: int = 0) -> TorchEngine:
         """Build the model of `ModelConfig` and wrap it per `TorchEngineConfig`."""
         torch.set_num_threads(engine_config.threads)
         return cls(model_config.build(), max_batch=engine_config.max_batch, device=engine_config.device,
-                   dtype=engine_config.dtype, version=version)
+                   dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction)
 
     # -- scheduler ------------------------------------------------------------------------------
 
@@ -88,7 +95,7 @@ class TorchEngine(Engine):
         if self._rows:
             logits.append(self._decode())
         free = self.max_batch - len(self._rows)
-        if free > 0 and self._waiting:
+        if self._waiting and (free >= self.refill_min or (free > 0 and not self._rows)):
             admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             logits.append(self._prefill(admitted))
         self._sample(torch.cat(logits))
@@ -115,20 +122,24 @@ class TorchEngine(Engine):
         cache = _kv.new_cache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         last_pos = mask.sum(dim=1)  # position of each admitted sample's next token
+        temp = torch.tensor([s.sampling.temperature for s in seqs], device=self.device)
+        top_p = torch.tensor([s.sampling.top_p for s in seqs], device=self.device)
+        keys = np.array([s.key for s in seqs], dtype=np.uint64)
         if self._rows:
             self._cache, self._mask = _kv.concat(self._cache, self._mask, cache, mask)
             self._pos = torch.cat([self._pos, last_pos])
+            self._temp, self._top_p = torch.cat([self._temp, temp]), torch.cat([self._top_p, top_p])
+            self._keys = np.concatenate([self._keys, keys])
         else:
             self._cache, self._mask, self._pos = cache, mask, last_pos
+            self._temp, self._top_p, self._keys = temp, top_p, keys
         self._rows.extend(seqs)
         return out.logits[:, -1]
 
     def _sample(self, logits: torch.Tensor) -> None:
         rows = self._rows
-        temp = torch.tensor([s.sampling.temperature for s in rows], device=self.device)
-        top_p = torch.tensor([s.sampling.top_p for s in rows], device=self.device)
-        u = torch.from_numpy(uniforms([s.key for s in rows], [s.position for s in rows])).to(self.device)
-        tokens, logprobs = sample_tokens(logits, temp, top_p, u)
+        u = torch.from_numpy(uniforms(self._keys, [s.position for s in rows])).to(self.device)
+        tokens, logprobs = sample_tokens(logits, self._temp, self._top_p, u)
         self._last = tokens
         for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             self._append(seq, tok, lp)
@@ -141,10 +152,12 @@ class TorchEngine(Engine):
             self._rows, self._cache = [], None
             self._mask = self._mask[:0, :0]
             self._pos, self._last = self._pos[:0], self._last[:0]
+            self._temp, self._top_p, self._keys = self._temp[:0], self._top_p[:0], self._keys[:0]
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._cache, self._mask = _kv.select(self._cache, self._mask, idx)
         self._pos, self._last = self._pos[idx], self._last[idx]
+        self._temp, self._top_p, self._keys = self._temp[idx], self._top_p[idx], self._keys[keep]
         self._rows = [self._rows[i] for i in keep]
 
     # -- weights --------------------------------------------------------------------------------

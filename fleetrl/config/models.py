@@ -306,6 +306,8 @@ class TorchEngineConfig(Model):
     """Dtype the engine runs in (published weights are cast to it)."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads (1 avoids 100x slow-downs on shared cores)."""
+    refill_fraction: float = Field(0.125, gt=0, le=1)
+    """Admit waiting samples once this fraction of the slots is free (at least one): fewer prefill passes."""
 
 
 class VllmEngineConfig(Model):

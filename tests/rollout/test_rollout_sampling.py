@@ -68,3 +68,14 @@ def test_uniforms_are_counter_based() -> None:
     many = uniforms([keys[0]] * 20000, list(range(20000)))
     assert many.min() >= 0.0 and many.max() < 1.0
     assert abs(many.mean() - 0.5) < 0.01 and abs(many.var() - 1 / 12) < 0.005
+
+
+def test_a_rows_token_does_not_depend_on_the_other_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits, u = torch.randn(8, 30, generator=gen), torch.rand(8, generator=gen, dtype=torch.float64)
+    temp, mixed = torch.ones(8), torch.tensor([1.0, 0.8] * 4)
+    alone, _ = sample_tokens(logits, temp, torch.ones(8), u)
+    together, _ = sample_tokens(logits, temp, mixed, u)
+    torch.testing.assert_close(together[0::2], alone[0::2])
+    truncated, _ = sample_tokens(logits[1::2], temp[1::2], mixed[1::2], u[1::2])
+    torch.testing.assert_close(together[1::2], truncated)
