@@ -129,16 +129,24 @@ def mock_apply(terraform: Terraform, plugin_dir: pathlib.Path,
     shutil.copy(STUBS / "generated-secret-main.tf", root / "modules" / "generated-secret" / "main.tf")
     env_dir = root / "environments" / "two-regions"
     terraform.init(env_dir, plugin_dir)
-    proc = terraform.run("test", "-json", "-verbose", cwd=env_dir, check=False)
+    # -verbose prints each run's state and plan (with provider schemas: MBs), so only for the apply.
+    events = _terraform_test(terraform, env_dir, "tests/mock_apply.tftest.hcl", "-verbose")
+    events += _terraform_test(terraform, env_dir, "tests/mock_validation.tftest.hcl")
+    states = [e["test_state"] for e in events if e.get("type") == "test_state"]
+    assert states, "terraform test -verbose printed no state for the apply run"
+    yield {"state": states[0], "events": events}
+
+
+def _terraform_test(terraform: Terraform, env_dir: pathlib.Path, file: str, *args: str) -> list[dict[str, Any]]:
+    proc = terraform.run("test", "-json", f"-filter={file}", *args, cwd=env_dir, check=False)
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     failed = [e["@message"] for e in events if e.get("type") == "test_run" and
               e["test_run"].get("progress") == "complete" and e["test_run"].get("status") != "pass"]
     diags = [e["@message"] for e in events if e.get("type") == "diagnostic" and e.get("@level") == "error"]
     if proc.returncode != 0 or failed:
-        raise AssertionError(f"terraform test failed: {failed}\n" + "\n".join(diags)[-6000:] + proc.stderr[-2000:])
-    states = [e["test_state"] for e in events if e.get("type") == "test_state"]
-    assert states, "terraform test -verbose printed no state for the apply run"
-    yield {"state": states[0], "events": events}
+        detail = "\n".join(diags)[-6000:] + proc.stderr[-2000:]
+        raise AssertionError(f"terraform test {file} failed: {failed}\n{detail}")
+    return events
 
 
 def resources(module: dict[str, Any]) -> Iterator[dict[str, Any]]:
