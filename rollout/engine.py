@@ -84,6 +84,8 @@ class Engine(ABC):
         self._version = version
         self._groups: dict[str, list[SeqState]] = {}
         self._touched: set[str] = set()
+        self.tokens_sampled = 0
+        """Tokens this engine sampled (resumed prefixes excluded): the work it did."""
         self._staged: tuple[Mapping[str, Any], int] | None = None
         self._staged_lock = threading.Lock()
 
@@ -174,6 +176,7 @@ class Engine(ABC):
 
     def _append(self, seq: SeqState, token: int, logprob: float) -> None:
         """Record one sampled token and decide whether the sample finished."""
+        self.tokens_sampled += 1
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self._version)
