@@ -19,12 +19,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from fleetrl.config import FleetConfig
 from fleetrl.hub.errors import HubError
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.reader import Progress
 from fleetrl.hub.replicator import Replicator
-
-from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)

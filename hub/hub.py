@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from fleetrl.config import FleetConfig
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
@@ -26,8 +27,6 @@ from fleetrl.hub.retention import GcReport, collect
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
 from fleetrl.hub.tensors import from_words, to_words
-
-from fleetrl.config import FleetConfig
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from fleetrl.hub.errors import HubError, LeaseLost, ObjectExists, ObjectNotFound
 from fleetrl.hub.stores import ObjectStore, unique_id
-
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)

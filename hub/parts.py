@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+
 from fleetrl.hub import streams as st
 from fleetrl.hub.errors import CodecError
 

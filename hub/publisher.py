@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from fleetrl.config import HubConfig
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import ObjectExists, VersionConflict
 from fleetrl.hub.parts import encode_delta_part, encode_dense_part
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
 from fleetrl.hub.tensors import dtype_name, sha256_words, to_words
-
-from fleetrl.config import HubConfig
 from fleetrl.log import get_logger
 
 if TYPE_CHECKING:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import CodecError, HubError, IntegrityError
 from fleetrl.hub.parts import Decoded, apply_window, decode_part

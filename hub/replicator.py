@@ -19,14 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from fleetrl.config import FleetConfig
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError, IntegrityError, LeaseLost, ObjectExists, ObjectNotFound
 from fleetrl.hub.lease import Lease
 from fleetrl.hub.publisher import read_latest
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
-
-from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)

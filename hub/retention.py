@@ -16,7 +16,6 @@ from fleetrl.hub import manifest as mf
 from fleetrl.hub.publisher import read_latest
 from fleetrl.hub.reader import Reader
 from fleetrl.hub.stores import ObjectStore
-
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)

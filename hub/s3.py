@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fleetrl.config import StoreConfig
 from fleetrl.hub.errors import ObjectExists, ObjectNotFound, StoreError
 from fleetrl.hub.stores import ObjectInfo, ObjectStore
-
-from fleetrl.config import StoreConfig
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}

@@ -15,9 +15,8 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from fleetrl.hub.errors import SignatureError
-
 from fleetrl.config import SigningConfig
+from fleetrl.hub.errors import SignatureError
 
 
 def _key_id(material: bytes) -> str:

@@ -21,9 +21,8 @@ import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 
-from fleetrl.hub.errors import ObjectExists, ObjectNotFound, StoreError
-
 from fleetrl.config import StoreConfig
+from fleetrl.hub.errors import ObjectExists, ObjectNotFound, StoreError
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import hashlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from fleetrl.hub.errors import CodecError
 
 if TYPE_CHECKING:

@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from fleetrl.hub import Hub, HubError, VersionConflict
 from hub_helpers import same_bits, step, tiny_state
 from safetensors.torch import load_file
 
 from fleetrl.config import FleetConfig
+from fleetrl.hub import Hub, HubError, VersionConflict
 
 
 def publish_chain(hub: Hub, n: int, frac: float = 0.03) -> list[dict[str, torch.Tensor]]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fleetrl.hub import parts
 from fleetrl.hub.errors import CodecError
 from fleetrl.hub.streams import PosCodec, encode_positions
 from fleetrl.hub.tensors import DTYPES, from_words, to_words
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # Bit patterns that float arithmetic would mangle: NaN payloads (quiet and signalling, both signs),
 # +-0, the smallest and largest subnormals, infinities.

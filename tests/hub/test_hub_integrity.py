@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from fleetrl.hub import Hub, IntegrityError, SignatureError
-from fleetrl.hub.signing import generate_ed25519
 from hub_helpers import same_bits, step, tiny_state
 
 from fleetrl.config import FleetConfig
+from fleetrl.hub import Hub, IntegrityError, SignatureError
+from fleetrl.hub.manifest import manifest_text
+from fleetrl.hub.signing import generate_ed25519
 
 
 def published(config: FleetConfig) -> tuple[Hub, list[dict[str, torch.Tensor]]]:
@@ -80,7 +81,7 @@ def test_a_tampered_or_unsigned_manifest_is_refused(dir_config: Callable[..., Fl
     hub, _ = published(dir_config())
     with hub:
         path = pathlib.Path(hub.store.url.removeprefix("file://")) / hub.run / "versions" / f"{1:012d}.json"
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(manifest_text(path.read_bytes(), str(path)))
         doc["manifest"]["tensors"][1]["sha256"] = "0" * 64
         path.write_text(json.dumps(doc))
         with pytest.raises(SignatureError, match="does not verify"):

@@ -6,11 +6,11 @@ import pathlib
 import time
 
 import pytest
-from fleetrl.hub import DirStore, Hub, Lease, LeaseLost, Replicator, open_store
-from fleetrl.hub.stores import ObjectStore
 from hub_helpers import make_config, same_bits, step, tiny_state
 
 from fleetrl.config import FleetConfig
+from fleetrl.hub import DirStore, Hub, Lease, LeaseLost, Replicator, open_store
+from fleetrl.hub.stores import ObjectStore
 
 
 def test_lease_one_holder_renewal_expiry_steal_and_release(tmp_path: pathlib.Path) -> None:

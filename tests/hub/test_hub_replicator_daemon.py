@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import yaml
-from fleetrl.hub import Hub, Lease
 from hub_helpers import HMAC_KEY, step, tiny_state
 
 from fleetrl.config import load_config
+from fleetrl.hub import Hub, Lease
 
 pytestmark = pytest.mark.integration
 

@@ -7,11 +7,11 @@ import threading
 from typing import Any
 
 import pytest
-from fleetrl.hub import Hub, ObjectExists, ObjectNotFound, VersionConflict, open_store
-from fleetrl.hub.stores import ObjectStore
 from hub_helpers import make_config, same_bits, step, tiny_state
 
 from fleetrl.config import FleetConfig
+from fleetrl.hub import Hub, ObjectExists, ObjectNotFound, VersionConflict, open_store
+from fleetrl.hub.stores import ObjectStore
 
 pytestmark = pytest.mark.integration
 
