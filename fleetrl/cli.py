@@ -94,11 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _cmd(hub, "publish", "fleetrl.hub.cli:publish", "publish a safetensors file or folder as the next version")
     p.add_argument("path", help="a .safetensors file or a folder of them")
     p = _cmd(hub, "pull", "fleetrl.hub.cli:pull", "materialize a version into a safetensors file")
-    p.add_argument("version", help="version number or 'latest'")
+    # dest differs from the name: `args.version` is the top-level --version flag
+    p.add_argument("hub_version", metavar="version", help="version number or 'latest'")
     p.add_argument("out", help="output .safetensors path")
     p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "verify", "fleetrl.hub.cli:verify", "check signature and every hash of a version")
-    p.add_argument("version", help="version number or 'latest'")
+    p.add_argument("hub_version", metavar="version", help="version number or 'latest'")
     p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "ls", "fleetrl.hub.cli:ls", "list versions, their encodings, sizes and holders")
     p.add_argument("--store", default="home", help="store to list (default: %(default)s)")
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default="home", help="store to collect (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted")
 
-    p = _cmd(sub, "trainer", "fleetrl.trainer.cli:run_trainer", "run the central trainer (daemon)")
+    p = _cmd(sub, "trainer", "fleetrl.trainer_cli:run_trainer", "run the central trainer (daemon)")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: config)")
     p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
     _region(p, required=True)

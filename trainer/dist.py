@@ -9,6 +9,7 @@ do next with `command`.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,11 @@ class DistContext:
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
+            # Sharded modules that outlive the process group, or a rank tearing gloo down while
+            # its peer still talks to it, abort at exit ("terminate called without an active
+            # exception"): callers drop their learner first; collect it, then meet, then leave.
+            gc.collect()
+            dist.barrier()
             dist.destroy_process_group()
 
 

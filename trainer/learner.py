@@ -52,7 +52,6 @@ class Learner:
         self.algo, self.ctx = algo, ctx
         self.publish_dtype = _PUBLISH_DTYPES[model_cfg.publish_dtype]
         model = model_cfg.build().float()
-        self.tied_names = _tied_duplicates(model)
         ref = copy.deepcopy(model).requires_grad_(False) if algo.kl_coef > 0 else None
         self.model = ctx.shard(model)
         self.ref = ctx.shard(ref).eval() if ref is not None else None
@@ -69,10 +68,11 @@ class Learner:
         return self._train(self.ctx.scatter(batch.shard(self.ctx.world_size)))
 
     def published_state(self) -> dict[str, torch.Tensor]:
-        """The weights as engines run them: publish dtype, CPU, tied weights once (rank 0)."""
+        """The weights as engines run them: publish dtype, CPU, every state-dict name (rank 0)."""
         self.ctx.command("state")
         msd, _ = get_state(self.model, None, self.ctx)
-        return {k: v.to(self.publish_dtype).contiguous() for k, v in msd.items() if k not in self.tied_names}
+        # Tied weights (lm_head = embeddings) are passed as they are: the hub stores them once.
+        return {k: v.to(self.publish_dtype).contiguous() for k, v in msd.items()}
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """fp32 model and optimizer state, unsharded (rank 0)."""
@@ -159,17 +159,6 @@ class Learner:
         if self.ctx.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
-
-
-def _tied_duplicates(model: torch.nn.Module) -> frozenset[str]:
-    """Names of parameters that are another name's tensor (a tied lm_head): published once."""
-    seen: set[int] = set()
-    dups: set[str] = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            dups.add(name)
-        seen.add(id(p))
-    return frozenset(dups)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

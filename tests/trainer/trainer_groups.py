@@ -1,0 +1,26 @@
+"""Synthetic finished groups for trainer tests (a stand-in rollout that needs no engine)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fleetrl.broker import GroupRecord, Sample, floats, ids
+
+
+def make_group(gid: str, run: str, *, version: int = 0, n: int = 4, seed: int = 0, task: str = "reverse",
+               attempt: int = 0, region: str = "local-a", vocab: int = 128, length: int = 5,
+               rewards: list[float] | None = None) -> GroupRecord:
+    """A group whose samples are random tokens with plausible behaviour logprobs."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        L = int(rng.integers(1, length + 1))
+        samples.append(Sample(
+            completion_ids=ids(rng.integers(3, vocab, L)),
+            logprobs=floats(-rng.uniform(0.5, 6.0, L)),
+            versions=np.full(L, version, dtype=np.int32),
+            reward=float(rewards[i]) if rewards is not None else float(rng.uniform(0, 1)),
+            finish_reason="stop",
+        ))
+    return GroupRecord(group_id=gid, run=run, task=task, attempt=attempt, region=region, node="node-1",
+                       prompt_ids=ids(rng.integers(3, vocab, 4)), samples=samples)

@@ -1,0 +1,258 @@
+"""The trainer loop on rank 0: dispatch, collect, step, publish, checkpoint, commit (DESIGN.md §1).
+
+One asyncio task runs the loop; blocking work (the optimizer step, the hub publish, the checkpoint
+write) runs in threads so the Kafka clients keep heartbeating. Per region it holds one producer
+(prompts, and dead letters of that region) and one consumer of `trajectories` in the group
+`fleetrl.<run>.trainer`. The order within a step is what makes resume exact:
+
+    step -> publish version -> announce -> checkpoint (atomic) -> commit the offsets it covers
+
+A SIGKILL anywhere leaves the newest checkpoint consistent with itself: restart loads it, seeks
+every consumer to the offsets it recorded and re-reads what came after, and the collector's ledger
+makes anything it already trained a duplicate. Weights published after that checkpoint are
+superseded: on resume the checkpoint's weights are published again as a newer version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetrl.broker import GroupRecord, RecordError, RecordLimits, encode_record, trainer_group
+from fleetrl.config import FleetConfig
+from fleetrl.hub import Hub
+from fleetrl.log import get_logger
+from fleetrl.trainer import checkpoint
+from fleetrl.trainer.batch import build_step_batch
+from fleetrl.trainer.collector import Collector
+from fleetrl.trainer.credits import RegionCredits
+from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.learner import Learner
+from fleetrl.trainer.metrics import TrainerMetrics
+from fleetrl.trainer.publisher import WeightPublisher
+from fleetrl.trainer.regions import RegionClients
+
+log = get_logger(__name__)
+
+POLL_TIMEOUT_S = 0.2
+POLL_MAX_RECORDS = 256
+
+
+@dataclass(slots=True)
+class TrainerResult:
+    steps: int
+    version: int
+    rewards: list[float] = field(default_factory=list)
+    """Mean reward of each step's samples, in step order (this process's steps only)."""
+    trained_groups: int = 0
+    stale_groups: int = 0
+    duplicates: int = 0
+
+
+class Trainer:
+    def __init__(self, config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]], learner: Learner,
+                 *, metrics: TrainerMetrics | None = None, use_mqtt: bool = True) -> None:
+        self.config, self.learner, self._prompts = config, learner, prompts
+        self.metrics = metrics or TrainerMetrics()
+        self.use_mqtt = use_mqtt
+        a = config.algorithm
+        self.collector = Collector(config.run, a.max_staleness)
+        self.credits = RegionCredits(
+            {r.name: r.weight for r in config.regions}, window_s=config.trainer.throughput_window_s,
+            tokens_per_group=a.n_samples * a.max_new_tokens,
+        )
+        self.clients: RegionClients | None = None
+        self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits)
+        self.step, self.version, self._saved_step = 0, 0, -1
+        self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
+        self.result = TrainerResult(0, 0)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self, max_steps: int | None = None, stop: asyncio.Event | None = None) -> TrainerResult:
+        target = max_steps if max_steps is not None else self.config.algorithm.max_steps
+        stop = stop or asyncio.Event()
+        async with AsyncExitStack() as stack:
+            hub = Hub.from_config(self.config)
+            stack.callback(hub.close)
+            announcer = None
+            if self.use_mqtt:
+                from fleetrl.broker import ControlPlane
+
+                announcer = await stack.enter_async_context(ControlPlane(self.config, f"{self.config.run}-trainer"))
+            self.publisher = WeightPublisher(hub, announcer, self.metrics)
+            self.announcer = announcer
+            await self._restore_or_start()
+            limits = RecordLimits.from_config(self.config)
+            self.clients = await stack.enter_async_context(
+                RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets))
+            await self._loop(target, stop)
+            await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
+        self.result.steps, self.result.version = self.step, self.version
+        self.result.trained_groups = len(self.collector.trained)
+        self.result.stale_groups, self.result.duplicates = len(self.collector.stale), self.collector.duplicates
+        return self.result
+
+    async def _restore_or_start(self) -> None:
+        ckpt = checkpoint.latest(self.config.trainer.checkpoint_dir, self.config.run)
+        if ckpt is None:
+            pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
+            self.version = pv.version
+            log.info("trainer.started", version=self.version, resumed=False)
+            return
+        msd, osd = await asyncio.to_thread(ckpt.weights)
+        await asyncio.to_thread(self.learner.load_state, msd, osd)
+        s = ckpt.state
+        self.step, self.version, self._saved_step = int(s["step"]), int(s["version"]), int(s["step"])
+        self.collector.restore(s["collector"])
+        self.dispatcher.restore(s["dispatcher"], self._prompts())
+        self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
+        for r in self.config.regions:
+            self.offsets.setdefault(r.name, {})
+        latest = await asyncio.to_thread(self.publisher.latest_version)
+        if latest != self.version:
+            # A version published after this checkpoint came from weights that are now lost:
+            # supersede it with the checkpoint's weights so that engines converge on what we hold.
+            pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
+            log.warning("trainer.republished", checkpoint_version=self.version, hub_latest=latest,
+                        version=pv.version)
+            self.version = pv.version
+        else:
+            self.publisher.last = None
+        log.info("trainer.started", resumed=True, checkpoint=str(ckpt.path), step=self.step, version=self.version,
+                 pending=len(self.collector.pending), in_flight=len(self.dispatcher.in_flight))
+
+    async def _loop(self, target: int, stop: asyncio.Event) -> None:
+        assert self.clients is not None
+        if self.publisher.last is not None:
+            await self.publisher.announce()
+        while self.step < target and not stop.is_set():
+            now = time.time()
+            moved = await self.dispatcher.redispatch_silent(now, self.config.trainer.silent_region_timeout_s)
+            self.metrics.redispatched.inc(moved)
+            await self.dispatcher.dispatch(self.step, now, self.collector.is_resolved)
+            self._heartbeats(now)
+            for region, deliveries in (await self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S)).items():
+                for d in deliveries:
+                    await self._on_group(region, d)
+            while self.step < target and self.collector.ready(self.config.algorithm.groups_per_step):
+                if not await self._train_one():
+                    break
+            if self._finished():
+                log.info("trainer.out_of_work", step=self.step, admitted=self.dispatcher.admitted)
+                break
+
+    def _finished(self) -> bool:
+        d = self.dispatcher
+        return d.exhausted and not d.in_flight and not self.collector.ready(self.config.algorithm.groups_per_step)
+
+    # -- groups -------------------------------------------------------------------------------
+
+    async def _on_group(self, region: str, delivery: Any) -> None:
+        record = delivery.record
+        assert isinstance(record, GroupRecord)
+        self.credits.on_arrival(record.region if record.region in self.credits.regions else region, time.time())
+        verdict = self.collector.offer(record, self.version)
+        if verdict == "foreign":
+            err = RecordError("wrong_run", f"record of run {record.run!r} in run {self.config.run!r}'s topic",
+                              field="run", group_id=record.group_id)
+            assert self.clients is not None
+            await self.clients.producers[region].dead_letter(
+                (delivery.key or "").encode(), encode_record(record), err,
+                delivery.topic, delivery.partition, delivery.offset)
+            self.metrics.foreign.labels(region).inc()
+        elif verdict == "duplicate":
+            self.metrics.duplicates.labels(region).inc()
+            log.info("group.duplicate", group_id=record.group_id, attempt=record.attempt, region=region)
+        else:
+            self.metrics.groups.labels(region).inc()
+            self.dispatcher.resolve(record.group_id)
+            if verdict == "stale":
+                self._count_stale(region, record)
+        assert self.clients is not None
+        self.clients.handled(region, delivery)
+
+    def _count_stale(self, region: str, record: GroupRecord) -> None:
+        self.metrics.stale_dropped.labels(region).inc()
+        log.warning("group.stale", group_id=record.group_id, region=region, lag=self.version - record.min_version,
+                    bound=self.collector.max_lag)
+
+    async def _send_prompt(self, region: str, record: Any) -> None:
+        assert self.clients is not None
+        await self.clients.producers[region].send("prompts", record.group_id, record)
+        self.metrics.dispatched.labels(region).inc()
+
+    def _heartbeats(self, now: float) -> None:
+        nodes = getattr(self.announcer, "nodes", None) or {}
+        for hb in list(nodes.values()):
+            self.credits.on_heartbeat(hb.region, hb.node, hb.state, float(hb.tokens_per_s or 0.0), now)
+        for region, rate in self.credits.rates(now).items():
+            self.metrics.region_rate.labels(region).set(rate)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    async def _train_one(self) -> bool:
+        a = self.config.algorithm
+        groups, dropped = self.collector.take(a.groups_per_step, self.version)
+        for g in dropped:
+            self._count_stale(g.region, g)
+        if len(groups) < a.groups_per_step:
+            self.collector.give_back(groups)
+            return False
+        t0 = time.monotonic()
+        batch = build_step_batch(groups, a.advantage, self.version)
+        log.info("step.started", step=self.step + 1, version=self.version, groups=len(groups))
+        stats = await asyncio.to_thread(self.learner.train_step, batch)
+        self.collector.mark_trained(groups, self.step + 1, self.version)
+        for g in groups:
+            self.metrics.staleness.observe(self.version - g.min_version)
+        self.step += 1
+        pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
+        self.version = pv.version
+        seconds = time.monotonic() - t0
+        self.metrics.step_seconds.observe(seconds)
+        self.metrics.steps.inc()
+        self.metrics.reward_mean.set(batch.stats["reward_mean"])
+        self.result.rewards.append(batch.stats["reward_mean"])
+        log.info("step.done", step=self.step, version=self.version, reward_mean=round(batch.stats["reward_mean"], 4),
+                 loss=round(stats.loss, 5), grad_norm=round(stats.grad_norm, 4), clip_fraction=stats.clip_fraction,
+                 tis_truncated=stats.tis_truncated_fraction, kl=stats.kl, tokens=stats.tokens,
+                 lag_max=batch.stats["lag_max"], seconds=round(seconds, 3))
+        if self.step % self.config.trainer.checkpoint_every == 0:
+            await self._checkpoint()
+        return True
+
+    # -- checkpoint and commit ----------------------------------------------------------------
+
+    async def _checkpoint(self) -> None:
+        """Save everything the next start needs, then (only then) commit the offsets it covers."""
+        assert self.clients is not None
+        if self.step == self._saved_step:
+            return
+        t0 = time.monotonic()
+        covered = self.clients.take_handled()
+        for region, deliveries in covered.items():
+            for tp, off in self.clients.consumers[region].committable_offsets(deliveries).items():
+                self.offsets[region][tp] = max(off, self.offsets[region].get(tp, 0))
+        state = {
+            "run": self.config.run, "step": self.step, "version": self.version, "saved_at": time.time(),
+            "collector": self.collector.state(), "dispatcher": self.dispatcher.state(),
+            "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
+        }
+        msd, osd = await asyncio.to_thread(self.learner.checkpoint_state)
+        path = await asyncio.to_thread(checkpoint.save, self.config.trainer.checkpoint_dir, state, msd, osd,
+                                       self.config.trainer.keep_checkpoints)
+        self._saved_step = self.step
+        self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
+        log.info("checkpoint.saved", step=self.step, path=str(path))
+        await self.clients.commit(covered)
+
+    async def _drain(self) -> None:
+        """Bounded shutdown: what was trained is checkpointed and committed; nothing else waits."""
+        if self.step != self._saved_step and self.step > 0:
+            await self._checkpoint()
+        log.info("trainer.drained", step=self.step, version=self.version)
