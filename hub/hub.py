@@ -118,24 +118,27 @@ class Hub:
             time.sleep(min(self.cfg.poll_interval_s, left))
 
     def materialize(self, version: int, into: dict[str, torch.Tensor] | None = None,
-                    have_version: int | None = None, progress: Progress | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    have_version: int | None = None, progress: Progress | None = None,
+                    verify_full: bool = False) -> dict[str, torch.Tensor]:
         """The full state dict at `version`.
 
         With `into` (holding `have_version`), tensors are updated in place, from the caller's state when
         that is on the chain and cheaper, else from the nearest anchor. Everything is verified before
-        `into` is touched.
+        `into` is touched: a state built from an anchor against each tensor's sha256; an in-place delta
+        update against the sha256 of the words it writes (O(changes)), or, with `verify_full`, against
+        each whole tensor's sha256 on private copies (O(model), also catching a wrong `have_version`
+        in elements the chain does not touch).
         """
         target = self.reader.manifest(version)
         entries = {t.name: t for t in target.tensors}
         usable = into is not None and _matches(into, entries)
         steps, from_caller = self.reader.plan(version, have_version if usable else None)
         work: dict[str, np.ndarray]
-        if from_caller and into is not None and self._in_place_ok(steps, entries, into):
+        if from_caller and into is not None and not verify_full and self._in_place_ok(steps, entries, into):
             changed = {n for step in steps for n, _ in self.reader._refs(step)}
             targets = {n: to_words(into[n]) for n in changed}
             decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
-            self.reader.apply_verified(version, decoded, targets)
+            self.reader.apply_verified(decoded, targets)
             for n, e in entries.items():
                 if e.encoding == "tied" and e.tied_to and into[n].data_ptr() != into[e.tied_to].data_ptr():
                     into[n].copy_(into[e.tied_to])

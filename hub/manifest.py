@@ -62,6 +62,9 @@ class PartRef(_Frozen):
     """Of the part's bytes as stored: checked before decoding."""
     start: int
     stop: int
+    changed_sha256: str | None = None
+    """Delta parts: sha256 of the new words at the changed positions, in order. An in-place update
+    checks what it is about to write against it, without hashing the unchanged rest of the tensor."""
 
 
 class TensorEntry(_Frozen):

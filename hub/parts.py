@@ -13,6 +13,7 @@ Words are the tensor's bit patterns viewed as unsigned integers of its item size
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -39,15 +40,22 @@ def encode_dense_part(words: np.ndarray, level: int) -> bytes:
     return _pack(DENSE, 0, 0, 0, words.size, words.size, 0, frames, sizes)
 
 
-def encode_delta_part(old: np.ndarray, new: np.ndarray, level: int) -> bytes | None:
-    """The sparse change from `old` to `new` (same shape and word dtype); None when nothing changed."""
+def changed_digest(values: np.ndarray) -> str:
+    """sha256 of the new words at the changed positions, in order, little-endian."""
+    data = np.ascontiguousarray(values.astype(values.dtype.newbyteorder("<"), copy=False))
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def encode_delta_part(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, str] | None:
+    """The sparse change from `old` to `new` (same shape and word dtype) and the `changed_digest` of
+    its result; None when nothing changed."""
     pos = np.flatnonzero(old != new)
     if pos.size == 0:
         return None
     pcodec, k, pframes, psizes = st.encode_positions(pos, old.size, level)
     vcodec, vframes, vsizes = st.encode_values(old[pos], new[pos], level)
-    return _pack(DELTA, pcodec, vcodec, k, old.size, pos.size, len(pframes),
-                 pframes + vframes, psizes + vsizes)
+    payload = _pack(DELTA, pcodec, vcodec, k, old.size, pos.size, len(pframes), pframes + vframes, psizes + vsizes)
+    return payload, changed_digest(new[pos])
 
 
 def _unpack(payload: bytes | memoryview) -> tuple[tuple[int, ...], list[np.ndarray]]:

@@ -175,11 +175,11 @@ class Publisher:
                 if changed:
                     jobs.append((t.name, "delta", start, stop))
 
-        def run(job: tuple[str, str, int, int]) -> bytes | None:
+        def run(job: tuple[str, str, int, int]) -> tuple[bytes, str | None] | None:
             name, kind, start, stop = job
             new = cur[name].words[start:stop]
             if kind == "dense":
-                return encode_dense_part(new, level)
+                return encode_dense_part(new, level), None
             assert prev is not None
             return encode_delta_part(prev[name].words[start:stop], new, level)
 
@@ -187,20 +187,22 @@ class Publisher:
         # Dense and delta parts go to separate objects: a reader one step behind an anchor fetches
         # the small delta object whole and never touches the dense one.
         packers = {kind: _ObjectPacker(OBJECT_FRAMES * self.cfg.frame_bytes) for kind in ("dense", "delta")}
-        refs: dict[tuple[str, str], list[tuple[tuple[int, int, int, str], int, int]]] = {}
-        for (name, kind, start, stop), payload in zip(jobs, payloads, strict=True):
+        refs: dict[tuple[str, str], list[tuple[tuple[int, int, int, str], int, int, str | None]]] = {}
+        for (name, kind, start, stop), encoded in zip(jobs, payloads, strict=True):
             refs.setdefault((name, kind), [])
-            if payload is not None:
-                idx, off, n, sha = packers[kind].add(payload)
-                refs[(name, kind)].append(((idx if kind == "dense" else -1 - idx, off, n, sha), start, stop))
+            if encoded is not None:
+                idx, off, n, sha = packers[kind].add(encoded[0])
+                refs[(name, kind)].append(((idx if kind == "dense" else -1 - idx, off, n, sha), start, stop,
+                                           encoded[1]))
         dense, delta = packers["dense"].finish(), packers["delta"].finish()
         blobs = dense + delta
         shas = [hashlib.sha256(b).hexdigest() for b in blobs]
         shas_at = {i: shas[i] for i in range(len(dense))} | {-1 - i: shas[len(dense) + i] for i in range(len(delta))}
 
         def part_refs(name: str, kind: str) -> list[mf.PartRef]:
-            return [mf.PartRef(object=shas_at[i], offset=off, length=n, sha256=sha, start=s, stop=e)
-                    for (i, off, n, sha), s, e in refs.get((name, kind), [])]
+            return [mf.PartRef(object=shas_at[i], offset=off, length=n, sha256=sha, start=s, stop=e,
+                               changed_sha256=digest)
+                    for (i, off, n, sha), s, e, digest in refs.get((name, kind), [])]
 
         entries = []
         for t in cur.values():

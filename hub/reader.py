@@ -15,28 +15,22 @@ import hashlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import CodecError, HubError, IntegrityError
-from fleetrl.hub.parts import Decoded, apply_window, decode_part
+from fleetrl.hub.parts import Decoded, apply_window, changed_digest, decode_part
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
+from fleetrl.hub.streams import new_values
 from fleetrl.hub.tensors import sha256_words, word_dtype
 
 MERGE_GAP = 1 << 20
 """Neighbouring parts closer than this are fetched in one ranged GET..."""
 RANGE_FRAMES = 4
 """...of at most this many frames, so a large object downloads in parallel ranged GETs."""
-VERIFY_BLOCK = 1 << 19
-"""Elements per block when checking changes on a scratch copy before applying them in place."""
 Progress = Callable[[int], None]
-
-
-def _little(words: np.ndarray) -> Any:
-    return np.ascontiguousarray(words.astype(words.dtype.newbyteorder("<"), copy=False))
 
 
 @dataclass(frozen=True)
@@ -155,15 +149,16 @@ class Reader:
     # --- applying ---------------------------------------------------------------------------
 
     def decode(self, steps: list[Step], sizes: Mapping[str, int], progress: Progress | None = None
-               ) -> dict[str, list[tuple[int, Decoded]]]:
-        """Fetch, check and decode every part of the steps (in parallel); per tensor, in step order."""
-        out: dict[str, list[tuple[int, Decoded]]] = {}
+               ) -> dict[str, list[tuple[int, Decoded, mf.PartRef]]]:
+        """Fetch, check and decode every part of the steps (in parallel); per tensor, in step order,
+        as (version, decoded part, its reference)."""
+        out: dict[str, list[tuple[int, Decoded, mf.PartRef]]] = {}
         for step in steps:
             refs = self._refs(step)
             payloads = self.fetch(step.version, refs, progress)
             decode = functools.partial(self._decode_one, step.version, payloads, sizes)
             for (name, r), d in zip(refs, self.pool.map(decode, refs), strict=True):
-                out.setdefault(name, []).append((r.start, d))
+                out.setdefault(name, []).append((step.version, d, r))
         return out
 
     def _decode_one(self, version: int, payloads: dict[tuple[str, int], bytes], sizes: Mapping[str, int],
@@ -176,52 +171,63 @@ class Reader:
         try:
             return decode_part(payloads[(r.object, r.offset)], word_dtype(entry.dtype), r.stop - r.start)
         except CodecError as exc:
-            key = self.store.where(mf.object_key(self.run, r.object))
-            raise IntegrityError(f"{key} bytes {r.offset}+{r.length}: tensor {name} of version "
-                                 f"{version}: {exc}") from exc
+            raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {exc}") from exc
+
+    def _where(self, r: mf.PartRef) -> str:
+        return f"{self.store.where(mf.object_key(self.run, r.object))} bytes {r.offset}+{r.length}"
 
     def apply(self, steps: list[Step], work: dict[str, np.ndarray], progress: Progress | None = None) -> None:
         """Apply the steps in order to the word arrays in `work` (private copies, mutated in place)."""
         for step in steps:
             decoded = self.decode([step], {n: w.size for n, w in work.items()}, progress)
 
-            def run(name: str, decoded: dict[str, list[tuple[int, Decoded]]] = decoded) -> None:
-                for start, d in decoded[name]:
-                    apply_window(d, work[name][start : start + d.n], 0)
+            def run(name: str, decoded: dict[str, list[tuple[int, Decoded, mf.PartRef]]] = decoded) -> None:
+                for _, d, r in decoded[name]:
+                    apply_window(d, work[name][r.start : r.stop], 0)
 
             list(self.pool.map(run, list(decoded)))
             for t in self.manifest(step.version).tensors:
                 if t.encoding == "tied" and t.name in work and t.tied_to in work:
                     work[t.name][...] = work[t.tied_to]
 
-    def apply_verified(self, version: int, decoded: dict[str, list[tuple[int, Decoded]]],
+    def apply_verified(self, decoded: dict[str, list[tuple[int, Decoded, mf.PartRef]]],
                        targets: dict[str, np.ndarray]) -> None:
-        """Apply decoded changes straight into `targets` (the caller's memory), but only after checking,
-        block by block on a scratch copy, that every result matches the manifest's sha256."""
-        entries = {t.name: t for t in self.manifest(version).tensors}
+        """Apply delta chains straight into `targets` (the caller's memory), after checking every word
+        about to be written against its part's `changed_sha256`; on any mismatch nothing is written.
+
+        The chain is first folded into one sparse overlay per tensor (positions, final words), reading
+        old words from `targets` and from earlier steps, so the check costs O(changes), not O(tensor).
+        """
         names = sorted(decoded)
-
-        def check(name: str) -> str:
-            target, digest = targets[name], hashlib.sha256()
-            for lo in range(0, target.size, VERIFY_BLOCK):
-                block = target[lo : lo + VERIFY_BLOCK].copy()
-                for start, d in decoded[name]:
-                    if start < lo + block.size and lo < start + d.n:
-                        apply_window(d, block, lo - start)
-                digest.update(memoryview(_little(block)).cast("B"))
-            return digest.hexdigest()
-
-        for name, digest in zip(names, self.pool.map(check, names), strict=True):
-            if digest != entries[name].sha256:
-                raise IntegrityError(f"{self.store.where(mf.version_key(self.run, version))}: tensor {name} "
-                                     f"would have sha256 {digest[:16]}… after apply, manifest says "
-                                     f"{entries[name].sha256[:16]}…; nothing was applied")
+        overlays = dict(zip(names, self.pool.map(lambda n: self._overlay(n, decoded[n], targets[n]), names),
+                            strict=True))
 
         def commit(name: str) -> None:
-            for start, d in decoded[name]:
-                apply_window(d, targets[name][start : start + d.n], 0)
+            pos, words = overlays[name]
+            targets[name][pos] = words
 
         list(self.pool.map(commit, names))
+
+    def _overlay(self, name: str, parts: list[tuple[int, Decoded, mf.PartRef]], target: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        ov_pos, ov_words = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=target.dtype)
+        for version, d, r in parts:
+            if d.dense or d.pos is None:
+                raise IntegrityError(f"{self._where(r)}: dense part of tensor {name} in a delta chain")
+            pos = d.pos + r.start
+            old = target[pos]
+            if ov_pos.size:
+                idx = np.minimum(np.searchsorted(ov_pos, pos), ov_pos.size - 1)
+                hit = ov_pos[idx] == pos
+                old[hit] = ov_words[idx[hit]]
+            new = new_values(d.codec, old, d.words)
+            if r.changed_sha256 is None or changed_digest(new) != r.changed_sha256:
+                raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: changed words do "
+                                     f"not match their sha256 (is the state really the version it claims?); "
+                                     f"nothing was applied")
+            merged, first = np.unique(np.concatenate([pos, ov_pos]), return_index=True)  # new words win
+            ov_pos, ov_words = merged, np.concatenate([new, ov_words])[first]
+        return ov_pos, ov_words
 
     def verify(self, version: int, work: dict[str, np.ndarray], names: set[str]) -> None:
         """Check the sha256 of each tensor in `names` against the manifest of `version`."""
