@@ -47,6 +47,7 @@ async def reader(
     """A group-less consumer (assign + seek only; it never joins or commits for any group)."""
     fetch = config.kafka.max_message_bytes + DEAD_LETTER_SLACK_BYTES
     consumer = AIOKafkaConsumer(**client_kwargs(config, region, client_id), group_id=None, enable_auto_commit=False,
+                                fetch_max_wait_ms=100,
                                 max_partition_fetch_bytes=fetch, fetch_max_bytes=fetch)
     timeout = config.kafka.request_timeout_s
     try:
