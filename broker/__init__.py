@@ -7,6 +7,7 @@ from fleetrl.broker.codec import decode_record, encode_record, expand_versions, 
 from fleetrl.broker.consumer import Consumer, Delivery
 from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement
 from fleetrl.broker.deadletter import DeadLetter
+from fleetrl.broker.dlq import read_dead_letters, replay_dead_letters
 from fleetrl.broker.errors import (
     BrokerError,
     ControlPlaneError,
@@ -15,6 +16,7 @@ from fleetrl.broker.errors import (
     RecordTooLarge,
     TopicError,
 )
+from fleetrl.broker.lag import PartitionLag, end_offsets, group_lag
 from fleetrl.broker.mqtt import ControlPlane
 from fleetrl.broker.naming import (
     SCHEMA_HEADER,
@@ -69,6 +71,7 @@ __all__ = [
     "KafkaError",
     "PartialRecord",
     "PartialSample",
+    "PartitionLag",
     "PolicyAnnouncement",
     "Producer",
     "PromptRecord",
@@ -87,12 +90,16 @@ __all__ = [
     "control_topic",
     "decode_record",
     "encode_record",
+    "end_offsets",
     "ensure_topics",
     "expand_versions",
     "floats",
+    "group_lag",
     "ids",
     "node_topic",
     "policy_topic",
+    "read_dead_letters",
+    "replay_dead_letters",
     "rle_versions",
     "rollout_group",
     "topic_name",

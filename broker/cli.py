@@ -23,7 +23,7 @@ from rich.table import Table
 
 from fleetrl.broker.control import Heartbeat
 from fleetrl.broker.deadletter import DeadLetter
-from fleetrl.broker.dlq import read_dead_letters, replay, select
+from fleetrl.broker.dlq import read_dead_letters, replay_dead_letters, select
 from fleetrl.broker.errors import BrokerError
 from fleetrl.broker.lag import group_lag
 from fleetrl.broker.mqtt import ControlPlane
@@ -212,7 +212,7 @@ def dlq_replay(args: argparse.Namespace, config: FleetConfig) -> int:
     async def run() -> list[DeadLetter]:
         letters = await read_dead_letters(config, region, limit=_REPLAY_ALL_LIMIT)
         chosen = letters if args.all else select(letters, positions)
-        return chosen if args.dry_run else await replay(config, region, chosen)
+        return chosen if args.dry_run else await replay_dead_letters(config, region, chosen)
 
     try:
         done = asyncio.run(run())

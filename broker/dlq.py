@@ -57,7 +57,7 @@ async def read_dead_letters(config: FleetConfig, region: str, limit: int = 50) -
     return out[:limit]
 
 
-async def replay(
+async def replay_dead_letters(
     config: FleetConfig, region: str, letters: list[DeadLetter], client_id: str = "fleetrl-dlq-replay"
 ) -> list[DeadLetter]:
     """Re-produce each dead letter to its original topic; returns those replayed, in order."""

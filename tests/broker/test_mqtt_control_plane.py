@@ -172,3 +172,19 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.write(data)
         await writer.drain()
     writer.close()
+
+
+async def test_a_dead_connection_task_surfaces_its_exception(
+    run_id: str, mqtt_server: devstack.ServerProcess
+) -> None:
+    config = _config(run_id, mqtt_server.port)
+    async with ControlPlane(config, f"{run_id}-trainer") as trainer, ControlPlane(config, f"{run_id}-node") as node:
+        def broken(topic: str, payload: object) -> None:
+            raise RuntimeError("bug in a handler")
+
+        node._dispatch = broken  # type: ignore[method-assign]
+        await trainer.announce_policy(_policy(1))
+        with pytest.raises(ControlPlaneError, match="bug in a handler"):
+            await node.wait_for_policy(1, timeout_s=10)
+        with pytest.raises(ControlPlaneError, match="died"):
+            await node.announce_policy(_policy(2))

@@ -1,0 +1,89 @@
+"""Commit bookkeeping (pure) and the bounded retry policy of the Kafka clients."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetrl.broker import KafkaError
+from fleetrl.broker.clients import with_retries
+from fleetrl.broker.offsets import OffsetTracker
+
+TP = ("fleetrl.r.trajectories", 0)
+
+
+def test_commit_point_is_one_past_the_highest_durable_offset() -> None:
+    t = OffsetTracker()
+    for offset in range(5):
+        t.delivered(TP, offset)
+    assert t.targets([(TP, 2)]) == {TP: 3}
+    t.committed({TP: 3}, [(TP, 2)])
+    assert t.positions() == {TP: 3}
+    assert t.targets() == {}  # nothing new is durable
+
+
+def test_dead_letters_after_the_point_are_committed_with_it() -> None:
+    t = OffsetTracker()
+    t.delivered(TP, 0)
+    t.dead(TP, 1)
+    t.dead(TP, 2)
+    t.delivered(TP, 3)
+    # Offsets 1 and 2 were dead-lettered (acknowledged): committing 0 moves the point past them,
+    # but not past 3, which is delivered and not durable yet.
+    assert t.targets([(TP, 0)]) == {TP: 3}
+
+
+def test_a_partition_with_only_dead_letters_is_committed_without_deliveries() -> None:
+    t = OffsetTracker()
+    t.dead(TP, 7)
+    t.dead(TP, 8)
+    assert t.targets() == {TP: 9}
+
+
+def test_a_partition_with_only_undurable_deliveries_is_not_committed() -> None:
+    t = OffsetTracker()
+    t.delivered(TP, 4)
+    assert t.targets() == {}
+
+
+def test_forgotten_partitions_lose_their_bookkeeping() -> None:
+    t = OffsetTracker()
+    t.dead(TP, 0)
+    t.forget([TP])
+    assert t.targets() == {} and t.positions() == {}
+
+
+async def test_retriable_errors_are_retried_a_bounded_number_of_times() -> None:
+    calls = 0
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise KafkaError("leader moved", retriable=True)
+        return "acked"
+
+    assert await with_retries(flaky, what="produce", retries=5, backoff_s=0.001) == "acked"
+    assert calls == 3
+
+    async def down() -> None:
+        nonlocal calls
+        calls += 1
+        raise KafkaError("still down", retriable=True)
+
+    calls = 0
+    with pytest.raises(KafkaError, match="still down"):
+        await with_retries(down, what="produce", retries=2, backoff_s=0.001)
+    assert calls == 3  # the first try and two retries
+
+
+async def test_non_retriable_errors_are_not_retried() -> None:
+    calls = 0
+
+    async def refused() -> None:
+        nonlocal calls
+        calls += 1
+        raise KafkaError("authorization failed", retriable=False)
+
+    with pytest.raises(KafkaError):
+        await with_retries(refused, what="produce", retries=5, backoff_s=0.001)
+    assert calls == 1
