@@ -159,7 +159,7 @@ async def _read_all(config: FleetConfig, region: str, stream: Any, timeout_s: fl
         ends = await asyncio.wait_for(consumer.end_offsets(tps), timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
             if loop.time() > deadline:
                 raise TimeoutError(f"reading {topic} of region {region!r} took longer than {timeout_s} s")
             batch = await consumer.getmany(timeout_ms=500, max_records=1000)

@@ -113,12 +113,12 @@ def collate(samples: Sequence[TrainSample], device: torch.device | str) -> Micro
     beh = torch.zeros((n, length - 1), dtype=torch.float32)
     for i, s in enumerate(samples):
         L = len(s.input_ids)
-        ids[i, :L] = torch.from_numpy(s.input_ids)
+        ids[i, :L] = torch.tensor(s.input_ids)
         attn[i, :L] = 1
         # Completion token j sits at position prompt_len + j and is predicted from the one before.
         start = s.prompt_len - 1
         mask[i, start:L - 1] = 1.0
-        beh[i, start:L - 1] = torch.from_numpy(s.behaviour_logprobs)
+        beh[i, start:L - 1] = torch.tensor(s.behaviour_logprobs)  # decoded arrays are read-only views
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return MicroBatch(
         input_ids=ids.to(device), attention_mask=attn.to(device), targets=ids[:, 1:].to(device),

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from fleetrl.broker import ControlPlaneError, PolicyAnnouncement
 from fleetrl.hub import Hub, PublishedVersion
 from fleetrl.log import get_logger
 from fleetrl.trainer.metrics import TrainerMetrics
@@ -24,7 +25,7 @@ log = get_logger(__name__)
 
 
 class Announcer(Protocol):
-    async def announce_policy(self, announcement: Any) -> None: ...
+    async def announce_policy(self, announcement: PolicyAnnouncement) -> None: ...
 
 
 class WeightPublisher:
@@ -50,13 +51,15 @@ class WeightPublisher:
         """(Re-)announce the newest version on the retained policy topic."""
         if self.announcer is None or self.last is None:
             return
-        from fleetrl.broker import PolicyAnnouncement
-
         pv = self.last
-        await self.announcer.announce_policy(PolicyAnnouncement(
-            version=pv.version, manifest=pv.manifest_key, anchor=pv.anchor, sha256=pv.sha256,
-            published_at=pv.published_at,
-        ))
+        try:
+            await self.announcer.announce_policy(PolicyAnnouncement(
+                version=pv.version, manifest=pv.manifest_key, anchor=pv.anchor, sha256=pv.sha256,
+                published_at=pv.published_at,
+            ))
+        except ControlPlaneError as exc:
+            # Never the only copy: nodes also poll the store's `latest`; the next step announces again.
+            log.warning("weights.announce_failed", version=pv.version, error=str(exc))
 
     def latest_version(self) -> int | None:
         return self.hub.latest()

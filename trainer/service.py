@@ -22,7 +22,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.broker import GroupRecord, RecordError, RecordLimits, encode_record, trainer_group
+from fleetrl.broker import ControlPlane, GroupRecord, RecordError, RecordLimits, encode_record, trainer_group
 from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
@@ -66,6 +66,7 @@ class Trainer:
             tokens_per_group=a.n_samples * a.max_new_tokens,
         )
         self.clients: RegionClients | None = None
+        self.announcer: ControlPlane | None = None
         self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits)
         self.step, self.version, self._saved_step = 0, 0, -1
         self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
@@ -81,8 +82,6 @@ class Trainer:
             stack.callback(hub.close)
             announcer = None
             if self.use_mqtt:
-                from fleetrl.broker import ControlPlane
-
                 announcer = await stack.enter_async_context(ControlPlane(self.config, f"{self.config.run}-trainer"))
             self.publisher = WeightPublisher(hub, announcer, self.metrics)
             self.announcer = announcer
@@ -187,9 +186,10 @@ class Trainer:
         self.metrics.dispatched.labels(region).inc()
 
     def _heartbeats(self, now: float) -> None:
-        nodes = getattr(self.announcer, "nodes", None) or {}
-        for hb in list(nodes.values()):
-            self.credits.on_heartbeat(hb.region, hb.node, hb.state, float(hb.tokens_per_s or 0.0), now)
+        nodes = self.announcer.nodes if self.announcer is not None else {}
+        for (region, node), hb in list(nodes.items()):
+            # A retained "up" from a node that died long ago carries its old `ts`: it will not count.
+            self.credits.on_heartbeat(region, node, hb.state, hb.tokens_per_s, min(hb.ts, now))
         for region, rate in self.credits.rates(now).items():
             self.metrics.region_rate.labels(region).set(rate)
 

@@ -8,18 +8,14 @@ state through `checkpoint_state` / `load_state`, as a resume does.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
+from trainer_groups import make_group  # the script's folder is on sys.path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from trainer_groups import make_group  # noqa: E402
-
-from fleetrl.config import AlgorithmConfig, ModelConfig  # noqa: E402
-from fleetrl.trainer.batch import build_step_batch  # noqa: E402
-from fleetrl.trainer.dist import DistContext  # noqa: E402
-from fleetrl.trainer.learner import Learner  # noqa: E402
+from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.trainer.batch import build_step_batch
+from fleetrl.trainer.dist import DistContext
+from fleetrl.trainer.learner import Learner
 
 
 def main() -> None:

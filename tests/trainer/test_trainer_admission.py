@@ -1,0 +1,185 @@
+"""Admission, credits and the collector's verdicts, as state machines with an in-memory transport."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trainer_groups import make_group
+
+from fleetrl.broker import PromptRecord
+from fleetrl.config import FleetConfig
+from fleetrl.trainer.collector import Collector
+from fleetrl.trainer.credits import RegionCredits
+from fleetrl.trainer.dispatcher import Dispatcher, admission_budget
+
+
+def _config(s: int, g: int, regions: tuple[str, ...] = ("a",)) -> FleetConfig:
+    return FleetConfig.model_validate({
+        "run": "adm", "algorithm": {"max_staleness": s, "groups_per_step": g, "n_samples": 2},
+        "regions": [{"name": r, "kafka": "127.0.0.1:9092", "store": f"/tmp/{r}"} for r in regions],
+    })
+
+
+class Sim:
+    """Dispatcher + collector + a learner that steps whenever `groups_per_step` groups are buffered."""
+
+    def __init__(self, s: int, g: int) -> None:
+        self.cfg = _config(s, g)
+        self.sent: list[PromptRecord] = []
+        self.credits = RegionCredits({"a": 1.0}, window_s=60, tokens_per_group=10)
+        prompts = itertools.repeat(("reverse", "abc=", "cba"))
+        self.dispatcher = Dispatcher(self.cfg, prompts, self._send, self.credits)
+        self.collector = Collector("adm", s)
+        self.version = 0
+        self.lags: list[int] = []
+        self.outstanding: list[PromptRecord] = []
+
+    async def _send(self, region: str, record: PromptRecord) -> None:
+        self.sent.append(record)
+        self.outstanding.append(record)
+
+    async def admit(self) -> None:
+        await self.dispatcher.dispatch(self.version, 0.0, self.collector.is_resolved)
+        a = self.cfg.algorithm
+        assert self.dispatcher.admitted <= (self.version + 1 + a.max_staleness) * a.groups_per_step
+
+    def arrive(self, pick: int, gen: int) -> None:
+        """Group `pick` of those outstanding finishes, sampled with a version in [min_version, now]."""
+        p = self.outstanding.pop(pick % len(self.outstanding))
+        used = p.min_version + gen % (self.version - p.min_version + 1)
+        group = make_group(p.group_id, "adm", version=used, n=2, seed=len(self.sent))
+        verdict = self.collector.offer(group, self.version)
+        if verdict != "duplicate":
+            self.dispatcher.resolve(p.group_id)
+        while self.collector.ready(self.cfg.algorithm.groups_per_step):
+            batch, _ = self.collector.take(self.cfg.algorithm.groups_per_step, self.version)
+            if len(batch) < self.cfg.algorithm.groups_per_step:
+                self.collector.give_back(batch)
+                break
+            self.lags += [self.version - g.min_version for g in batch]
+            self.collector.mark_trained(batch, self.version + 1, self.version)
+            self.version += 1
+
+
+def _run(sim: Sim, arrivals: list[tuple[int, int]]) -> None:
+    async def go() -> None:
+        for pick, gen in arrivals:
+            await sim.admit()
+            if sim.outstanding:
+                sim.arrive(pick, gen)
+
+    asyncio.run(go())
+
+
+@settings(max_examples=60, deadline=None)
+@given(s=st.integers(0, 3), g=st.integers(1, 4),
+       arrivals=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 10_000)), min_size=1, max_size=120))
+def test_trained_groups_lag_at_most_s_plus_one_under_any_arrival_order(
+        s: int, g: int, arrivals: list[tuple[int, int]]) -> None:
+    sim = Sim(s, g)
+    _run(sim, arrivals)
+    assert all(lag <= s + 1 for lag in sim.lags)
+    # every admitted group is accounted for exactly once: trained, stale, buffered or outstanding
+    trained = [e.group_id for e in sim.collector.trained]
+    assert len(trained) == len(set(trained))
+    accounted = set(trained) | set(sim.collector.stale) | set(sim.collector.pending) | {
+        p.group_id for p in sim.outstanding}
+    assert accounted == {p.group_id for p in sim.sent}
+    assert len(sim.sent) == sim.dispatcher.admitted
+
+
+@settings(max_examples=30, deadline=None)
+@given(s=st.integers(0, 3), g=st.integers(1, 4), n=st.integers(1, 80))
+def test_in_order_arrivals_are_never_stale_and_lag_at_most_s(s: int, g: int, n: int) -> None:
+    """Admission alone keeps FIFO work within s versions, even sampled at the oldest allowed version."""
+    sim = Sim(s, g)
+    _run(sim, [(0, 0)] * n)  # always the oldest outstanding group, generated at its min_version
+    assert not sim.collector.stale
+    assert all(lag <= s for lag in sim.lags)
+    assert sim.version >= 1 or n < g
+
+
+def test_admission_budget_formula() -> None:
+    # s=1, G=8: at version 0, 16 groups may be admitted; with 10 admitted, 6 more
+    assert admission_budget(0, 0, 1, 8) == 16
+    assert admission_budget(0, 10, 1, 8) == 6
+    assert admission_budget(2, 30, 1, 8) == 2  # (2+1+1)*8 = 32
+    assert admission_budget(0, 40, 1, 8) == 0
+
+
+def test_collector_verdicts() -> None:
+    c = Collector("r", max_staleness=1)
+    assert c.offer(make_group("r-1", "r", version=5), version=5) == "accepted"
+    assert c.offer(make_group("r-1", "r", version=5), version=5) == "duplicate"  # delivered twice
+    assert c.offer(make_group("r-1", "r", version=5, attempt=1), version=5) == "duplicate"  # redone
+    assert c.offer(make_group("r-2", "r", version=2), version=5) == "stale"  # lag 3 > 1 + 1
+    assert c.offer(make_group("r-2", "r", version=5), version=5) == "duplicate"  # stale is final
+    assert c.offer(make_group("r-3", "r", version=3), version=5) == "accepted"  # lag 2 = bound
+    assert c.offer(make_group("x-1", "other"), version=5) == "foreign"
+    batch, dropped = c.take(2, version=6)  # r-3 now lags 3: dropped at take time, counted
+    assert [g.group_id for g in batch] == ["r-1"] and [g.group_id for g in dropped] == ["r-3"]
+    c.mark_trained(batch, step=1, version=6)
+    restored = Collector("r", 1)
+    restored.restore(c.state())
+    assert set(restored.stale) == {"r-2", "r-3"} and restored.duplicates == 3
+    assert restored.offer(make_group("r-1", "r", version=6), 6) == "duplicate"  # trained before the restart
+
+
+def test_credits_follow_throughput_and_skip_a_silent_region() -> None:
+    cr = RegionCredits({"fast": 1.0, "slow": 1.0, "dead": 1.0}, window_s=10, tokens_per_group=100)
+    for r in ("fast", "slow", "dead"):
+        cr.on_dispatch(r, 0.0)
+    for t in np.linspace(1, 9, 30):
+        cr.on_arrival("fast", float(t))
+    for t in (2.0, 6.0, 9.0):
+        cr.on_arrival("slow", t)
+    rates = cr.rates(10.0)
+    assert rates["fast"] == 3.0 and rates["slow"] == 0.3 and rates["dead"] == 0.0
+    picks: dict[str, int] = {}
+    in_flight: dict[str, int] = {}
+    for _ in range(33):
+        r = cr.pick(in_flight, 10.0)
+        in_flight[r] = in_flight.get(r, 0) + 1
+        picks[r] = picks.get(r, 0) + 1
+    assert picks == {"fast": 30, "slow": 3}
+    # heartbeats bring a region back: 2 nodes x 50 tokens/s over 100 tokens a group = 1 group/s
+    cr.on_heartbeat("dead", "n1", "up", 50.0, 10.0)
+    cr.on_heartbeat("dead", "n2", "up", 50.0, 10.0)
+    assert cr.rates(10.0)["dead"] == 1.0
+    # before anything is measured, configured weights decide
+    fresh = RegionCredits({"a": 3.0, "b": 1.0}, window_s=10, tokens_per_group=1)
+    assert fresh.rates(0.0) == {"a": 3.0, "b": 1.0}
+
+
+def test_silent_region_is_redispatched_with_a_new_attempt() -> None:
+    cfg = _config(1, 2, regions=("a", "b"))
+    sent: list[tuple[str, Any]] = []
+
+    async def send(region: str, record: PromptRecord) -> None:
+        sent.append((region, record))
+
+    credits = RegionCredits({"a": 1.0, "b": 1.0}, window_s=10, tokens_per_group=1)
+    d = Dispatcher(cfg, itertools.repeat(("reverse", "ab=", "ba")), send, credits)
+
+    async def go() -> None:
+        await d.dispatch(0, 0.0, lambda gid: False)
+        assert len(sent) == 4 and {r for r, _ in sent} == {"a", "b"}
+        credits.on_arrival("b", 50.0)  # b answers, a stays silent
+        moved = await d.redispatch_silent(100.0, timeout_s=60.0)
+        assert moved == 2
+        again = sent[4:]
+        assert all(r == "b" and p.attempt == 1 for r, p in again)
+        assert await d.redispatch_silent(101.0, timeout_s=60.0) == 0  # just sent: not silent yet
+
+    asyncio.run(go())
+    state = d.state()
+    d2 = Dispatcher(cfg, iter(()), send, credits)
+    d2.restore(state, itertools.repeat(("reverse", "ab=", "ba")))
+    assert d2.next_index == 4 and set(d2.in_flight) == set(d.in_flight)
+
+

@@ -1,0 +1,138 @@
+"""The trainer against real tansu, amqtt/mosquitto and a directory hub.
+
+A scripted rollout side answers the trainer's prompts with synthetic groups and misbehaves on
+purpose: one group delivered twice, one redone as attempt 1 after it was trained, raw garbage on
+the trajectories topic, and one group held back until it is too stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from trainer_groups import make_group
+
+from fleetrl.broker import (
+    Consumer,
+    GroupRecord,
+    Producer,
+    PromptRecord,
+    RecordLimits,
+    ensure_topics,
+    rollout_group,
+    topic_name,
+)
+from fleetrl.config import FleetConfig
+from fleetrl.trainer.audit import read_topics, reconcile
+from fleetrl.trainer.checkpoint import latest
+from fleetrl.trainer.dist import DistContext
+from fleetrl.trainer.learner import Learner
+from fleetrl.trainer.service import Trainer
+
+pytestmark = pytest.mark.integration
+REGION = "local-a"
+STEPS = 5
+
+
+def reverse_prompts() -> itertools.cycle[tuple[str, str, str]]:
+    return itertools.cycle([("reverse", "abc=", "cba"), ("reverse", "dab=", "bad"), ("reverse", "cc=", "cc")])
+
+
+class ScriptedRollout:
+    """Answers prompts at their min_version, except for the planned mischief."""
+
+    def __init__(self, config: FleetConfig, trainer: Trainer) -> None:
+        self.config, self.trainer = config, trainer
+        self.answered: list[str] = []
+        self.held: PromptRecord | None = None
+        self.stale_id: str | None = None
+        self.first: GroupRecord | None = None
+
+    def group(self, p: PromptRecord, version: int, attempt: int = 0) -> GroupRecord:
+        g = make_group(p.group_id, p.run, version=version, n=p.n_samples, seed=hash(p.group_id) % 1000,
+                       attempt=attempt, region=REGION)
+        return g
+
+    async def run(self, done: Callable[[], bool]) -> None:
+        limits = RecordLimits.from_config(self.config)
+        async with Producer(self.config, REGION, "scripted-rollout") as prod, Consumer(
+            self.config, REGION, ["prompts"], rollout_group(self.config.run), limits, prod, "scripted-rollout"
+        ) as cons:
+            await prod.send_raw(topic_name(self.config.run, "trajectories"), b"garbage-key",
+                                b"\xc1 this is not msgpack", [])
+            while not done():
+                for d in await cons.poll(16, 0.2):
+                    await self.answer(prod, d.record)
+                    await cons.commit([d])
+                await self.maybe_release_held(prod)
+
+    async def answer(self, prod: Producer, p: object) -> None:
+        assert isinstance(p, PromptRecord)
+        if self.held is None:
+            self.held = p  # kept back until the learner is 3 versions ahead: then it is stale
+            return
+        g = self.group(p, p.min_version)
+        await prod.send("trajectories", g.group_id, g)
+        self.answered.append(g.group_id)
+        if self.first is None:
+            self.first = g
+            await prod.send("trajectories", g.group_id, g)  # delivered twice
+        elif len(self.answered) == 6:
+            redo = self.group(self.first_prompt_like(), self.trainer.version, attempt=1)
+            await prod.send("trajectories", redo.group_id, redo)  # a redone attempt of a trained group
+
+    def first_prompt_like(self) -> PromptRecord:
+        assert self.first is not None
+        return PromptRecord(group_id=self.first.group_id, run=self.first.run, task="reverse", n_samples=2,
+                            sampling=self.trainer.dispatcher.sampling, prompt="x")
+
+    async def maybe_release_held(self, prod: Producer) -> None:
+        h = self.held
+        if h is None or self.stale_id is not None or self.trainer.version < h.min_version + 3:
+            return
+        g = self.group(h, h.min_version)  # every token from version min_version: lag 3 > s + 1 = 2
+        await prod.send("trajectories", g.group_id, g)
+        self.stale_id = g.group_id
+
+
+async def test_each_valid_group_trained_once_malformed_dead_lettered_stale_counted(
+        make_fleet: Callable[..., FleetConfig]) -> None:
+    config = make_fleet()
+    await ensure_topics(config, REGION)
+    learner = Learner(config.model, config.algorithm, DistContext())
+    trainer = Trainer(config, reverse_prompts, learner)
+    rollout = ScriptedRollout(config, trainer)
+    train_task = asyncio.create_task(trainer.run(max_steps=STEPS + 3))
+    side = asyncio.create_task(rollout.run(lambda: train_task.done() or (
+        rollout.stale_id is not None and trainer.step >= STEPS)))
+    await asyncio.wait_for(side, timeout=120)
+    # the trainer finishes its steps only if enough groups arrive; stop it once the script is through
+    if train_task.done():
+        await train_task  # surfaces the trainer's exception, if any
+    else:
+        train_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await train_task
+    c = trainer.collector
+    trained = [e.group_id for e in c.trained]
+    assert len(trained) == len(set(trained)) >= 2 * STEPS  # none twice
+    assert rollout.stale_id is not None and set(c.stale) == {rollout.stale_id}
+    assert set(trained) | set(c.pending) == set(rollout.answered)  # every valid group, exactly once
+    assert c.duplicates >= 2  # the second delivery and the redone attempt
+    m = trainer.metrics.registry
+    assert m.get_sample_value("fleetrl_trainer_stale_groups_dropped_total", {"region": REGION}) == 1.0
+    assert (m.get_sample_value("fleetrl_trainer_duplicate_groups_total", {"region": REGION}) or 0) >= 2
+    assert (m.get_sample_value("fleetrl_trainer_weight_publish_bytes_total") or 0) > 0
+    # the malformed record is in the dead-letter topic with its reason
+    view = await read_topics(config)
+    assert view.dead.get("garbage-key") == ["malformed"]
+    # and the audit agrees with the newest checkpoint
+    ckpt = latest(config.trainer.checkpoint_dir, config.run)
+    assert ckpt is not None and ckpt.step == trainer.step
+    report = reconcile(view, ckpt.state, config.run)
+    assert report.ok, report.problems()
+    assert report.trained == len(trained) and report.stale == 1
+    assert np.isfinite(trainer.result.rewards).all()
