@@ -22,6 +22,7 @@ import argparse
 import time
 
 import torch
+
 from fleetrl.broker import Sampling
 from fleetrl.config import ModelConfig
 from fleetrl.rollout.engine import GroupRequest

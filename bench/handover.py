@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import pathlib
 import tempfile
@@ -30,6 +31,7 @@ import uuid
 from typing import Any
 
 import torch
+
 from fleetrl import devstack
 from fleetrl.broker import Consumer, GroupRecord, Producer, PromptRecord, RecordLimits, Sampling, ensure_topics
 from fleetrl.config import FleetConfig
@@ -76,10 +78,8 @@ async def worker_until(config: FleetConfig, node: str, done: Any, timeout_s: flo
         task.cancel()
     else:
         preempted.set()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=60)
-    except asyncio.CancelledError:
-        pass
     return worker
 
 

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(config: object, region: str, node: str) -> None:
     import torch
+
     from fleetrl.rollout.worker import RolloutWorker
 
     torch.set_num_threads(1)

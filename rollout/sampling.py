@@ -8,8 +8,8 @@ an uninterrupted run would have produced (up to floating-point ties in the logit
 
 Sampling is inverse-CDF after temperature scaling: over the probabilities sorted in descending
 order (ties broken by token id) and truncated to the top-p set when `top_p < 1`, in token-id order
-when `top_p == 1` (no sort needed); both are fixed functions of the logits and the uniform. The recorded behaviour log-probability is that
-of the distribution actually sampled from:
+when `top_p == 1` (no sort needed); both are fixed functions of the logits and the uniform. The
+recorded behaviour log-probability is that of the distribution actually sampled from:
 
     logprob = log_softmax(logits / T)[token] - log(mass kept by top-p)
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def uniforms(keys: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+def uniforms(keys: Sequence[int] | np.ndarray[Any, Any], positions: Sequence[int]) -> np.ndarray:
     """One uniform in [0, 1) per (sample key, token position), as float64."""
     k = np.asarray(keys, dtype=np.uint64)
     p = np.asarray(positions, dtype=np.uint64)

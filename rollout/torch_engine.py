@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from fleetrl.log import get_logger
 from fleetrl.rollout import _kv
 from fleetrl.rollout.engine import Engine, SeqState
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.sampling import sample_tokens, uniforms
-
-from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 

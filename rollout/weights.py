@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetrl.hub import Hub, HubError
-from fleetrl.rollout.engine import Engine
-
 from fleetrl.log import get_logger
+from fleetrl.rollout.engine import Engine
 
 log = get_logger(__name__)
 _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights notices a stop

@@ -33,7 +33,9 @@ from fleetrl.broker import (
     encode_record,
     rollout_group,
 )
+from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub
+from fleetrl.log import get_logger
 from fleetrl.rollout.commits import CommitQueue
 from fleetrl.rollout.engine import Engine, FinishedGroup, GroupRequest
 from fleetrl.rollout.errors import TaskError
@@ -41,9 +43,6 @@ from fleetrl.rollout.jobs import Job, group_record, partial_record
 from fleetrl.rollout.tasks import get_task
 from fleetrl.rollout.tokenize import TextCodec, load_codec
 from fleetrl.rollout.weights import WeightSync
-
-from fleetrl.config import FleetConfig
-from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 _IDLE_WAKE_S = 0.05  # an idle loop's longest nap: bounds how late it sees a stop or new weights

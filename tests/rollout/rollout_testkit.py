@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import yaml
+
 from fleetrl.broker import (
     Consumer,
     Delivery,
@@ -21,10 +22,9 @@ from fleetrl.broker import (
     ensure_topics,
     trainer_group,
 )
+from fleetrl.config import FleetConfig, parse_config
 from fleetrl.hub import Hub
 from fleetrl.rollout import get_task
-
-from fleetrl.config import FleetConfig, parse_config
 
 HUB_KEY = "rollout-test-hub-key-0123456789"
 REGION = "r1"

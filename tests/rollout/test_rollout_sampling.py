@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import torch
+
 from fleetrl.rollout.sampling import behaviour_logprobs, sample_key, sample_tokens, uniforms
 
 N = 2000

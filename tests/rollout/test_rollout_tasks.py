@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from fleetrl.rollout import TASKS, CharTokenizer, TaskError, get_task
 from fleetrl.rollout.tasks import extract_answer
 

@@ -7,13 +7,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from fleetrl.broker import PartialSample, Sampling
+from fleetrl.config import ModelConfig
 from fleetrl.rollout import EngineError
 from fleetrl.rollout.engine import GroupRequest
 from fleetrl.rollout.sampling import behaviour_logprobs
 from fleetrl.rollout.torch_engine import TorchEngine
-
-from fleetrl.config import ModelConfig
 
 torch.set_num_threads(1)
 LOGPROB_TOL = 1e-4  # fp32, batched left-padded decode vs one fresh unpadded forward pass

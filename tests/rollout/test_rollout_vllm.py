@@ -7,11 +7,11 @@ import pathlib
 import numpy as np
 import pytest
 import torch
+
 from fleetrl.broker import Sampling
+from fleetrl.config import ModelConfig, VllmEngineConfig
 from fleetrl.rollout.engine import GroupRequest
 from fleetrl.rollout.sampling import behaviour_logprobs
-
-from fleetrl.config import ModelConfig, VllmEngineConfig
 
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")

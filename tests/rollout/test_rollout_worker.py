@@ -16,7 +16,6 @@ from typing import IO, Any
 import numpy as np
 import pytest
 import torch
-from fleetrl.rollout.worker import RolloutWorker
 from rollout_testkit import (
     HUB_KEY,
     REGION,
@@ -32,6 +31,7 @@ from rollout_testkit import (
 )
 
 from fleetrl.config import FleetConfig
+from fleetrl.rollout.worker import RolloutWorker
 
 pytestmark = pytest.mark.integration
 
@@ -184,3 +184,32 @@ async def test_sigterm_mid_generation_hands_over_tokens_that_another_worker_keep
             np.testing.assert_array_equal(after.versions[:n], before.versions)
             if before.finish_reason is not None:
                 assert after.finish_reason == before.finish_reason and len(after.completion_ids) == n
+
+
+async def test_deadline_and_min_version_hand_groups_back_as_partials(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path
+) -> None:
+    long = 300
+    data = fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", max_new_tokens=long,
+                      group_deadline_s=0.05, min_version_wait_s=0.2)
+    config = make_config(data)
+    publish_tiny(config)
+    await setup_topics(config)
+    runs_long, needs_v5 = prompts(config, 2, max_new_tokens=long)
+    needs_v5.min_version = 5  # never published: handed back after min_version_wait_s, again and again
+    await send_prompts(config, [runs_long, needs_v5])
+    worker = await _run_worker_until(
+        config, "n1", lambda w: w.groups_done >= 1 and w.groups_handed_over >= 3, timeout_s=90)
+    assert worker.groups_done == 1 and worker.groups_handed_over >= 3
+    handed = partials(await read_stream(config, "partials", worker.groups_handed_over, timeout_s=10,
+                                        group=f"{run_id}-peek"))
+    reasons = {(p.group_id, p.handed_over_by.reason) for p in handed}
+    assert (runs_long.group_id, "deadline") in reasons and (needs_v5.group_id, "min_version") in reasons
+    assert (needs_v5.group_id, "sigterm") in reasons  # still waiting when the worker stopped
+    assert all(len(s.completion_ids) == 0 for p in handed if p.group_id == needs_v5.group_id for s in p.samples)
+    [done] = groups(await read_stream(config, "trajectories", 1, timeout_s=10))
+    assert done.group_id == runs_long.group_id
+    cuts = [p for p in handed if p.group_id == runs_long.group_id]
+    last = max(cuts, key=lambda p: sum(len(s.completion_ids) for s in p.samples))
+    for before, after in zip(last.samples, done.samples, strict=True):
+        np.testing.assert_array_equal(after.completion_ids[: len(before.completion_ids)], before.completion_ids)
