@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from fleetrl.broker import GroupRecord, Sample, floats, ids
@@ -24,3 +27,22 @@ def make_group(gid: str, run: str, *, version: int = 0, n: int = 4, seed: int = 
         ))
     return GroupRecord(group_id=gid, run=run, task=task, attempt=attempt, region=region, node="node-1",
                        prompt_ids=ids(rng.integers(3, vocab, 4)), samples=samples)
+
+
+async def answer_prompts(config: Any, region: str, done: Callable[[], bool], answered: list[str]) -> None:
+    """A stand-in rollout region: answers every prompt with a synthetic group at its min_version."""
+    from fleetrl.broker import Consumer, Producer, PromptRecord, RecordLimits, rollout_group
+
+    limits = RecordLimits.from_config(config)
+    async with Producer(config, region, "stand-in-rollout") as prod, Consumer(
+        config, region, ["prompts"], rollout_group(config.run), limits, prod, "stand-in-rollout"
+    ) as cons:
+        while not done():
+            for d in await cons.poll(16, 0.2):
+                p = d.record
+                assert isinstance(p, PromptRecord)
+                g = make_group(p.group_id, p.run, version=p.min_version, n=p.n_samples,
+                               seed=int(p.group_id.rsplit("-", 1)[1]), attempt=p.attempt, region=region)
+                await prod.send("trajectories", g.group_id, g)
+                answered.append(g.group_id)
+                await cons.commit([d])
