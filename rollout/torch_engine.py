@@ -77,7 +77,8 @@ class TorchEngine(Engine):
         return bool(self._rows or self._waiting)
 
     def running(self) -> int:
-        return len(self._rows)
+        """Samples decoding now (finished rows awaiting removal excluded)."""
+        return sum(s.finish_reason is None for s in self._rows)
 
     def _enqueue(self, seqs: list[SeqState]) -> None:
         self._waiting.extend(seqs)
@@ -142,10 +143,13 @@ class TorchEngine(Engine):
         tokens, logprobs = sample_tokens(logits, self._temp, self._top_p, u)
         self._last = tokens
         for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
-            self._append(seq, tok, lp)
-        keep = [i for i, s in enumerate(rows) if s.finish_reason is None]
-        if len(keep) != len(rows):
-            self._keep_rows(keep)
+            if seq.finish_reason is None:
+                self._append(seq, tok, lp)
+        # Finished rows stay (decoding into the void) until enough of them make a refill worth it:
+        # dropping rows copies the whole cache, so it is done once per refill, not once per finish.
+        dead = sum(s.finish_reason is not None for s in rows)
+        if dead and (dead >= self.refill_min or not self._waiting or dead == len(rows)):
+            self._keep_rows([i for i, s in enumerate(rows) if s.finish_reason is None])
 
     def _keep_rows(self, keep: list[int]) -> None:
         if not keep:
