@@ -73,7 +73,7 @@ class Consumer:
         client_id: str,
         priority: bool = False,
         *,
-        session_timeout_s: float = 10.0,
+        session_timeout_s: float = 6.0,
         heartbeat_interval_s: float = 1.0,
         max_poll_interval_s: float = 600.0,
     ) -> None:
