@@ -216,11 +216,13 @@ class Consumer:
         return good
 
     def _rewind(self, raw: dict[TopicPartition, list[ConsumerRecord[Any, Any]]]) -> None:
-        """Put the positions back to the start of a batch that could not be handled in full."""
+        """Put the positions back to the start of a batch that is not returned (in full).
+
+        The bookkeeping stays: offsets already dead-lettered are handled, even if read again.
+        """
         for tp, batch in raw.items():
             if batch and self._consumer is not None and tp in self._consumer.assignment():
                 self._consumer.seek(tp, batch[0].offset)
-        self._tracker.forget((tp.topic, tp.partition) for tp in raw)
 
     async def _fetch(self, max_records: int, timeout_s: float) -> dict[TopicPartition, list[ConsumerRecord[Any, Any]]]:
         c = self._c
