@@ -14,8 +14,11 @@ through `fleetrl.hub` into a directory store, and the same two states are measur
 
 Times: publish (snapshot, hash, encode, write) vs writing the dense safetensors file, and
 materializing a delta in place into the engine's state dict (fetch, verify every hash, apply) vs
-loading the dense file into that state dict (safetensors maps the file lazily, so the baseline
-copies it into the tensors, which reads every byte). Our bytes include the signed manifest.
+loading the dense file into that state dict: `materialize_ratio` against safetensors' `load_file`
+(a lazy mmap of a file in the page cache) plus the copy into the tensors, i.e. memcpy speed;
+`materialize_ratio_read` against reading the file's bytes (as a GET from a store returns them),
+parsing and copying. Neither baseline verifies anything; ours checks signature and hashes. Our
+bytes include the signed manifest.
 
     .venv/bin/python bench/hub_delta.py [--quick]
 
@@ -37,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import zstandard
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 os.environ.setdefault("FLEETRL_HUB_KEY", "bench-key")
 
@@ -69,6 +72,7 @@ class Phase:
     save_s: list[float] = field(default_factory=list)
     materialize_s: list[float] = field(default_factory=list)
     load_s: list[float] = field(default_factory=list)
+    read_load_s: list[float] = field(default_factory=list)
 
 
 def token_batches(vocab: int, batch: int, seq: int, seed: int = 0) -> Any:
@@ -159,10 +163,11 @@ def timed_materialize(config: FleetConfig, prev: dict[str, torch.Tensor], cur: d
     return elapsed
 
 
-def timed_load(path: pathlib.Path, prev: dict[str, torch.Tensor]) -> float:
+def timed_load(path: pathlib.Path, prev: dict[str, torch.Tensor], read: bool = False) -> float:
+    """Dense file into the engine's weights: mapped (`load_file`), or read as a store GET returns it."""
     into = engine_state(prev)
     t0 = time.perf_counter()
-    loaded = load_file(str(path))
+    loaded = load(path.read_bytes()) if read else load_file(str(path))
     for k, v in loaded.items():
         into[k].copy_(v)
     return time.perf_counter() - t0
@@ -189,6 +194,7 @@ def run_phase(phase: Phase, model: torch.nn.Module, batches: Any, steps: int, hu
         dense_baselines(cur, dense_path, phase, zc)
         phase.materialize_s.append(min(timed_materialize(reader_config, state, cur, version) for _ in range(REPEATS)))
         phase.load_s.append(min(timed_load(dense_path, state) for _ in range(REPEATS)))
+        phase.read_load_s.append(min(timed_load(dense_path, state, read=True) for _ in range(REPEATS)))
         dense_path.unlink()
         print(f"  lr={phase.lr:g} v{version}: loss {loss.item():.3f} changed {phase.changed[-1]:.4f} "
               f"ours {pv.bytes_written:,} B  zstd {phase.zstd[-1]:,} B  xor+zstd {phase.xor_zstd[-1]:,} B  "
@@ -217,7 +223,8 @@ def report(p: Phase) -> None:
     print(f"  publish {statistics.median(p.publish_s) * 1e3:.0f} ms vs save dense "
           f"{statistics.median(p.save_s) * 1e3:.0f} ms; materialize in place "
           f"{statistics.median(p.materialize_s) * 1e3:.0f} ms vs load dense "
-          f"{statistics.median(p.load_s) * 1e3:.0f} ms (ratio {ratio(p.load_s, p.materialize_s):.2f})")
+          f"{statistics.median(p.load_s) * 1e3:.0f} ms mapped (ratio {ratio(p.load_s, p.materialize_s):.2f}), "
+          f"{statistics.median(p.read_load_s) * 1e3:.0f} ms read (ratio {ratio(p.read_load_s, p.materialize_s):.2f})")
 
 
 def main() -> None:
@@ -255,6 +262,7 @@ def main() -> None:
           f"bound_ratio_per_tensor={ratio(slow.ours, slow.bound_per_tensor):.3f} "
           f"changed_fraction={statistics.median(slow.changed):.4f} "
           f"materialize_ratio={ratio(slow.load_s, slow.materialize_s):.2f} "
+          f"materialize_ratio_read={ratio(slow.read_load_s, slow.materialize_s):.2f} "
           f"bytes_ratio_vs_zstd_lr1e5={ratio(fast.zstd, fast.ours):.2f} "
           f"changed_fraction_lr1e5={statistics.median(fast.changed):.4f} "
           f"params_m={n_params / 1e6:.1f}")

@@ -103,8 +103,11 @@ class Reader:
         from_anchor = [Step(target.anchor, dense=True)] + [
             Step(v, dense=False) for v in range(target.anchor + 1, version + 1)]
         chain = self._delta_chain(have, version) if have is not None else None
-        if chain is not None and self._cost(chain) <= self._cost(from_anchor):
-            return chain, True
+        if chain is not None:
+            cost = self._cost(chain)
+            # The dense anchor alone usually outweighs the chain: only then read the other manifests.
+            if cost <= self._cost(from_anchor[:1]) or cost <= self._cost(from_anchor):
+                return chain, True
         return from_anchor, False
 
     def _cost(self, steps: list[Step]) -> int:
@@ -225,6 +228,9 @@ class Reader:
                 raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: changed words do "
                                      f"not match their sha256 (is the state really the version it claims?); "
                                      f"nothing was applied")
+            if not ov_pos.size:
+                ov_pos, ov_words = pos, new
+                continue
             merged, first = np.unique(np.concatenate([pos, ov_pos]), return_index=True)  # new words win
             ov_pos, ov_words = merged, np.concatenate([new, ov_words])[first]
         return ov_pos, ov_words

@@ -47,6 +47,7 @@ class Replicator:
         self.lease = Lease(self.local, self.run, "replicator", config.hub.lease_ttl_s, holder)
         self.progress: Progress | None = None
         self._renewed = 0.0
+        self._manifests: dict[int, tuple[mf.Manifest, bytes]] = {}
 
     # --- one pass ---------------------------------------------------------------------------
 
@@ -104,9 +105,15 @@ class Replicator:
         raise ObjectNotFound(f"no store could supply version {version} to {self.region}: {'; '.join(errors)}")
 
     def _manifest(self, store: ObjectStore, version: int) -> tuple[mf.Manifest, bytes]:
-        key = mf.version_key(self.run, version)
-        data = store.get(key)
-        return mf.load_signed(data, self.keys, store.where(key), run=self.run, version=version), data
+        """A verified manifest; cached, since every store holds the same signed bytes for a version."""
+        if version not in self._manifests:
+            key = mf.version_key(self.run, version)
+            data = store.get(key)
+            if len(self._manifests) > 64:
+                self._manifests.clear()
+            self._manifests[version] = (
+                mf.load_signed(data, self.keys, store.where(key), run=self.run, version=version), data)
+        return self._manifests[version]
 
     def _copy_from(self, source: ObjectStore, version: int) -> int:
         manifest, raw = self._manifest(source, version)
