@@ -16,6 +16,19 @@ import structlog
 _configured = False
 
 
+class _StderrLogger:
+    """Writes each rendered event to whatever `sys.stderr` is at that moment.
+
+    Binding the stream at configure time would keep a handle that test capture (or a daemon that
+    redirects stderr) later closes.
+    """
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
 def configure(json: bool | None = None, level: str | int = "INFO") -> None:
     """Set up structlog once per process. `json=None` picks JSON unless stderr is a TTY."""
     global _configured
@@ -35,7 +48,7 @@ def configure(json: bool | None = None, level: str | int = "INFO") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *args: _StderrLogger(),
         cache_logger_on_first_use=False,
     )
     _configured = True
@@ -45,4 +58,5 @@ def get_logger(name: str | None = None, **fields: Any) -> Any:
     """A bound structlog logger; configures console/JSON output on first use if nobody has."""
     if not _configured:
         configure()
-    return structlog.get_logger(name).bind(**({"logger": name} if name else {}), **fields)
+    # Lazy: the logger is assembled on first use, with the configuration in force then.
+    return structlog.get_logger(**({"component": name} if name else {}), **fields)
