@@ -264,3 +264,26 @@ def status(args: argparse.Namespace, config: FleetConfig) -> int:
            [[r["region"], r["node"], r["state"] + (" (stale)" if r["stale"] else ""), r["version"],
              f"{r['tokens_per_s']:.1f}", r["in_flight"], r["engines"], r["age_s"]] for r in rows])
     return 0
+
+
+# -- operator commands ----------------------------------------------------------------------------
+
+
+def control(args: argparse.Namespace, config: FleetConfig) -> int:
+    """Send drain / resume / stop to every node of a region over the control plane."""
+    from fleetrl.broker.control import ControlCommand
+
+    config.region(args.region)  # an unknown region is a usage error, not a silent publish
+    command = ControlCommand(cmd=args.command_name, reason=args.reason)
+
+    async def send() -> None:
+        async with ControlPlane(config, f"fleetrl-control-{os.getpid()}", watch_nodes=False) as cp:
+            await cp.send_control(args.region, command)
+
+    try:
+        asyncio.run(send())
+    except BrokerError as exc:
+        print(f"fleetrl: {exc}", file=sys.stderr)
+        return 1
+    print(f"sent {command.cmd} to region {args.region}" + (f" ({command.reason})" if command.reason else ""))
+    return 0

@@ -119,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = _cmd(sub, "status", "fleetrl.broker.cli:status", "fleet view from the MQTT retained state")
     _json(p)
     p.add_argument("--wait-s", type=float, default=2.0, help="how long to collect retained messages")
+    ctl = sub.add_parser("control", help="send a command to every node of a region").add_subparsers(
+        dest="command_name", metavar="COMMAND", required=True
+    )
+    for name, helptext in [
+        ("drain", "stop admitting work; hand unfinished groups over as partials"),
+        ("resume", "admit work again after a drain"),
+        ("stop", "hand over, then stop the agents"),
+    ]:
+        p = _cmd(ctl, name, "fleetrl.broker.cli:control", helptext)
+        _region(p, required=True)
+        p.add_argument("--reason", default="", help="recorded with the command")
     p = _cmd(sub, "audit", "fleetrl.trainer.cli:audit",
              "prove every dispatched group was trained once, counted stale or dead-lettered")
     _json(p)

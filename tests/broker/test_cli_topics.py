@@ -200,3 +200,30 @@ def test_status_shows_policy_and_nodes(
     assert table.code == 0
     out = table.out
     assert "policy version 7" in out and "n1" in out and "offline" in out
+
+
+def test_control_drain_reaches_the_regions_nodes(
+    run_id: str, mqtt_server: devstack.ServerProcess, tmp_path: pathlib.Path
+) -> None:
+    data = fleet_yaml(run_id, "127.0.0.1:9", mqtt_port=mqtt_server.port)
+    path = write_config(data, tmp_path / "fleet.yaml")
+
+    async def listen_while_sending() -> Any:
+        async with ControlPlane(make_config(data), f"{run_id}-node") as cp:
+            commands = cp.commands("r1")
+            first = asyncio.ensure_future(commands.__anext__())
+            await asyncio.sleep(0.3)  # subscribed before the operator sends
+            run = await asyncio.to_thread(Run, "control", "drain", "--config", str(path), "--region", "r1",
+                                          "--reason", "maintenance")
+            assert run.code == 0, run.err
+            async with asyncio.timeout(10):
+                return await first
+
+    command = asyncio.run(listen_while_sending())
+    assert (command.cmd, command.reason) == ("drain", "maintenance")
+
+
+def test_control_refuses_an_unknown_region(run_id: str, tmp_path: pathlib.Path) -> None:
+    path = write_config(fleet_yaml(run_id, "127.0.0.1:9"), tmp_path / "fleet.yaml")
+    run = Run("control", "stop", "--config", str(path), "--region", "nowhere")
+    assert run.code == 1 and "no region 'nowhere'" in run.err

@@ -14,7 +14,8 @@ COMMANDS = [
     ["demo"], ["config", "check"], ["config", "reference"], ["topics", "create"], ["topics", "list"],
     ["topics", "describe"], ["topics", "lag"], ["topics", "dlq", "show"], ["topics", "dlq", "replay"],
     ["hub", "publish"], ["hub", "pull"], ["hub", "verify"], ["hub", "ls"], ["hub", "gc"], ["trainer"],
-    ["agent"], ["replicator"], ["status"], ["audit"],
+    ["agent"], ["replicator"], ["status"], ["audit"], ["control", "drain"], ["control", "resume"],
+    ["control", "stop"],
 ]
 
 
