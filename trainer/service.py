@@ -220,8 +220,8 @@ class Trainer:
         self.result.rewards.append(batch.stats["reward_mean"])
         log.info("step.done", step=self.step, version=self.version, reward_mean=round(batch.stats["reward_mean"], 4),
                  loss=round(stats.loss, 5), grad_norm=round(stats.grad_norm, 4), clip_fraction=stats.clip_fraction,
-                 tis_truncated=stats.tis_truncated_fraction, kl=stats.kl, tokens=stats.tokens,
-                 lag_max=batch.stats["lag_max"], seconds=round(seconds, 3))
+                 tis_truncated=stats.tis_truncated_fraction, tis_weight=round(stats.tis_weight_mean, 4), kl=stats.kl,
+                 tokens=stats.tokens, lag_max=batch.stats["lag_max"], seconds=round(seconds, 3))
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True
