@@ -406,6 +406,8 @@ class TrainerConfig(Model):
     """torch intra-op threads of the learner on CPU."""
     drain_timeout_s: float = Field(30.0, gt=0)
     """On SIGTERM, the time allowed to finish the step, checkpoint and commit."""
+    throughput_window_s: float = Field(60.0, gt=0)
+    """Window over which each region's throughput (arrivals, heartbeats) is measured for credits."""
 
 
 class FleetConfig(Model):
