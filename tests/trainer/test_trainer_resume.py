@@ -38,10 +38,12 @@ def _env() -> dict[str, str]:
 
 
 async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signals | None,
-                         timeout_s: float = 90.0, skip: int = 0) -> tuple[int, list[dict[str, Any]]]:
+                         timeout_s: float = 90.0, skip: int = 0, launcher: tuple[str, ...] = (),
+                         ) -> tuple[int, list[dict[str, Any]]]:
     """Run the daemon; on the `skip+1`-th log `event`, send `sig`. Returns (exit code, events)."""
+    command = [*launcher, "-m", "fleetrl.cli"] if launcher else FLEETRL
     proc = await asyncio.create_subprocess_exec(
-        *FLEETRL, "trainer", "--config", str(cfg), "--steps", str(STEPS), "--log-json",
+        *command, "trainer", "--config", str(cfg), "--steps", str(STEPS), "--log-json",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=_env())
     assert proc.stderr is not None
     events: list[dict[str, Any]] = []
@@ -52,7 +54,7 @@ async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signa
                 try:
                     ev = json.loads(line)
                 except ValueError:
-                    continue
+                    ev = {"event": "raw", "line": line.decode(errors="replace")}
                 events.append(ev)
                 if sig is not None and ev.get("event") == event:
                     seen += 1
@@ -101,3 +103,31 @@ async def test_sigkill_mid_step_then_restart_trains_every_group_once(
     assert report["ok"] and not report["lost"] and not report["trained_twice"]
     assert report["trained"] == STEPS * config.algorithm.groups_per_step
     assert report["dispatched"] >= report["trained"]
+
+
+async def test_daemon_under_torchrun_two_ranks(make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path) -> None:
+    """`torchrun --nproc-per-node 2 -m fleetrl.cli trainer`: FSDP2 over gloo, rank 0 alone on Kafka and the hub."""
+    config = make_fleet()
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    await ensure_topics(config, REGION)
+    answered: list[str] = []
+    finished = asyncio.Event()
+    rollout = asyncio.create_task(answer_prompts(config, REGION, finished.is_set, answered))
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    try:
+        rc, ev = await _trainer_until(cfg, None, None, timeout_s=120, launcher=torchrun)
+    finally:
+        finished.set()
+        await asyncio.wait_for(rollout, 30)
+    assert rc == 0, [e for e in ev if e.get("level") == "error"] or ev[-5:]
+    # Both ranks write one stderr, so two simultaneous events may share a line: count raw text too.
+    joined = sum(1 for e in ev if e.get("event") == "dist.joined")
+    joined += sum(e["line"].count('"dist.joined"') for e in ev if e.get("event") == "raw")
+    assert joined == 2
+    published = [e["version"] for e in ev if e.get("event") == "weights.published"]
+    assert published == list(range(STEPS + 1))  # the initial weights, then one version per step
+    ckpt = latest(config.trainer.checkpoint_dir, config.run)
+    assert ckpt is not None and ckpt.step == STEPS
+    ledger = [row[0] for row in ckpt.state["collector"]["trained"]]
+    assert len(ledger) == len(set(ledger)) == STEPS * config.algorithm.groups_per_step
