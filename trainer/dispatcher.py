@@ -71,17 +71,21 @@ class Dispatcher:
     def admitted(self) -> int:
         return self.next_index
 
-    def budget(self, version: int) -> int:
+    def budget(self, step: int) -> int:
         a, d = self.config.algorithm, self.config.dataset
-        room = admission_budget(version, self.admitted, a.max_staleness, a.groups_per_step)
+        room = admission_budget(step, self.admitted, a.max_staleness, a.groups_per_step)
         if d.num_prompts is not None:
             room = min(room, d.num_prompts - self.next_index)
         return max(room, 0)
 
-    async def dispatch(self, version: int, now: float, resolved: Callable[[str], bool]) -> int:
-        """Admit and send as many groups as the bound allows; returns how many were sent."""
+    async def dispatch(self, step: int, version: int, now: float, resolved: Callable[[str], bool]) -> int:
+        """Admit and send as many groups as the bound allows; returns how many were sent.
+
+        Admission counts in learner steps (the `version` of the bound: versions published since
+        start); `version` is the newest published policy, the least a worker may sample with.
+        """
         sent = 0
-        while not self.exhausted and self.budget(version) > 0:
+        while not self.exhausted and self.budget(step) > 0:
             item = next(self._prompts, None)
             if item is None:
                 self.exhausted = True

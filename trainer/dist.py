@@ -103,7 +103,7 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: DistContext) -> tuple[
-    dict[str, torch.Tensor], dict[str, Any] | None
+    dict[str, Any], dict[str, Any] | None
 ]:
     """Full (unsharded) CPU state dicts; on ranks > 0 they are empty. Collective under FSDP."""
     from torch.distributed.checkpoint.state_dict import (
@@ -120,7 +120,7 @@ def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, c
 
 def set_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-    msd: dict[str, torch.Tensor], osd: dict[str, Any] | None, ctx: DistContext,
+    msd: dict[str, Any], osd: dict[str, Any] | None, ctx: DistContext,
 ) -> None:
     """Load full state dicts read by rank 0 into every rank (broadcast under FSDP).
 

@@ -52,6 +52,6 @@ class TrainerMetrics:
         self.steps = Counter("fleetrl_trainer_steps_total", "Optimizer steps", registry=r)
 
     def serve(self, port: int) -> int:
-        """Serve /metrics on 127.0.0.1-and-all `port` (0 picks a free one); returns the port."""
+        """Serve /metrics on every interface at `port` (0 picks a free one); returns the port."""
         server, _ = start_http_server(port, registry=self.registry)
         return int(server.server_port)

@@ -133,7 +133,7 @@ class Trainer:
             now = time.time()
             moved = await self.dispatcher.redispatch_silent(now, self.config.trainer.silent_region_timeout_s)
             self.metrics.redispatched.inc(moved)
-            await self.dispatcher.dispatch(self.step, now, self.collector.is_resolved)
+            await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved)
             self._heartbeats(now)
             for region, deliveries in (await self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S)).items():
                 for d in deliveries:

@@ -44,7 +44,7 @@ class Sim:
         self.outstanding.append(record)
 
     async def admit(self) -> None:
-        await self.dispatcher.dispatch(self.version, 0.0, self.collector.is_resolved)
+        await self.dispatcher.dispatch(self.version, self.version, 0.0, self.collector.is_resolved)
         a = self.cfg.algorithm
         assert self.dispatcher.admitted <= (self.version + 1 + a.max_staleness) * a.groups_per_step
 
@@ -167,7 +167,7 @@ def test_silent_region_is_redispatched_with_a_new_attempt() -> None:
     d = Dispatcher(cfg, itertools.repeat(("reverse", "ab=", "ba")), send, credits)
 
     async def go() -> None:
-        await d.dispatch(0, 0.0, lambda gid: False)
+        await d.dispatch(0, 0, 0.0, lambda gid: False)
         assert len(sent) == 4 and {r for r, _ in sent} == {"a", "b"}
         credits.on_arrival("b", 50.0)  # b answers, a stays silent
         moved = await d.redispatch_silent(100.0, timeout_s=60.0)
