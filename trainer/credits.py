@@ -5,8 +5,14 @@ from it in the last `window_s`, or, where its nodes' heartbeats report more, the
 (tokens/s over the tokens of one group). A region not yet measured borrows the mean of the
 measured ones, scaled by its configured `weight`. A partitioned or dead region stops arriving and
 stops heartbeating, so its credit falls to zero within one window and nothing waits on it; when it
-comes back, its heartbeats give it credit again. The next group goes to the region with the least
-in-flight work per unit of throughput, which keeps in-flight work proportional to throughput.
+comes back, its heartbeats give it credit again.
+
+The next group goes to the region expected to return it first: the larger of the region's measured
+latency (dispatch to arrival, mean over the window) and its backlog drained at its throughput,
+`(in_flight + 1) / rate`. Throughput alone would keep a slow region's in-flight work proportional
+to its rate; but admission bounds the work in flight to `(1 + max_staleness) * groups_per_step`, so
+a region whose groups take many steps to come back would hold admission slots for groups that end
+up stale. Latency sends it only what it can return in time.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ class _Region:
     arrivals: deque[float] = field(default_factory=deque)
     first_dispatch: float | None = None
     last_arrival: float | None = None
+    latencies: deque[tuple[float, float]] = field(default_factory=deque)
+    """(arrived_at, dispatch-to-arrival seconds) within the window."""
     nodes: dict[str, tuple[str, float, float]] = field(default_factory=dict)
     """node -> (state, tokens_per_s, received_at)."""
 
@@ -36,12 +44,21 @@ class RegionCredits:
         if r.first_dispatch is None:
             r.first_dispatch = now
 
-    def on_arrival(self, region: str, now: float) -> None:
+    def on_arrival(self, region: str, now: float, latency_s: float | None = None) -> None:
         r = self.regions.get(region)
         if r is None:
             return
         r.arrivals.append(now)
         r.last_arrival = now
+        if latency_s is not None:
+            r.latencies.append((now, max(latency_s, 0.0)))
+
+    def latency(self, region: str, now: float) -> float:
+        """Mean dispatch-to-arrival seconds over the window (0 while unmeasured)."""
+        r = self.regions[region]
+        while r.latencies and r.latencies[0][0] < now - self.window_s:
+            r.latencies.popleft()
+        return sum(lat for _, lat in r.latencies) / len(r.latencies) if r.latencies else 0.0
 
     def on_heartbeat(self, region: str, node: str, state: str, tokens_per_s: float, now: float) -> None:
         r = self.regions.get(region)
@@ -69,14 +86,19 @@ class RegionCredits:
         return max(len(r.arrivals) / self.window_s if observed else 0.0, hb_rate)
 
     def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset()) -> str:
-        """Region for the next group: least in-flight per unit of throughput."""
+        """Region for the next group: the earliest expected return (see the module docstring)."""
         rates = self.rates(now)
         candidates = [n for n in self.regions if n not in exclude and rates[n] > 0] or [
             n for n in self.regions if n not in exclude
         ] or list(self.regions)
         if all(rates[n] <= 0 for n in candidates):
             rates = {n: self.regions[n].weight for n in self.regions}
-        return min(candidates, key=lambda n: ((in_flight.get(n, 0) + 1) / max(rates[n], 1e-9), n))
+
+        def expected_return_s(n: str) -> tuple[float, str]:
+            backlog = (in_flight.get(n, 0) + 1) / max(rates[n], 1e-9)
+            return max(self.latency(n, now), backlog), n
+
+        return min(candidates, key=expected_return_s)
 
     def silent_since(self, region: str) -> float | None:
         """When the region last proved it returns work (its last arrival, else its first dispatch)."""

@@ -154,7 +154,10 @@ class Trainer:
     async def _on_group(self, region: str, delivery: Any) -> None:
         record = delivery.record
         assert isinstance(record, GroupRecord)
-        self.credits.on_arrival(record.region if record.region in self.credits.regions else region, time.time())
+        now = time.time()
+        flight = self.dispatcher.in_flight.get(record.group_id)
+        latency = now - flight.dispatched_at if flight is not None and flight.region == region else None
+        self.credits.on_arrival(region, now, latency)
         verdict = self.collector.offer(record, self.version)
         if verdict == "foreign":
             err = RecordError("wrong_run", f"record of run {record.run!r} in run {self.config.run!r}'s topic",

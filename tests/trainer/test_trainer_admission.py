@@ -151,6 +151,15 @@ def test_credits_follow_throughput_and_skip_a_silent_region() -> None:
     cr.on_heartbeat("dead", "n1", "up", 50.0, 10.0)
     cr.on_heartbeat("dead", "n2", "up", 50.0, 10.0)
     assert cr.rates(10.0)["dead"] == 1.0
+    # a region whose groups take long to come back gets work only once the others are backed up
+    lat = RegionCredits({"near": 1.0, "far": 1.0}, window_s=10, tokens_per_group=1)
+    for r, latency in (("near", 1.0), ("far", 8.0)):
+        lat.on_dispatch(r, 0.0)
+        for t in range(1, 11):
+            lat.on_arrival(r, float(t), latency_s=latency)  # both return 1 group/s
+    assert lat.latency("far", 10.0) == 8.0
+    # near: max(1 s, (in_flight + 1) / 1) ; far: max(8 s, ...) -> near until it holds 7 groups
+    assert [lat.pick({"near": n}, 10.0) for n in (0, 6, 7, 8)] == ["near", "near", "far", "far"]
     # before anything is measured, configured weights decide
     fresh = RegionCredits({"a": 3.0, "b": 1.0}, window_s=10, tokens_per_group=1)
     assert fresh.rates(0.0) == {"a": 3.0, "b": 1.0}
