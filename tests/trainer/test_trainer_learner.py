@@ -1,0 +1,80 @@
+"""The learner on the tiny model: a step moves probability towards the better sample; CPU and CUDA agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fleetrl.broker import GroupRecord, Sample, floats, ids
+from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.trainer.batch import build_step_batch, collate
+from fleetrl.trainer.dist import DistContext
+from fleetrl.trainer.learner import Learner
+from fleetrl.trainer.losses import token_logprobs
+
+PROMPT = [1, 40, 41, 42, 61]
+GOOD, BAD = [42, 41, 40, 2], [50, 51, 52, 2]
+
+
+def _behaviour_group(model: torch.nn.Module) -> GroupRecord:
+    """Two samples scored with the model's own logprobs (on-policy), rewards 1 and 0."""
+    samples = []
+    for completion, reward in ((GOOD, 1.0), (BAD, 0.0)):
+        lp = _logprobs(model, completion).numpy()
+        samples.append(Sample(ids(completion), floats(lp), np.zeros(len(completion), np.int32), reward, "stop"))
+    return GroupRecord("g-1", "r", "reverse", 0, "a", "n", ids(PROMPT), samples)
+
+
+@torch.no_grad()
+def _logprobs(model: torch.nn.Module, completion: list[int]) -> torch.Tensor:
+    x = torch.tensor([PROMPT + completion])
+    logits = model(input_ids=x).logits[:, :-1]
+    return token_logprobs(logits, x[:, 1:])[0, len(PROMPT) - 1:].cpu()
+
+
+def test_a_step_moves_probability_to_the_rewarded_sample() -> None:
+    torch.manual_seed(0)
+    algo = AlgorithmConfig(lr=1e-3, micro_batch_samples=1)
+    learner = Learner(ModelConfig(), algo, DistContext())
+    group = _behaviour_group(learner.model)
+    before_good, before_bad = _logprobs(learner.model, GOOD).sum(), _logprobs(learner.model, BAD).sum()
+    stats = learner.train_step(build_step_batch([group], "grpo", 0))
+    assert stats.tokens == 8 and stats.clip_fraction == 0.0 and stats.tis_truncated_fraction == 0.0
+    assert stats.tis_weight_mean == pytest.approx(1.0, abs=1e-4)  # behaviour == current: weights of 1
+    # Adam's first step moves shared weights too, so both may move one way; their gap must widen.
+    gap_before = before_good - before_bad
+    gap_after = _logprobs(learner.model, GOOD).sum() - _logprobs(learner.model, BAD).sum()
+    assert gap_after > gap_before + 0.1
+
+
+def test_published_state_has_every_name_in_the_publish_dtype() -> None:
+    learner = Learner(ModelConfig(), AlgorithmConfig(), DistContext())
+    state = learner.published_state()
+    assert state.keys() == learner.model.state_dict().keys()
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    assert all(t.device.type == "cpu" for t in state.values())
+
+
+def test_collate_aligns_completion_tokens_with_their_predictors() -> None:
+    group = GroupRecord("g", "r", "reverse", 0, "a", "n", ids([1, 7]), [
+        Sample(ids([8, 9, 2]), floats([-0.1, -0.2, -0.3]), np.zeros(3, np.int32), 1.0, "stop")])
+    mb = collate(build_step_batch([group], "grpo_no_std", 0).samples, "cpu")
+    # input 1 7 8 9 2: position 1 (token 7) predicts 8, position 2 predicts 9, position 3 predicts 2
+    assert mb.targets.tolist() == [[7, 8, 9, 2]]
+    assert mb.loss_mask.tolist() == [[0.0, 1.0, 1.0, 1.0]]
+    assert mb.behaviour_logprobs[0, 1:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_step_matches_cpu_step() -> None:
+    """One loop for both devices: on CUDA (bf16 autocast, fp32 masters) the step's loss is the CPU one."""
+    algo = AlgorithmConfig(lr=1e-3)
+    cpu = Learner(ModelConfig(), algo, DistContext())
+    gpu = Learner(ModelConfig(), algo, DistContext(device=torch.device("cuda")))
+    group = _behaviour_group(cpu.model)
+    s_cpu = cpu.train_step(build_step_batch([group], "grpo", 0))
+    s_gpu = gpu.train_step(build_step_batch([group], "grpo", 0))
+    assert s_gpu.loss == pytest.approx(s_cpu.loss, rel=0.05, abs=1e-3)
+    assert next(gpu.model.parameters()).dtype == torch.float32
