@@ -28,6 +28,8 @@ class _Region:
     arrivals: deque[float] = field(default_factory=deque)
     first_dispatch: float | None = None
     last_arrival: float | None = None
+    failed_at: float | None = None
+    """When a send to the region's cluster last failed: no credit for one window after it."""
     latencies: deque[tuple[float, float]] = field(default_factory=deque)
     """(arrived_at, dispatch-to-arrival seconds) within the window."""
     nodes: dict[str, tuple[str, float, float]] = field(default_factory=dict)
@@ -60,6 +62,10 @@ class RegionCredits:
             r.latencies.popleft()
         return sum(lat for _, lat in r.latencies) / len(r.latencies) if r.latencies else 0.0
 
+    def on_send_failure(self, region: str, now: float) -> None:
+        """The region's cluster refused or timed out a send: treat it as partitioned for a window."""
+        self.regions[region].failed_at = now
+
     def on_heartbeat(self, region: str, node: str, state: str, tokens_per_s: float, now: float) -> None:
         r = self.regions.get(region)
         if r is not None:
@@ -78,6 +84,8 @@ class RegionCredits:
     def _measured(self, r: _Region, now: float) -> float | None:
         while r.arrivals and r.arrivals[0] < now - self.window_s:
             r.arrivals.popleft()
+        if r.failed_at is not None and now - r.failed_at < self.window_s:
+            return 0.0
         beats = [(s, t) for s, t, at in r.nodes.values() if now - at <= self.window_s]
         hb_rate = sum(t for s, t in beats if s == "up") / self.tokens_per_group
         observed = r.first_dispatch is not None and now - r.first_dispatch >= self.window_s

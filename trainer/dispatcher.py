@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fleetrl.broker import PromptRecord, Sampling
+from fleetrl.broker import KafkaError, PromptRecord, Sampling
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.credits import RegionCredits
@@ -53,6 +53,8 @@ class InFlight:
     task: str
     prompt: str
     reference: Any
+    sent: bool = True
+    """False while no region's cluster acknowledged it (every send failed): retried each round."""
 
 
 class Dispatcher:
@@ -84,7 +86,7 @@ class Dispatcher:
         Admission counts in learner steps (the `version` of the bound: versions published since
         start); `version` is the newest published policy, the least a worker may sample with.
         """
-        sent = 0
+        sent = await self._retry_unsent(now)
         while not self.exhausted and self.budget(step) > 0:
             item = next(self._prompts, None)
             if item is None:
@@ -98,8 +100,7 @@ class Dispatcher:
             task, prompt, reference = item
             region = self.credits.pick(self._per_region(), now)
             flight = InFlight(index, region, 0, now, version, task, prompt, reference)
-            await self._send(gid, flight)
-            sent += 1
+            sent += await self._send(gid, flight, now)
         return sent
 
     async def redispatch_silent(self, now: float, timeout_s: float) -> int:
@@ -107,30 +108,59 @@ class Dispatcher:
         moved = 0
         for gid, f in list(self.in_flight.items()):
             quiet = self.credits.silent_since(f.region)
-            if now - f.dispatched_at <= timeout_s or (quiet is not None and now - quiet <= timeout_s):
+            if not f.sent or now - f.dispatched_at <= timeout_s or (quiet is not None and now - quiet <= timeout_s):
                 continue
             old = f.region
             f.region = self.credits.pick(self._per_region(), now, exclude=frozenset({old}))
             f.attempt += 1
             f.dispatched_at = now
             log.warning("dispatch.redispatched", group_id=gid, attempt=f.attempt, from_region=old, to_region=f.region)
-            await self._send(gid, f)
-            moved += 1
+            moved += await self._send(gid, f, now)
         return moved
 
     def resolve(self, gid: str) -> InFlight | None:
         """The group was consumed (trained, stale, or known dead): no longer in flight."""
         return self.in_flight.pop(gid, None)
 
-    async def _send(self, gid: str, f: InFlight) -> None:
-        record = PromptRecord(
-            group_id=gid, run=self.config.run, task=f.task, n_samples=self.config.algorithm.n_samples,
-            sampling=self.sampling, prompt=f.prompt, reference=f.reference, min_version=f.min_version,
-            dispatched_at=f.dispatched_at, attempt=f.attempt,
-        )
-        await self.send(f.region, record)
+    async def _send(self, gid: str, f: InFlight, now: float) -> int:
+        """Send to `f.region`, or to the next region when its cluster fails; 1 if one acknowledged.
+
+        The group is in flight either way (admitted is admitted): when every region failed it waits,
+        unsent, for the next round.
+        """
         self.in_flight[gid] = f
-        self.credits.on_dispatch(f.region, f.dispatched_at)
+        tried: set[str] = set()
+        while True:
+            record = PromptRecord(
+                group_id=gid, run=self.config.run, task=f.task, n_samples=self.config.algorithm.n_samples,
+                sampling=self.sampling, prompt=f.prompt, reference=f.reference, min_version=f.min_version,
+                dispatched_at=f.dispatched_at, attempt=f.attempt,
+            )
+            try:
+                await self.send(f.region, record)
+            except KafkaError as exc:
+                if not exc.retriable:
+                    raise
+                tried.add(f.region)
+                self.credits.on_send_failure(f.region, now)
+                log.warning("dispatch.send_failed", group_id=gid, region=f.region, error=str(exc))
+                if len(tried) == len(self.credits.regions):
+                    f.sent = False
+                    return 0
+                f.region = self.credits.pick(self._per_region(), now, exclude=frozenset(tried))
+                continue
+            f.sent = True
+            self.credits.on_dispatch(f.region, f.dispatched_at)
+            return 1
+
+    async def _retry_unsent(self, now: float) -> int:
+        sent = 0
+        for gid, f in list(self.in_flight.items()):
+            if not f.sent:
+                f.region = self.credits.pick(self._per_region(), now)
+                f.dispatched_at = now
+                sent += await self._send(gid, f, now)
+        return sent
 
     def _per_region(self) -> dict[str, int]:
         counts: dict[str, int] = {}

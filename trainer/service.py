@@ -22,7 +22,15 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.broker import ControlPlane, GroupRecord, RecordError, RecordLimits, encode_record, trainer_group
+from fleetrl.broker import (
+    ControlPlane,
+    GroupRecord,
+    KafkaError,
+    RecordError,
+    RecordLimits,
+    encode_record,
+    trainer_group,
+)
 from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
@@ -184,8 +192,15 @@ class Trainer:
                     bound=self.collector.max_lag)
 
     async def _send_prompt(self, region: str, record: Any) -> None:
+        """One bounded send: a partitioned region costs the loop one request timeout, then it is skipped."""
         assert self.clients is not None
-        await self.clients.producers[region].send("prompts", record.group_id, record)
+        timeout_s = self.config.kafka.request_timeout_s
+        try:
+            await asyncio.wait_for(self.clients.producers[region].send("prompts", record.group_id, record), timeout_s)
+        except TimeoutError as exc:
+            # The record may still land: a second copy of a prompt is deduplicated downstream.
+            raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
+                             retriable=True) from exc
         self.metrics.dispatched.labels(region).inc()
 
     def _heartbeats(self, now: float) -> None:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainer_groups import make_group
 
-from fleetrl.broker import PromptRecord
+from fleetrl.broker import KafkaError, PromptRecord
 from fleetrl.config import FleetConfig
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.credits import RegionCredits
@@ -192,3 +192,32 @@ def test_silent_region_is_redispatched_with_a_new_attempt() -> None:
     assert d2.next_index == 4 and set(d2.in_flight) == set(d.in_flight)
 
 
+
+
+def test_a_failing_region_cluster_is_skipped_and_unsent_groups_retried() -> None:
+    cfg = _config(0, 2, regions=("a", "b"))
+    down = {"a"}
+    sent: list[tuple[str, str]] = []
+
+    async def send(region: str, record: PromptRecord) -> None:
+        if region in down:
+            raise KafkaError(f"region {region} unreachable", retriable=True)
+        sent.append((region, record.group_id))
+
+    credits = RegionCredits({"a": 1.0, "b": 1.0}, window_s=10, tokens_per_group=1)
+    d = Dispatcher(cfg, itertools.repeat(("reverse", "ab=", "ba")), send, credits)
+
+    async def go() -> None:
+        assert await d.dispatch(0, 0, 0.0, lambda gid: False) == 2
+        assert {r for r, _ in sent} == {"b"}  # a failed once, then had no credit for a window
+        down.add("b")  # now nothing is reachable: admitted groups wait unsent
+        d.in_flight.clear()
+        d.next_index = 0
+        sent.clear()
+        assert await d.dispatch(0, 0, 1.0, lambda gid: False) == 0
+        assert all(not f.sent for f in d.in_flight.values()) and len(d.in_flight) == 2
+        down.clear()
+        assert await d.dispatch(0, 0, 30.0, lambda gid: False) == 2  # retried in the next round
+        assert all(f.sent for f in d.in_flight.values()) and len(sent) == 2
+
+    asyncio.run(go())
