@@ -4,16 +4,21 @@ The trainer is the hub of the star (DESIGN.md §1): there is no cross-cluster mi
 client pair per region. Each consumer is positioned at the offsets of the newest checkpoint (exact
 resume) and dead-letters malformed records through its own region's producer. Deliveries the trainer
 has acted on are kept here until a checkpoint covers them; only then are they committed.
+
+A region whose cluster cannot be reached when the trainer starts does not stop it: the others are
+used, and the missing one is retried in the background every `kafka.request_timeout_s` (its groups
+wait in its own Kafka meanwhile; the dispatcher sends it nothing until it is connected).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
-from fleetrl.broker import Consumer, Delivery, Producer, RecordLimits
+from fleetrl.broker import Consumer, Delivery, KafkaError, Producer, RecordLimits
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
@@ -27,31 +32,69 @@ class RegionClients:
         self.producers: dict[str, Producer] = {}
         self.consumers: dict[str, Consumer] = {}
         self._handled: dict[str, list[Delivery]] = {r.name: [] for r in config.regions}
-        self._stack = AsyncExitStack()
+        self._stacks: dict[str, AsyncExitStack] = {}
+        self._reopen: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> RegionClients:
-        run = self.config.run
-        try:
-            for r in self.config.regions:
-                p = Producer(self.config, r.name, f"{run}-trainer-{r.name}")
-                self.producers[r.name] = await self._stack.enter_async_context(p)
-                c = Consumer(self.config, r.name, ["trajectories"], self.group, self.limits, p,
-                             f"{run}-trainer-{r.name}")
-                self.consumers[r.name] = await self._stack.enter_async_context(c)
-                if self.start_offsets.get(r.name):
-                    c.seek(dict(self.start_offsets[r.name]))
-        except BaseException:
-            await self._stack.aclose()
-            raise
-        log.info("trainer.clients_ready", regions=list(self.consumers))
+        names = [r.name for r in self.config.regions]
+        results = await asyncio.gather(*(self._open(n) for n in names), return_exceptions=True)
+        failures = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, BaseException)}
+        for name, exc in failures.items():
+            if not isinstance(exc, KafkaError) or len(failures) == len(names):
+                await self._close_all()
+                raise exc
+            log.warning("trainer.region_unreachable", region=name, error=str(exc))
+        if failures:
+            self._reopen = asyncio.create_task(self._reopen_loop(), name="trainer-region-reopen")
+        log.info("trainer.clients_ready", regions=list(self.consumers), missing=sorted(failures))
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await self._stack.aclose()
+        await self._close_all()
+
+    async def _open(self, name: str) -> None:
+        run = self.config.run
+        stack = AsyncExitStack()
+        try:
+            p = await stack.enter_async_context(Producer(self.config, name, f"{run}-trainer-{name}"))
+            c = await stack.enter_async_context(Consumer(self.config, name, ["trajectories"], self.group,
+                                                         self.limits, p, f"{run}-trainer-{name}"))
+        except BaseException:
+            await stack.aclose()
+            raise
+        if self.start_offsets.get(name):
+            c.seek(dict(self.start_offsets[name]))
+        self._stacks[name], self.producers[name], self.consumers[name] = stack, p, c
+
+    async def _reopen_loop(self) -> None:
+        while missing := [r.name for r in self.config.regions if r.name not in self.consumers]:
+            await asyncio.sleep(self.config.kafka.request_timeout_s)
+            for name in missing:
+                try:
+                    await self._open(name)
+                    log.info("trainer.region_connected", region=name)
+                except KafkaError as exc:
+                    log.warning("trainer.region_unreachable", region=name, error=str(exc))
+
+    async def _close_all(self) -> None:
+        if self._reopen is not None:
+            self._reopen.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reopen
+        for stack in self._stacks.values():
+            await stack.aclose()
+        self._stacks.clear()
+
+    def producer(self, region: str) -> Producer:
+        """The region's producer; a retriable KafkaError while its cluster is not connected."""
+        p = self.producers.get(region)
+        if p is None:
+            raise KafkaError(f"region {region!r}: cluster not connected", retriable=True)
+        return p
 
     async def poll(self, max_records: int, timeout_s: float) -> dict[str, list[Delivery]]:
-        """Poll every region at once; a region that fails is logged and skipped this round."""
+        """Poll every connected region at once; a retriable failure skips that region this round."""
         names = list(self.consumers)
         results = await asyncio.gather(
             *(self.consumers[n].poll(max_records, timeout_s) for n in names), return_exceptions=True)
@@ -75,7 +118,9 @@ class RegionClients:
     async def commit(self, covered: dict[str, list[Any]]) -> None:
         """Commit what a durable checkpoint covers (a failed commit only means re-reading later)."""
         for region, deliveries in covered.items():
+            if region not in self.consumers:
+                continue
             try:
                 await self.consumers[region].commit(deliveries)
-            except Exception as exc:  # the checkpoint holds the offsets; Kafka's copy may lag behind
+            except KafkaError as exc:  # the checkpoint holds the offsets; Kafka's copy may lag behind
                 log.warning("trainer.commit_failed", region=region, error=str(exc))

@@ -171,7 +171,7 @@ class Trainer:
             err = RecordError("wrong_run", f"record of run {record.run!r} in run {self.config.run!r}'s topic",
                               field="run", group_id=record.group_id)
             assert self.clients is not None
-            await self.clients.producers[region].dead_letter(
+            await self.clients.producer(region).dead_letter(
                 (delivery.key or "").encode(), encode_record(record), err,
                 delivery.topic, delivery.partition, delivery.offset)
             self.metrics.foreign.labels(region).inc()
@@ -196,7 +196,7 @@ class Trainer:
         assert self.clients is not None
         timeout_s = self.config.kafka.request_timeout_s
         try:
-            await asyncio.wait_for(self.clients.producers[region].send("prompts", record.group_id, record), timeout_s)
+            await asyncio.wait_for(self.clients.producer(region).send("prompts", record.group_id, record), timeout_s)
         except TimeoutError as exc:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
@@ -253,8 +253,8 @@ class Trainer:
             return
         t0 = time.monotonic()
         covered = self.clients.take_handled()
-        for region, deliveries in covered.items():
-            for tp, off in self.clients.consumers[region].committable_offsets(deliveries).items():
+        for region, consumer in self.clients.consumers.items():
+            for tp, off in consumer.committable_offsets(covered.get(region, [])).items():
                 self.offsets[region][tp] = max(off, self.offsets[region].get(tp, 0))
         state = {
             "run": self.config.run, "step": self.step, "version": self.version, "saved_at": time.time(),

@@ -136,3 +136,28 @@ async def test_each_valid_group_trained_once_malformed_dead_lettered_stale_count
     assert report.ok, report.problems()
     assert report.trained == len(trained) and report.stale == 1
     assert np.isfinite(trainer.result.rewards).all()
+
+
+async def test_an_unreachable_region_does_not_stop_training(make_fleet: Callable[..., FleetConfig]) -> None:
+    """A second region whose cluster is down at start: its share goes to the region that answers."""
+    from trainer_groups import answer_prompts
+
+    from fleetrl.devstack import free_port
+
+    base = make_fleet()
+    data = base.model_dump(mode="json")
+    data["kafka"]["request_timeout_s"] = 8.0
+    data["regions"].append({**data["regions"][0], "name": "down-b", "kafka": {"bootstrap": f"127.0.0.1:{free_port()}"},
+                            "nodes": []})
+    config = FleetConfig.model_validate(data)
+    await ensure_topics(config, REGION)
+    trainer = Trainer(config, reverse_prompts, Learner(config.model, config.algorithm, DistContext()))
+    answered: list[str] = []
+    train = asyncio.create_task(trainer.run(max_steps=3))
+    rollout = asyncio.create_task(answer_prompts(config, REGION, train.done, answered))
+    result = await asyncio.wait_for(train, 90)
+    await asyncio.wait_for(rollout, 30)
+    assert result.steps == 3 and result.trained_groups == 6
+    m = trainer.metrics.registry
+    assert (m.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": REGION}) or 0) >= 6
+    assert m.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": "down-b"}) is None
