@@ -1,63 +1,216 @@
-"""Batch surgery on a transformers `DynamicCache` for continuous batching.
+"""Slot-addressed KV cache and attention for continuous batching over a transformers model.
 
-The torch engine keeps every running sample in one left-padded batch: row b of each layer's key
-and value tensors `[B, heads, L, head_dim]` holds sample b's cache right-aligned, and a 2-D
-attention mask `[B, L]` marks the real columns. Admitting samples concatenates a freshly
-prefilled batch (left-padded to the same length); finishing samples drops rows and then the
-leading columns no row uses any more, so the cache stays as short as its longest sample.
+The torch engine owns `max_batch` slots. Each layer's keys and values live in one preallocated
+buffer `[max_batch + 1, kv_heads, capacity, head_dim]`: slot b holds one sample, its token at
+position j in column j (no padding), and the extra last slot is scratch. Nothing is concatenated,
+padded or compacted when samples come and go: a finished slot is simply reused, and the buffers
+grow (doubling) only when a sample outgrows the capacity.
+
+Each engine step is ONE forward pass over a packed row of tokens (`Pass`): first one token for
+every slot below `n` (the decode rows: a running slot's last sampled token; a free slot decodes
+into the void, writing to the scratch slot), then the prompt (+ completion so far) of every sample
+admitted into a free slot this step (the prefill segments). Every layer writes each token's key
+and value at its (slot, column) in place (`SlotLayer.update`), then `slot_attention` attends:
+
+* decode rows: one batched SDPA over the buffer views `[:n, :, :width]` (no copy), row b masked
+  to its columns `0..pos[b]`;
+* each prefill segment: a causal SDPA over its own slot's first columns.
+
+So admitting samples costs no extra forward pass (the previous design ran a separate prefill
+pass, then concatenated caches), and a decode step copies no cache. The engine switches the
+model's attention implementation to `slot_attention` only for its own forward passes
+(`slot_pass`), so the same model object keeps working elsewhere (e.g. `generate`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
+
+ATTENTION = "fleetrl_slots"
 
 
-def new_cache() -> DynamicCache:
-    # No config: plain full-attention layers, created lazily on the first forward pass.
-    return DynamicCache()
+@dataclass(slots=True)
+class Prefill:
+    """The prefill segments of a pass, batched: A samples padded to the longest, L tokens."""
+
+    slots: torch.Tensor
+    """[A] the slot of each admitted sample."""
+    length: int
+    """L: the longest segment."""
+    query: torch.Tensor
+    """[A * L] packed-row index of segment a's token i (padding repeats its last token)."""
+    mask: torch.Tensor
+    """[A, 1, L, L] bool: causal within the segment's real tokens."""
+    out: torch.Tensor
+    """[sum of lengths] index into the flattened [A * L] outputs of each real token, in packed order."""
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> Prefill:
+        longest = max(lengths)
+        i = torch.arange(longest)
+        start, length = torch.tensor(starts)[:, None], torch.tensor(lengths)[:, None]
+        query = (start + torch.minimum(i[None], length - 1)).flatten()
+        real = i[None, :] < length  # [A, L]
+        mask = (i[None, :, None] >= i[None, None, :]) & real[:, None, :]
+        out = (torch.arange(len(lengths))[:, None] * longest + i[None]).masked_select(real)
+        return cls(torch.tensor(slots, device=device), longest, query.to(device), mask[:, None].to(device),
+                   out.to(device))
 
 
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    layers: list[Any] = list(cache.layers)  # DynamicLayer: the cache is built without a config
-    return [(layer.keys, layer.values) for layer in layers]
+@dataclass(slots=True)
+class Pass:
+    """Addressing of one packed forward pass (see the module docstring)."""
+
+    n: int
+    """Decode rows: slots 0..n-1, the first n tokens of the packed row."""
+    width: int
+    """Columns the decode rows attend to (the longest running slot, its new token included)."""
+    decode_mask: torch.Tensor | None
+    """[n, 1, 1, width] bool: row b attends to columns 0..pos[b]."""
+    write_slot: torch.Tensor
+    """[R] slot each packed token writes its key/value to."""
+    write_col: torch.Tensor
+    """[R] column each packed token writes to."""
+    prefill: Prefill | None = None
+    """The samples admitted in this pass (their tokens follow the n decode rows)."""
 
 
-def _set(cache: DynamicCache, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    layers: list[Any] = list(cache.layers)
-    for layer, (k, v) in zip(layers, kv, strict=True):
-        layer.keys, layer.values = k, v
+_PASS: contextvars.ContextVar[tuple[SlotCache, Pass] | None] = contextvars.ContextVar("fleetrl_pass", default=None)
 
 
-def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Pad the sequence dimension (-2 for K/V, -1 for masks) on the left to `length`."""
-    extra = length - t.shape[-2 if t.dim() == 4 else -1]
-    if extra <= 0:
-        return t
-    return F.pad(t, (0, 0, extra, 0)) if t.dim() == 4 else F.pad(t, (extra, 0))
+class SlotLayer(CacheLayerMixin):
+    """One layer's buffers; the current `Pass` says where each new token goes."""
+
+    is_sliding = False
+
+    def __init__(self, owner: SlotCache) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        o = self._owner
+        self.keys = key_states.new_zeros(o.max_batch + 1, key_states.shape[1], o.capacity, key_states.shape[3])
+        self.values = value_states.new_zeros(o.max_batch + 1, value_states.shape[1], o.capacity,
+                                             value_states.shape[3])
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None
+        p = self._owner.current
+        # [1, heads, R, dim] -> one (slot, column) per packed token, written in place.
+        self.keys[p.write_slot, :, p.write_col] = key_states[0].transpose(0, 1)
+        self.values[p.write_slot, :, p.write_col] = value_states[0].transpose(0, 1)
+        return key_states, value_states  # slot_attention reads the buffers, not these
+
+    def grow(self, capacity: int) -> None:
+        if self.keys is None or self.values is None or self.keys.shape[2] >= capacity:
+            return
+        self.keys, self.values = _widened(self.keys, capacity), _widened(self.values, capacity)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._owner.current.width, 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.current.width
+
+    def get_max_length(self) -> int:
+        return -1
 
 
-def concat(
-    a: DynamicCache, mask_a: torch.Tensor, b: DynamicCache, mask_b: torch.Tensor
-) -> tuple[DynamicCache, torch.Tensor]:
-    """Rows of `a` then rows of `b`, left-padded to a common length; returns (cache, mask)."""
-    length = max(mask_a.shape[1], mask_b.shape[1])
-    merged = [
-        (torch.cat([_left_pad(ka, length), _left_pad(kb, length)]),
-         torch.cat([_left_pad(va, length), _left_pad(vb, length)]))
-        for (ka, va), (kb, vb) in zip(_layers(a), _layers(b), strict=True)
-    ]
-    _set(a, merged)
-    return a, torch.cat([_left_pad(mask_a, length), _left_pad(mask_b, length)])
+def _widened(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    out = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+    out[:, :, : t.shape[2]] = t
+    return out
 
 
-def select(cache: DynamicCache, mask: torch.Tensor, rows: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-    """Keep `rows`, then drop leading columns that no kept row attends to."""
-    mask = mask[rows]
-    used = mask.any(dim=0).nonzero()
-    start = int(used[0]) if len(used) else mask.shape[1]
-    _set(cache, [(k[rows, :, start:], v[rows, :, start:]) for k, v in _layers(cache)])
-    return cache, mask[:, start:]
+class SlotCache(Cache):
+    """Per-slot KV buffers of every layer."""
+
+    def __init__(self, num_layers: int, max_batch: int, capacity: int = 128) -> None:
+        self.max_batch = max_batch
+        self.capacity = capacity
+        self._current: Pass | None = None
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    @property
+    def current(self) -> Pass:
+        if self._current is None:
+            raise RuntimeError("the slot cache is used outside of a slot pass")
+        return self._current
+
+    def reserve(self, width: int) -> None:
+        """Make room for `width` columns in every slot (doubling; rare)."""
+        if width <= self.capacity:
+            return
+        while self.capacity < width:
+            self.capacity *= 2
+        for layer in self.layers:
+            assert isinstance(layer, SlotLayer)
+            layer.grow(self.capacity)
+
+
+@contextlib.contextmanager
+def slot_pass(model: Any, cache: SlotCache, plan: Pass) -> Iterator[None]:
+    """Run the model's attention through `slot_attention` for this pass only."""
+    config = model.config
+    previous = config._attn_implementation_internal
+    cache._current = plan
+    token = _PASS.set((cache, plan))
+    # The internal attribute, as `set_attn_implementation` does: the property setter costs ~8 us.
+    config._attn_implementation_internal = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = previous
+        _PASS.reset(token)
+        cache._current = None
+
+
+def slot_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of a packed slot pass: query [1, heads, R, dim] -> output [1, R, heads, dim]."""
+    current = _PASS.get()
+    if current is None:  # the model called outside an engine pass: plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    cache, p = current
+    layer = cache.layers[module.layer_idx]  # type: ignore[index]
+    keys, values = layer.keys, layer.values
+    assert keys is not None and values is not None
+    heads, dim, kv_heads = query.shape[1], query.shape[3], keys.shape[1]
+    rep = heads // kv_heads
+    outs = []
+    if p.n:
+        # One query per row: group the query heads by their key/value head (no repeat of the cache).
+        q = query[0, :, : p.n].transpose(0, 1).reshape(p.n, kv_heads, rep, dim)
+        o = F.scaled_dot_product_attention(q, keys[: p.n, :, : p.width], values[: p.n, :, : p.width],
+                                           attn_mask=p.decode_mask, scale=scaling)
+        outs.append(o.reshape(p.n, heads, -1))
+    if p.prefill is not None:
+        # All admitted samples in one SDPA: [A, heads, L, dim] against their slots' first L columns.
+        f = p.prefill
+        q = query[0].index_select(1, f.query).view(heads, -1, f.length, dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, keys[f.slots, :, : f.length], values[f.slots, :, : f.length],
+                                           attn_mask=f.mask, scale=scaling, enable_gqa=rep > 1)
+        outs.append(o.transpose(1, 2).flatten(0, 1).index_select(0, f.out))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, slot_attention)

@@ -13,6 +13,7 @@ Weights come from the hub's materialized tensors (Hugging Face names, tied weigh
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 from fleetrl.log import get_logger
-from fleetrl.rollout import _kv
+from fleetrl.rollout._kv import slot_pass
+from fleetrl.rollout._slots import SlotTable
 from fleetrl.rollout.engine import Engine, SeqState
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.sampling import sample_tokens, uniforms
@@ -47,22 +49,18 @@ class TorchEngine(Engine):
                          version=version)
         if dtype not in _DTYPES:
             raise EngineError(f"unknown engine dtype {dtype!r}; known: {sorted(_DTYPES)}")
+        _check_attention(model)
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=_DTYPES[dtype]).eval()
         self.max_batch = max_batch
-        # Admitting costs one prefill pass whatever its size: wait until a few slots are free.
+        # Admitting adds its prompts to the step's pass; waiting for a few free slots saves little now.
         self.refill_min = max(1, int(max_batch * refill_fraction))
         self.pad_id = int(pad_id if pad_id is not None else (cfg.pad_token_id or 0))
         self._params = _param_index(self.model)
+        self._keep_arg = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._waiting: deque[SeqState] = deque()
-        self._rows: list[SeqState] = []
-        self._cache: Any = None
-        self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
-        self._pos = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._last = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._temp = torch.zeros(0, device=self.device)
-        self._top_p = torch.zeros(0, device=self.device)
-        self._keys = np.zeros(0, dtype=np.uint64)
+        self._eos_table = np.zeros(0, dtype=bool)
+        self._slots = SlotTable(max_batch, int(cfg.num_hidden_layers), self.max_context, self.device)
 
     @classmethod
     def from_config(cls, model_config: Any, engine_config: Any, version: int = 0) -> TorchEngine:
@@ -74,11 +72,11 @@ class TorchEngine(Engine):
     # -- scheduler ------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._rows or self._waiting)
+        return bool(self._slots.running or self._waiting)
 
     def running(self) -> int:
-        """Samples decoding now (finished rows awaiting removal excluded)."""
-        return sum(s.finish_reason is None for s in self._rows)
+        """Samples decoding now."""
+        return self._slots.running
 
     def _enqueue(self, seqs: list[SeqState]) -> None:
         self._waiting.extend(seqs)
@@ -86,83 +84,70 @@ class TorchEngine(Engine):
     def _withdraw(self, seqs: list[SeqState]) -> None:
         gone = {id(s) for s in seqs}
         self._waiting = deque(s for s in self._waiting if id(s) not in gone)
-        keep = [i for i, s in enumerate(self._rows) if id(s) not in gone]
-        if len(keep) != len(self._rows):
-            self._keep_rows(keep)
+        self._slots.free([b for b, s in enumerate(self._slots.seqs) if s is not None and id(s) in gone])
 
     @torch.inference_mode()
     def _decode_step(self) -> None:
-        logits = []
-        if self._rows:
-            logits.append(self._decode())
-        free = self.max_batch - len(self._rows)
-        if self._waiting and (free >= self.refill_min or (free > 0 and not self._rows)):
-            admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-            logits.append(self._prefill(admitted))
-        self._sample(torch.cat(logits))
+        slots = self._slots
+        admitted = self._admissions()
+        rows = slots.free_slots(len(admitted))
+        plan, input_ids, keep = slots.plan([(b, s.prompt_ids + s.tokens) for b, s in zip(rows, admitted, strict=True)])
+        n_before = slots.n
+        with slot_pass(self.model, slots.cache, plan):
+            extra = {"logits_to_keep": keep} if self._keep_arg else {}
+            out = self.model(input_ids=input_ids[None], position_ids=plan.write_col[None],
+                             past_key_values=slots.cache, use_cache=True, **extra)
+        logits = out.logits[0] if self._keep_arg else out.logits[0, keep]
+        if admitted:
+            slots.admit(rows, admitted)
+            # Packed order (decode rows 0..n-1, then one row per admitted sample) -> slot order.
+            order = torch.zeros(slots.n, dtype=torch.long)
+            order[:n_before] = torch.arange(n_before)
+            order[rows] = torch.arange(n_before, n_before + len(rows))
+            logits = logits.index_select(0, order.to(self.device))
+        self._sample(logits)
 
-    def _decode(self) -> torch.Tensor:
-        ones = torch.ones(len(self._rows), 1, dtype=torch.long, device=self.device)
-        self._mask = torch.cat([self._mask, ones], dim=1)
-        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask, position_ids=self._pos[:, None],
-                         past_key_values=self._cache, use_cache=True)
-        self._pos = self._pos + 1
-        return out.logits[:, -1]
-
-    def _prefill(self, seqs: list[SeqState]) -> torch.Tensor:
-        """Forward the admitted samples' prompt + completion so far; merge them into the batch."""
-        inputs = [s.prompt_ids + s.tokens for s in seqs]
-        length = max(len(x) for x in inputs)
-        ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        for i, x in enumerate(inputs):
-            ids[i, length - len(x):] = torch.tensor(x, dtype=torch.long)
-            mask[i, length - len(x):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = _kv.new_cache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        last_pos = mask.sum(dim=1)  # position of each admitted sample's next token
-        temp = torch.tensor([s.sampling.temperature for s in seqs], device=self.device)
-        top_p = torch.tensor([s.sampling.top_p for s in seqs], device=self.device)
-        keys = np.array([s.key for s in seqs], dtype=np.uint64)
-        if self._rows:
-            self._cache, self._mask = _kv.concat(self._cache, self._mask, cache, mask)
-            self._pos = torch.cat([self._pos, last_pos])
-            self._temp, self._top_p = torch.cat([self._temp, temp]), torch.cat([self._top_p, top_p])
-            self._keys = np.concatenate([self._keys, keys])
-        else:
-            self._cache, self._mask, self._pos = cache, mask, last_pos
-            self._temp, self._top_p, self._keys = temp, top_p, keys
-        self._rows.extend(seqs)
-        return out.logits[:, -1]
+    def _admissions(self) -> list[SeqState]:
+        """Waiting samples to admit now: once enough slots are free, or all that wait fit, or none runs."""
+        wanted = min(self.max_batch - self._slots.running, len(self._waiting))
+        if wanted and (wanted >= self.refill_min or wanted == len(self._waiting) or not self._slots.running):
+            return [self._waiting.popleft() for _ in range(wanted)]
+        return []
 
     def _sample(self, logits: torch.Tensor) -> None:
-        rows = self._rows
-        u = torch.from_numpy(uniforms(self._keys, [s.position for s in rows])).to(self.device)
-        tokens, logprobs = sample_tokens(logits, self._temp, self._top_p, u)
-        self._last = tokens
-        for seq, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
-            if seq.finish_reason is None:
-                self._append(seq, tok, lp)
-        # Finished rows stay (decoding into the void) until enough of them make a refill worth it:
-        # dropping rows copies the whole cache, so it is done once per refill, not once per finish.
-        dead = sum(s.finish_reason is not None for s in rows)
-        if dead and (dead >= self.refill_min or not self._waiting or dead == len(rows)):
-            self._keep_rows([i for i, s in enumerate(rows) if s.finish_reason is None])
+        s = self._slots
+        n = s.n
+        u = torch.from_numpy(uniforms(s.keys[:n], s.count[:n])).to(self.device)
+        tokens, logprobs = sample_tokens(logits, s.temp[:n], s.top_p[:n], u)
+        tok_np = tokens.cpu().numpy()
+        toks, lps, version = tok_np.tolist(), logprobs.tolist(), self._version
+        rows = s.running_rows()
+        for b in rows:
+            seq = s.seqs[b]
+            assert seq is not None
+            seq.tokens.append(toks[b])
+            seq.logprobs.append(lps[b])
+            seq.versions.append(version)
+        self.tokens_sampled += len(rows)
+        # Engine._append's finish rules over the whole batch at once: EOS -> stop; max_new_tokens or
+        # the context (both folded into the slot's `limit`) -> length.
+        live = s.live[:n] > 0
+        stop = self._is_eos(logits.shape[-1])[tok_np] & live
+        done = np.flatnonzero(stop | ((s.count[:n] + 1 >= s.limit[:n]) & live)).tolist()
+        for b in done:
+            seq = s.seqs[b]
+            assert seq is not None
+            seq.finish_reason = "stop" if stop[b] else "length"
+            self._touched.add(seq.group_id)
+        s.advance(tokens)
+        s.free(done)
 
-    def _keep_rows(self, keep: list[int]) -> None:
-        if not keep:
-            self._rows, self._cache = [], None
-            self._mask = self._mask[:0, :0]
-            self._pos, self._last = self._pos[:0], self._last[:0]
-            self._temp, self._top_p, self._keys = self._temp[:0], self._top_p[:0], self._keys[:0]
-            return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._cache, self._mask = _kv.select(self._cache, self._mask, idx)
-        self._pos, self._last = self._pos[idx], self._last[idx]
-        self._temp, self._top_p, self._keys = self._temp[idx], self._top_p[idx], self._keys[keep]
-        self._rows = [self._rows[i] for i in keep]
+    def _is_eos(self, vocab: int) -> np.ndarray:
+        """A lookup table token id -> is EOS (np.isin costs ~10 us a step)."""
+        if self._eos_table.shape[0] != vocab:
+            self._eos_table = np.zeros(vocab, dtype=bool)
+            self._eos_table[[e for e in self.eos_ids if 0 <= e < vocab]] = True
+        return self._eos_table
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -188,6 +173,18 @@ def _param_index(model: Any) -> dict[str, torch.Tensor]:
     """Every state-dict name (tied aliases included) mapped to the live tensor it loads into."""
     live = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
     return {name: live[name] for name in model.state_dict() if name in live}
+
+
+def _check_attention(model: Any) -> None:
+    """The engine runs the model's attention through `_kv.slot_attention`: it must dispatch via
+    transformers' AttentionInterface and use full attention in every layer."""
+    if not getattr(model, "_supports_attention_backend", False):
+        raise EngineError(f"model {type(model).__name__} does not dispatch attention through transformers' "
+                          "AttentionInterface; the torch engine cannot batch it")
+    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise EngineError(f"model layer types {sorted(kinds)} are not supported by the torch engine "
+                          "(full attention only)")
 
 
 def _as_list(value: Any) -> list[int]:

@@ -1,0 +1,121 @@
+"""The torch engine's slot table: per-slot decoding state as arrays, and the packed pass of a step.
+
+Slot b below `n` either runs a sample (`seqs[b]`) or is free. The state a step needs lives in
+arrays indexed by slot, updated with one vector operation per step, not per sample: the position
+(= cache column) of each slot's last token, its sampling counter, key, temperature and top-p, the
+last sampled token (the next input). `plan` turns the running slots plus the samples admitted this
+step into one packed forward pass (`fleetrl.rollout._kv.Pass`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from fleetrl.rollout._kv import Pass, Prefill, SlotCache
+from fleetrl.rollout.engine import SeqState
+
+
+class SlotTable:
+    """Decoding state of `max_batch` slots and their KV cache."""
+
+    def __init__(self, max_batch: int, num_layers: int, max_context: int, device: torch.device) -> None:
+        self.device = device
+        self.max_context = max_context
+        self.max_batch = max_batch
+        self.cache = SlotCache(num_layers, max_batch)
+        self.seqs: list[SeqState | None] = [None] * max_batch
+        self.n = 0
+        """Slots below n are in the forward pass (the highest running slot + 1)."""
+        self.running = 0
+        self.pos = np.zeros(max_batch, dtype=np.int64)
+        """Position and cache column of each slot's last token (its next decode input); 0 when free."""
+        self.write_slot = np.full(max_batch, max_batch, dtype=np.int64)
+        """Where a slot's decode row writes: itself when running, the scratch slot when free."""
+        self.count = np.zeros(max_batch, dtype=np.int64)
+        """Completion tokens so far: the counter of the slot's next uniform."""
+        self.limit = np.zeros(max_batch, dtype=np.int64)
+        """Completion length at which a slot's sample stops (max_new_tokens, or the context)."""
+        self.keys = np.zeros(max_batch, dtype=np.uint64)
+        self.live = np.zeros(max_batch, dtype=np.int64)
+        self.last = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.temp = torch.ones(max_batch, device=device)
+        self.top_p = torch.ones(max_batch, device=device)
+        self._columns = torch.arange(self.cache.capacity, device=device)
+
+    def running_rows(self) -> list[int]:
+        return [b for b, s in enumerate(self.seqs[: self.n]) if s is not None]
+
+    def free_slots(self, k: int) -> list[int]:
+        """The lowest `k` free slots (keeps `n`, the pass width, small)."""
+        return [b for b, s in enumerate(self.seqs) if s is None][:k]
+
+    def plan(self, admitted: Sequence[tuple[int, list[int]]]) -> tuple[Pass, torch.Tensor, torch.Tensor]:
+        """The pass decoding slots 0..n-1 and prefilling `admitted` (slot, tokens); (pass, input_ids, keep).
+
+        `keep` indexes the packed tokens whose logits are sampled: the n decode rows, then the last
+        token of each admitted sample.
+        """
+        n, dev = self.n, self.device
+        width = int(self.pos[:n].max()) + 1 if n else 0
+        self.reserve(max([width, *(len(t) for _, t in admitted)]))
+        pos = torch.from_numpy(self.pos[:n]).to(dev)
+        mask = (self._columns[:width][None, :] <= pos[:, None])[:, None, None, :] if n else None
+        if not admitted:
+            slots = torch.from_numpy(self.write_slot[:n]).to(dev)
+            plan = Pass(n, width, mask, slots, pos)
+            return plan, self.last[:n], torch.arange(n, device=dev)
+        lengths = [len(t) for _, t in admitted]
+        starts = (n + np.cumsum([0, *lengths[:-1]])).tolist()
+        slots_np = np.concatenate([self.write_slot[:n], np.repeat([s for s, _ in admitted], lengths)])
+        cols_np = np.concatenate([self.pos[:n], *(np.arange(k) for k in lengths)])
+        prefill = Prefill.build([s for s, _ in admitted], starts, lengths, dev)
+        plan = Pass(n, width, mask, torch.from_numpy(slots_np).to(dev), torch.from_numpy(cols_np).to(dev), prefill)
+        tokens = torch.tensor([t for _, toks in admitted for t in toks], dtype=torch.long, device=dev)
+        keep = list(range(n)) + [s + k - 1 for s, k in zip(starts, lengths, strict=True)]
+        return plan, torch.cat([self.last[:n], tokens]), torch.tensor(keep, device=dev)
+
+    def reserve(self, width: int) -> None:
+        self.cache.reserve(width)
+        if self._columns.shape[0] < self.cache.capacity:
+            self._columns = torch.arange(self.cache.capacity, device=self.device)
+
+    def admit(self, rows: list[int], seqs: list[SeqState]) -> None:
+        """Slots `rows` now hold `seqs`, whose prompt + completion this step's pass prefills."""
+        idx = torch.tensor(rows, device=self.device)
+        # The counters as of the last prefilled token; `advance` moves them past the token sampled now.
+        self.pos[rows] = [len(s.prompt_ids) + len(s.tokens) - 1 for s in seqs]
+        self.write_slot[rows] = rows
+        self.count[rows] = [len(s.tokens) for s in seqs]
+        self.limit[rows] = [min(s.sampling.max_new_tokens, self.max_context - len(s.prompt_ids)) for s in seqs]
+        self.keys[rows] = [s.key for s in seqs]
+        self.live[rows] = 1
+        self.temp[idx] = torch.tensor([s.sampling.temperature for s in seqs], device=self.device)
+        self.top_p[idx] = torch.tensor([s.sampling.top_p for s in seqs], device=self.device)
+        for b, s in zip(rows, seqs, strict=True):
+            self.seqs[b] = s
+        self.running += len(rows)
+        self.n = max(self.n, max(rows) + 1)
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Every running slot took one more token: it is the next input, one column on."""
+        n = self.n
+        self.last[:n] = tokens
+        self.pos[:n] += self.live[:n]
+        self.count[:n] += self.live[:n]
+
+    def free(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        idx = torch.tensor(rows, device=self.device)
+        self.temp[idx] = 1.0
+        self.top_p[idx] = 1.0
+        self.pos[rows] = self.count[rows] = self.live[rows] = 0
+        self.write_slot[rows] = self.max_batch
+        for b in rows:
+            self.seqs[b] = None
+        self.running -= len(rows)
+        while self.n and self.seqs[self.n - 1] is None:
+            self.n -= 1
