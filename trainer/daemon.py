@@ -67,7 +67,10 @@ async def _lead(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stopper(stop, sig))
-    return await Trainer(config, prompts, learner, metrics=metrics).run(max_steps, stop)
+    try:
+        return await Trainer(config, prompts, learner, metrics=metrics).run(max_steps, stop)
+    finally:
+        metrics.close()
 
 
 def _stopper(stop: asyncio.Event, sig: signal.Signals) -> Callable[[], None]:
