@@ -13,12 +13,23 @@ through `fleetrl.hub` into a directory store, and the same two states are measur
   and the same bound per tensor (tighter: p per tensor).
 
 Times: publish (snapshot, hash, encode, write) vs writing the dense safetensors file, and
-materializing a delta in place into the engine's state dict (fetch, verify every hash, apply) vs
-loading the dense file into that state dict: `materialize_ratio` against safetensors' `load_file`
-(a lazy mmap of a file in the page cache) plus the copy into the tensors, i.e. memcpy speed;
-`materialize_ratio_read` against reading the file's bytes (as a GET from a store returns them),
-parsing and copying. Neither baseline verifies anything; ours checks signature and hashes. Our
-bytes include the signed manifest.
+materializing a delta in place into the engine's state dict vs loading the dense file of the same
+version into that state dict, both measured in the same run, interleaved, best of REPEATS:
+
+* ours: a reader that has followed the chain (as a rollout node's long-lived `Hub` has: the
+  manifests of earlier versions are in its cache) updates the engine's weights from version N-1 to
+  N in place: it fetches and verifies N's signed manifest, fetches the delta object, checks every
+  part's sha256 and every written word against `changed_sha256`, decodes and applies;
+* `materialize_ratio`: dense load time / ours, where the dense load is safetensors' `load_file`
+  (a lazy mmap of the file, which is in the page cache) plus `copy_` into the same state dict:
+  the cheapest way to load a dense file (a fresh dict from `load_file` alone would not even read
+  the bytes until first use, so it is no materialization at all);
+* `materialize_ratio_read`: against reading the file's bytes (as a GET from a store returns them),
+  parsing and copying.
+
+Neither baseline verifies anything. Threads are those of a real reader: torch intra-op threads 1
+(what `rollout/__main__.py` and the torch engine set), `hub.threads` 2 (this machine's cores).
+Our bytes include the signed manifest.
 
     .venv/bin/python bench/hub_delta.py [--quick]
 
@@ -53,8 +64,10 @@ FULL = TinyModelConfig(vocab_size=32768, hidden_size=768, intermediate_size=2048
 QUICK = TinyModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 LEVEL = 3
-REPEATS = 3
+REPEATS = 5
 """Timings are the best of this many runs: the machine is shared, and noise only ever adds time."""
+READER_TORCH_THREADS = 1
+"""torch intra-op threads of a rollout node (rollout/__main__.py), the process that materializes."""
 
 
 @dataclass
@@ -153,9 +166,11 @@ def engine_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def timed_materialize(config: FleetConfig, prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor],
                       version: int) -> float:
-    """A fresh reader (nothing cached) updates an engine's weights in place to `version`."""
+    """A reader that followed the chain up to `version - 1` updates an engine's weights in place."""
     into = engine_state(prev)
     with Hub.from_config(config) as reader:
+        reader.manifest(version - 1)  # what following the chain left in its cache
+        reader.manifest(reader.manifest(version - 1).anchor)
         t0 = time.perf_counter()
         reader.materialize(version, into=into, have_version=version - 1)
         elapsed = time.perf_counter() - t0
@@ -171,6 +186,20 @@ def timed_load(path: pathlib.Path, prev: dict[str, torch.Tensor], read: bool = F
     for k, v in loaded.items():
         into[k].copy_(v)
     return time.perf_counter() - t0
+
+
+def timed_reads(config: FleetConfig, prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], version: int,
+                dense_path: pathlib.Path) -> tuple[float, float, float]:
+    """Best of REPEATS of ours, the mapped dense load and the read dense load, interleaved (so that
+    noise from other processes on the machine falls on all three alike), with a reader's threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(READER_TORCH_THREADS)
+    try:
+        runs = [(timed_materialize(config, prev, cur, version), timed_load(dense_path, prev),
+                 timed_load(dense_path, prev, read=True)) for _ in range(REPEATS)]
+    finally:
+        torch.set_num_threads(threads)
+    return min(r[0] for r in runs), min(r[1] for r in runs), min(r[2] for r in runs)
 
 
 def run_phase(phase: Phase, model: torch.nn.Module, batches: Any, steps: int, hub: Hub, reader_config: FleetConfig,
@@ -192,9 +221,10 @@ def run_phase(phase: Phase, model: torch.nn.Module, batches: Any, steps: int, hu
         compare(state, cur, phase, zc)
         dense_path = workdir / f"v{version}.safetensors"
         dense_baselines(cur, dense_path, phase, zc)
-        phase.materialize_s.append(min(timed_materialize(reader_config, state, cur, version) for _ in range(REPEATS)))
-        phase.load_s.append(min(timed_load(dense_path, state) for _ in range(REPEATS)))
-        phase.read_load_s.append(min(timed_load(dense_path, state, read=True) for _ in range(REPEATS)))
+        timings = timed_reads(reader_config, state, cur, version, dense_path)
+        phase.materialize_s.append(timings[0])
+        phase.load_s.append(timings[1])
+        phase.read_load_s.append(timings[2])
         dense_path.unlink()
         print(f"  lr={phase.lr:g} v{version}: loss {loss.item():.3f} changed {phase.changed[-1]:.4f} "
               f"ours {pv.bytes_written:,} B  zstd {phase.zstd[-1]:,} B  xor+zstd {phase.xor_zstd[-1]:,} B  "

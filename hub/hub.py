@@ -50,7 +50,7 @@ class Hub:
         self._keys: Keys | None = None
         self._lock = threading.Lock()
         self.reader = Reader(self.store, self.run, self.keys, self.pool, self.cfg.anchor_interval,
-                             self.cfg.frame_bytes)
+                             self.cfg.frame_bytes, self.cfg.threads)
         self._publisher: Publisher | None = None
 
     @classmethod
@@ -137,8 +137,11 @@ class Hub:
         if from_caller and into is not None and not verify_full and self._in_place_ok(steps, entries, into):
             changed = {n for step in steps for n, _ in self.reader._refs(step)}
             targets = {n: to_words(into[n]) for n in changed}
-            decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
-            self.reader.apply_verified(decoded, targets)
+            if len(steps) == 1:  # one version behind: the common case, checked and applied per part
+                self.reader.apply_step_verified(steps[0], targets, progress)
+            else:
+                decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
+                self.reader.apply_verified(decoded, targets)
             for n, e in entries.items():
                 if e.encoding == "tied" and e.tied_to and into[n].data_ptr() != into[e.tied_to].data_ptr():
                     into[n].copy_(into[e.tied_to])

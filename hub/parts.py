@@ -26,6 +26,7 @@ MAGIC = b"FHP1"
 _HEAD = struct.Struct("<4sBBBBIIBB")
 _STREAM = struct.Struct("<II")
 DENSE, DELTA = 0, 1
+_VAL_CODECS = frozenset(int(c) for c in st.ValCodec)
 
 
 def _pack(kind: int, pos: int, val: int, k: int, n: int, m: int, n_pos: int,
@@ -82,7 +83,8 @@ def _unpack(payload: bytes | memoryview) -> tuple[tuple[int, ...], list[np.ndarr
 
 @dataclass(frozen=True)
 class Decoded:
-    """A decoded part: dense words, or sorted changed positions (relative to the part) and their words."""
+    """A decoded part: dense words, or sorted changed positions (relative to the part) and their words
+    as `streams.new_values` takes them (for SUB_PACKED: the wrapping differences, not their zigzag)."""
 
     dense: bool
     n: int
@@ -105,10 +107,10 @@ def decode_part(payload: bytes | memoryview, dtype: np.dtype, n_expected: int) -
         raise CodecError(f"unknown part kind {kind}")
     pos = st.decode_positions(pos_codec, k, n, m, streams[:n_pos])
     if val_codec == st.ValCodec.SUB_PACKED:
-        words = st.unpack_small(streams[n_pos:], dtype, m)
+        words = st.unpack_small(streams[n_pos:], dtype, m, unzigzag=True)
     else:
         words = st.decode_dense(streams[n_pos:], dtype)
-    if words.size != m or val_codec not in {int(c) for c in st.ValCodec}:
+    if words.size != m or val_codec not in _VAL_CODECS:
         raise CodecError(f"{words.size} values for {m} positions (value codec {val_codec})")
     return Decoded(False, n, pos, val_codec, words)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -43,11 +44,13 @@ class Step:
 
 class Reader:
     def __init__(self, store: ObjectStore, run: str, keys: Callable[[], Keys], pool: Executor,
-                 anchor_interval: int, frame_bytes: int) -> None:
+                 anchor_interval: int, frame_bytes: int, threads: int = 1) -> None:
         self.store, self.run, self._keys, self.pool = store, run, keys, pool
         self.range_bytes = RANGE_FRAMES * frame_bytes
         self.anchor_interval = anchor_interval
         self._manifests: dict[int, mf.Manifest] = {}
+        self._entries: dict[int, dict[str, mf.TensorEntry]] = {}
+        self._threads = max(1, threads)
 
     def manifest(self, version: int) -> mf.Manifest:
         """The verified manifest of `version` (cached: manifests are immutable)."""
@@ -58,6 +61,7 @@ class Reader:
             cached = mf.load_signed(data, self._keys(), self.store.where(key), run=self.run, version=version)
             if len(self._manifests) > 256:
                 self._manifests.clear()
+                self._entries.clear()
             self._manifests[version] = cached
         return cached
 
@@ -116,8 +120,13 @@ class Reader:
     # --- fetching ---------------------------------------------------------------------------
 
     def fetch(self, version: int, refs: list[tuple[str, mf.PartRef]], progress: Progress | None = None
-              ) -> dict[tuple[str, int], bytes]:
-        """Payloads of `refs` keyed by (object, offset), each checked against its sha256."""
+              ) -> dict[tuple[str, int], memoryview]:
+        """Payloads of `refs` keyed by (object, offset), as views into the fetched ranges.
+
+        Not yet checked: each part's sha256 is checked by the thread that decodes it (`_decode_one`),
+        so hashing runs in parallel and touches bytes while they are in cache. A whole-object hash
+        would add nothing: every byte a reader uses lies in a part it checks.
+        """
         by_object: dict[str, list[mf.PartRef]] = {}
         for _, r in refs:
             by_object.setdefault(r.object, []).append(r)
@@ -125,28 +134,18 @@ class Reader:
         jobs: list[tuple[str, int, int, list[mf.PartRef]]] = []
         for obj, parts in by_object.items():
             jobs.extend((obj, lo, hi, group) for lo, hi, group in _ranges(parts, self.range_bytes))
-        owner = {(r.object, r.offset): name for name, r in refs}
 
-        def get(job: tuple[str, int, int, list[mf.PartRef]]) -> list[tuple[tuple[str, int], bytes]]:
+        def get(job: tuple[str, int, int, list[mf.PartRef]]) -> list[tuple[tuple[str, int], memoryview]]:
             obj, lo, hi, group = job
             key = mf.object_key(self.run, obj)
             whole = lo == 0 and hi == sizes.get(obj)
-            data = self.store.get(key) if whole else self.store.get(key, lo, hi)
-            if whole and hashlib.sha256(data).hexdigest() != obj:
-                raise IntegrityError(f"{self.store.where(key)}: object bytes do not match their sha256 "
-                                     f"(tensor {owner[(obj, group[0].offset)]})")
+            data = memoryview(self.store.get(key) if whole else self.store.get(key, lo, hi))
             if progress is not None:
                 progress(len(data))
-            out = []
-            for r in group:
-                payload = data[r.offset - lo : r.offset - lo + r.length]
-                if len(payload) != r.length or hashlib.sha256(payload).hexdigest() != r.sha256:
-                    raise IntegrityError(
-                        f"{self.store.where(key)} bytes {r.offset}+{r.length}: part of tensor "
-                        f"{owner[(obj, r.offset)]} does not match its sha256")
-                out.append(((obj, r.offset), payload))
-            return out
+            return [((obj, r.offset), data[r.offset - lo : r.offset - lo + r.length]) for r in group]
 
+        if len(jobs) == 1:
+            return dict(get(jobs[0]))
         return {k: v for chunk in self.pool.map(get, jobs) for k, v in chunk}
 
     # --- applying ---------------------------------------------------------------------------
@@ -164,15 +163,25 @@ class Reader:
                 out.setdefault(name, []).append((step.version, d, r))
         return out
 
-    def _decode_one(self, version: int, payloads: dict[tuple[str, int], bytes], sizes: Mapping[str, int],
+    def _entry(self, version: int, name: str) -> mf.TensorEntry:
+        by_name = self._entries.get(version)
+        if by_name is None:
+            by_name = self._entries[version] = {t.name: t for t in self.manifest(version).tensors}
+        return by_name[name]
+
+    def _decode_one(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
                     item: tuple[str, mf.PartRef]) -> Decoded:
+        """Check one part's bytes against its sha256, then decode it (no tensor is touched)."""
         name, r = item
         if name not in sizes or not 0 <= r.start <= r.stop <= sizes[name]:
             raise IntegrityError(f"version {version} tensor {name}: part range {r.start}:{r.stop} "
                                  f"outside its {sizes.get(name)} elements")
-        entry = next(t for t in self.manifest(version).tensors if t.name == name)
+        payload = payloads[(r.object, r.offset)]
+        if len(payload) != r.length or hashlib.sha256(payload).hexdigest() != r.sha256:
+            raise IntegrityError(f"{self._where(r)}: part of tensor {name} of version {version} does not "
+                                 f"match its sha256")
         try:
-            return decode_part(payloads[(r.object, r.offset)], word_dtype(entry.dtype), r.stop - r.start)
+            return decode_part(payload, word_dtype(self._entry(version, name).dtype), r.stop - r.start)
         except CodecError as exc:
             raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {exc}") from exc
 
@@ -192,6 +201,59 @@ class Reader:
             for t in self.manifest(step.version).tensors:
                 if t.encoding == "tied" and t.name in work and t.tied_to in work:
                     work[t.name][...] = work[t.tied_to]
+
+    def apply_step_verified(self, step: Step, targets: dict[str, np.ndarray], progress: Progress | None = None
+                            ) -> None:
+        """Apply one delta step straight into `targets` (the caller's memory): the common case of a
+        reader one version behind.
+
+        Each worker takes a batch of parts and, per part, checks its bytes, decodes it, reads the old
+        words at the changed positions, computes the new ones, checks them against `changed_sha256`
+        and writes them while those cache lines are still hot (at RL learning rates about half of the
+        model's cache lines hold a change: a second pass over them would cost as much as the first).
+        The old words are kept, so when any part fails every written part is restored before the
+        error is raised: the caller's state is then bit for bit what it was. Parts of a tensor must
+        not overlap (checked first), so restoring is order-free.
+
+        Work is batched (a few batches per thread, balanced by bytes) rather than one task per part: a
+        model has many tiny parts (norms, biases) whose cost is the hand-off, not the arithmetic.
+        """
+        refs = self._refs(step)
+        _check_disjoint(refs, self.store.where(mf.version_key(self.run, step.version)))
+        payloads = self.fetch(step.version, refs, progress)
+        sizes = {n: t.size for n, t in targets.items()}
+        Undo = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+        def run(batch: list[tuple[str, mf.PartRef]]) -> tuple[Undo, HubError | None]:
+            undo: Undo = []
+            try:
+                for name, r in batch:
+                    d = self._decode_one(step.version, payloads, sizes, (name, r))
+                    if d.dense or d.pos is None:
+                        raise IntegrityError(f"{self._where(r)}: dense part of tensor {name} in a delta step")
+                    view = targets[name][r.start : r.stop]
+                    old = np.take(view, d.pos)
+                    new = new_values(d.codec, old, d.words)
+                    self._check_changed(step.version, name, r, new)
+                    view[d.pos] = new
+                    undo.append((view, d.pos, old))
+            except HubError as exc:
+                return undo, exc
+            return undo, None
+
+        results = list(self.pool.map(run, _batches(refs, 4 * self._threads)))
+        failed = next((exc for _, exc in results if exc is not None), None)
+        if failed is not None:
+            for undo, _ in results:
+                for view, pos, old in undo:
+                    view[pos] = old
+            raise failed
+
+    def _check_changed(self, version: int, name: str, r: mf.PartRef, new: np.ndarray) -> None:
+        if r.changed_sha256 is None or changed_digest(new) != r.changed_sha256:
+            raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: changed words do "
+                                 f"not match their sha256 (is the state really the version it claims?); "
+                                 f"nothing was applied")
 
     def apply_verified(self, decoded: dict[str, list[tuple[int, Decoded, mf.PartRef]]],
                        targets: dict[str, np.ndarray]) -> None:
@@ -213,7 +275,7 @@ class Reader:
 
     def _overlay(self, name: str, parts: list[tuple[int, Decoded, mf.PartRef]], target: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
-        ov_pos, ov_words = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=target.dtype)
+        ov_pos, ov_words = np.zeros(0, dtype=np.intp), np.zeros(0, dtype=target.dtype)
         for version, d, r in parts:
             if d.dense or d.pos is None:
                 raise IntegrityError(f"{self._where(r)}: dense part of tensor {name} in a delta chain")
@@ -224,10 +286,7 @@ class Reader:
                 hit = ov_pos[idx] == pos
                 old[hit] = ov_words[idx[hit]]
             new = new_values(d.codec, old, d.words)
-            if r.changed_sha256 is None or changed_digest(new) != r.changed_sha256:
-                raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: changed words do "
-                                     f"not match their sha256 (is the state really the version it claims?); "
-                                     f"nothing was applied")
+            self._check_changed(version, name, r, new)
             if not ov_pos.size:
                 ov_pos, ov_words = pos, new
                 continue
@@ -257,6 +316,29 @@ def _ranges(parts: list[mf.PartRef], limit: int) -> list[tuple[int, int, list[mf
         else:
             groups.append((r.offset, r.offset + r.length, [r]))
     return groups
+
+
+def _check_disjoint(refs: list[tuple[str, mf.PartRef]], where: str) -> None:
+    """Parts of one tensor in one version cover disjoint element ranges (as the publisher cuts them)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for name, r in refs:
+        spans.setdefault(name, []).append((r.start, r.stop))
+    for name, ranges in spans.items():
+        ranges.sort()
+        if any(prev[1] > cur[0] for prev, cur in itertools.pairwise(ranges)):
+            raise IntegrityError(f"{where}: parts of tensor {name} overlap")
+
+
+def _batches(refs: list[tuple[str, mf.PartRef]], count: int) -> list[list[tuple[str, mf.PartRef]]]:
+    """Split parts into at most `count` batches of about equal bytes (a proxy for decode work):
+    largest first, each to the lightest batch so far."""
+    bins: list[list[tuple[str, mf.PartRef]]] = [[] for _ in range(max(1, min(count, len(refs))))]
+    load = [0] * len(bins)
+    for item in sorted(refs, key=lambda item: -item[1].length):
+        i = load.index(min(load))
+        bins[i].append(item)
+        load[i] += item[1].length + 4096  # a part's fixed cost, in bytes of work
+    return [b for b in bins if b]
 
 
 def empty_words(entry: mf.TensorEntry) -> np.ndarray:

@@ -78,12 +78,41 @@ def _escape_bytes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _unescape(stream: np.ndarray, big: np.ndarray) -> np.ndarray:
+    """The escaped values as int64 (used by Rice quotients; gaps have a one-pass decoder below)."""
     out = stream.astype(np.int64)
-    marks = out == ESCAPE
-    if int(marks.sum()) != big.size:
-        raise CodecError(f"{int(marks.sum())} escapes but {big.size} large values")
+    marks = np.flatnonzero(stream == ESCAPE)
+    if marks.size != big.size:
+        raise CodecError(f"{marks.size} escapes but {big.size} large values")
     out[marks] = big
     return out
+
+
+def _gap_positions(stream: np.ndarray, big: np.ndarray) -> np.ndarray:
+    """Positions from gap bytes in as few passes as numpy allows: pos_i = sum_{j<=i} (gap_j + 1) - 1,
+    so widen gap+1 in one ufunc call, patch the escapes, take one off the first step (instead of off
+    every position) and cumsum in place."""
+    steps = np.add(stream, 1, dtype=np.intp)
+    marks = np.flatnonzero(stream == ESCAPE)
+    if marks.size != big.size:
+        raise CodecError(f"{marks.size} escapes but {big.size} large values")
+    if marks.size:
+        steps[marks] = big.astype(np.intp) + 1
+    if steps.size:
+        steps[0] -= 1
+    np.cumsum(steps, out=steps)
+    return steps
+
+
+def _low_bits(packed: np.ndarray, m: int, k: int) -> np.ndarray:
+    """m k-bit little-endian fields of a bit stream as int64: unpack, then repack each row into whole
+    bytes (packbits pads every row to a byte boundary), read as little-endian integers."""
+    bits = np.unpackbits(packed, bitorder="little", count=m * k).reshape(m, k)
+    rows = np.packbits(bits, axis=1, bitorder="little")
+    if rows.shape[1] == 1:
+        return rows[:, 0].astype(np.int64)
+    wide = np.zeros((m, 8), dtype=np.uint8)
+    wide[:, : rows.shape[1]] = rows
+    return wide.view("<u8").reshape(m).astype(np.int64)
 
 
 def encode_positions(pos: np.ndarray, n: int, level: int) -> tuple[IntEnum, int, list[bytes], list[int]]:
@@ -107,23 +136,27 @@ def encode_positions(pos: np.ndarray, n: int, level: int) -> tuple[IntEnum, int,
 
 
 def decode_positions(codec: int, k: int, n: int, m: int, streams: list[np.ndarray]) -> np.ndarray:
-    """Inverse of `encode_positions`; checks that the positions are increasing and inside [0, n)."""
+    """Inverse of `encode_positions` (intp, increasing); checks the count and that they lie in [0, n)."""
     if codec == PosCodec.GAP8:
-        gaps = _unescape(streams[0], streams[1].view("<u4"))
+        if len(streams) != 2 or streams[0].size != m:
+            raise CodecError(f"gap streams hold {streams[0].size if streams else 0} gaps, header says {m}")
+        pos = _gap_positions(streams[0], streams[1].view("<u4"))
     elif codec == PosCodec.RICE:
-        bits = np.unpackbits(streams[0], bitorder="little", count=m * k).reshape(m, k).astype(np.int64)
-        gaps = (_unescape(streams[1], streams[2].view("<u4")) << k) | (bits << np.arange(k)).sum(axis=1)
+        if len(streams) != 3 or streams[1].size != m or not 0 < k < 32 or streams[0].size * 8 < m * k:
+            raise CodecError(f"Rice streams do not hold {m} gaps of {k} low bits")
+        gaps = (_unescape(streams[1], streams[2].view("<u4")) << k) | _low_bits(streams[0], m, k)
+        pos = np.cumsum(gaps + 1) - 1
     elif codec == PosCodec.BITMAP:
+        if len(streams) != 1 or streams[0].size * 8 < n:
+            raise CodecError(f"bitmap too short for {n} elements")
         pos = np.flatnonzero(np.unpackbits(streams[0], bitorder="little", count=n))
         if pos.size != m:
             raise CodecError(f"bitmap marks {pos.size} positions, header says {m}")
         return pos
     else:
         raise CodecError(f"unknown position codec {codec}")
-    if gaps.size != m:
-        raise CodecError(f"{gaps.size} gaps, header says {m}")
-    pos = np.cumsum(gaps + 1) - 1
-    if m and (int(pos[-1]) >= n or int(gaps.min()) < 0):
+    # Gaps are unsigned, so positions increase strictly; only the last one can run past the part.
+    if m and int(pos[-1]) >= n:
         raise CodecError(f"positions run past the part's {n} elements")
     return pos
 
@@ -185,8 +218,13 @@ def _pack_small(values: np.ndarray, bits: int) -> list[np.ndarray] | None:
     return [head, packed, np.ascontiguousarray(rest)]
 
 
-def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int) -> np.ndarray:
-    """Inverse of `_pack_small`: `m` values of word dtype `dtype`."""
+def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int, *, unzigzag: bool = False) -> np.ndarray:
+    """Inverse of `_pack_small`: `m` values of word dtype `dtype` (with `unzigzag`, the wrapping
+    differences they stand for: the table is unzigzagged, not the `m` values).
+
+    A lookup table maps each packed byte straight to its 8/bits values (one `np.take` of whole rows),
+    so decoding costs one pass over the output; escaped slots are patched from the side stream.
+    """
     if len(streams) != 3 or streams[0].size < 1 or (streams[0].size - 1) % dtype.itemsize:
         raise CodecError("packed values need a table, an index stream and an escape stream")
     bits = int(streams[0][0])
@@ -196,16 +234,28 @@ def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int) -> np.ndarr
     per_byte, slots = 8 // bits, 1 << bits
     if streams[1].size * per_byte < m or table.size > slots:
         raise CodecError(f"packed index stream too short for {m} values, or table of {table.size} too long")
-    shifts = (np.arange(per_byte) * bits).astype(np.uint8)
-    index = ((streams[1][:, None] >> shifts) & (slots - 1)).reshape(-1)[:m].astype(np.int64)
-    escaped = index >= table.size
     rest = streams[2].view(dtype.newbyteorder("<")).astype(dtype)
-    if int(escaped.sum()) != rest.size:
-        raise CodecError(f"{int(escaped.sum())} escaped values but {rest.size} stored")
-    out = np.empty(m, dtype=dtype)
-    out[~escaped] = table[index[~escaped]] if table.size else out[~escaped]
-    out[escaped] = rest
+    if unzigzag:
+        table, rest = _unzigzag(table), _unzigzag(rest)
+    slot_of = _SLOTS[bits]  # (256, per_byte): the index in each field of each byte value
+    full = np.zeros(slots, dtype=dtype)
+    full[: table.size] = table
+    out = np.take(full[slot_of], streams[1][: -(-m // per_byte)], axis=0).reshape(-1)[:m]
+    escaped_slot = table.size if table.size < slots else slots  # slots >= table.size are escapes
+    if escaped_slot < slots:
+        index = np.take(slot_of, streams[1][: -(-m // per_byte)], axis=0).reshape(-1)[:m]
+        escaped = np.flatnonzero(index >= escaped_slot)
+    else:
+        escaped = np.zeros(0, dtype=np.intp)
+    if escaped.size != rest.size:
+        raise CodecError(f"{escaped.size} escaped values but {rest.size} stored")
+    if escaped.size:
+        out[escaped] = rest
     return out
+
+
+_SLOTS = {bits: ((np.arange(256)[:, None] >> (np.arange(8 // bits) * bits)) & ((1 << bits) - 1)).astype(np.uint8)
+          for bits in (1, 2, 4)}
 
 
 def encode_values(old: np.ndarray, new: np.ndarray, level: int) -> tuple[IntEnum, list[bytes], list[int]]:
@@ -224,14 +274,18 @@ def encode_values(old: np.ndarray, new: np.ndarray, level: int) -> tuple[IntEnum
     return codec, frames, sizes
 
 
-def new_values(codec: int, old: np.ndarray, words: np.ndarray) -> np.ndarray:
-    """The new words at the changed positions from the old ones and the stored words."""
+def new_values(codec: int, old: np.ndarray | None, words: np.ndarray) -> np.ndarray:
+    """The new words at the changed positions from the old ones (not needed for RAW) and the stored words."""
     if codec == ValCodec.RAW:
         return words
+    if old is None:
+        raise CodecError(f"value codec {codec} needs the old words")
     if codec == ValCodec.XOR:
         return old ^ words
-    if codec in (ValCodec.SUB, ValCodec.SUB_PACKED):
+    if codec == ValCodec.SUB:
         return old + _unzigzag(words)
+    if codec == ValCodec.SUB_PACKED:
+        return old + words  # `parts.decode_part` hands these out as differences already
     raise CodecError(f"unknown value codec {codec}")
 
 
