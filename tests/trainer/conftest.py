@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from trainer_groups import HUB_KEY
 
 from fleetrl.config import FleetConfig
-
-HUB_KEY = "trainer-tests-hmac-key"
 
 
 @pytest.fixture(autouse=True)

@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import HUB_KEY
-from trainer_groups import answer_prompts
+from trainer_groups import HUB_KEY, answer_prompts
 
 from fleetrl.broker import ensure_topics
 from fleetrl.config import FleetConfig

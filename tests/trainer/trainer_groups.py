@@ -9,6 +9,9 @@ import numpy as np
 
 from fleetrl.broker import GroupRecord, Sample, floats, ids
 
+HUB_KEY = "trainer-tests-hmac-key"
+"""HMAC key of the trainer tests' hub (set as FLEETRL_HUB_KEY for in-process and child processes)."""
+
 
 def make_group(gid: str, run: str, *, version: int = 0, n: int = 4, seed: int = 0, task: str = "reverse",
                attempt: int = 0, region: str = "local-a", vocab: int = 128, length: int = 5,
