@@ -83,7 +83,7 @@ async def _scenario(bootstrap: str) -> Outcome:
     return Outcome(config.run, delivered, dead, lag, limits)
 
 
-def _dead(outcome: Outcome, key: str, reason: str, field: str) -> DeadLetter:
+def assert_dead_lettered(outcome: Outcome, key: str, reason: str, field: str) -> DeadLetter:
     letter = outcome.dead[key]
     assert letter.reason == reason
     assert letter.field is not None and letter.field.endswith(field)
@@ -95,7 +95,7 @@ def _dead(outcome: Outcome, key: str, reason: str, field: str) -> DeadLetter:
 
 
 def test_token_id_outside_vocab_is_dead_lettered(outcome: Outcome) -> None:
-    letter = _dead(outcome, "bad-token-range", "token_range", "completion_ids")
+    letter = assert_dead_lettered(outcome, "bad-token-range", "token_range", "completion_ids")
     assert letter.schema == "fleetrl.group/1"
     # The dead letter holds the original bytes: they decode (without bounds) to the group that was sent.
     record = decode_record(letter.value)
@@ -104,23 +104,23 @@ def test_token_id_outside_vocab_is_dead_lettered(outcome: Outcome) -> None:
 
 
 def test_negative_token_id_is_dead_lettered(outcome: Outcome) -> None:
-    _dead(outcome, "bad-negative-token", "token_range", "completion_ids")
+    assert_dead_lettered(outcome, "bad-negative-token", "token_range", "completion_ids")
 
 
 def test_too_many_samples_is_dead_lettered(outcome: Outcome) -> None:
-    _dead(outcome, "bad-samples", "samples_bound", "samples")
+    assert_dead_lettered(outcome, "bad-samples", "samples_bound", "samples")
 
 
 def test_non_finite_logprob_is_dead_lettered(outcome: Outcome) -> None:
-    _dead(outcome, "bad-nan-logprob", "logprob_bound", "logprobs")
+    assert_dead_lettered(outcome, "bad-nan-logprob", "logprob_bound", "logprobs")
 
 
 def test_positive_logprob_is_dead_lettered(outcome: Outcome) -> None:
-    _dead(outcome, "bad-positive-logprob", "logprob_bound", "logprobs")
+    assert_dead_lettered(outcome, "bad-positive-logprob", "logprob_bound", "logprobs")
 
 
 def test_unknown_task_is_dead_lettered(outcome: Outcome) -> None:
-    letter = _dead(outcome, "bad-task", "unknown_task", "task")
+    letter = assert_dead_lettered(outcome, "bad-task", "unknown_task", "task")
     assert "no-such-task" in letter.message
 
 

@@ -35,7 +35,7 @@ def test_fmt_check(terraform: Terraform) -> None:
     assert proc.returncode == 0, f"run `infra/terraform/bin/terraform fmt -recursive infra/terraform`:\n{proc.stdout}"
 
 
-def _validate(terraform: Terraform, path: pathlib.Path, plugin_dir: pathlib.Path | None) -> None:
+def assert_validates(terraform: Terraform, path: pathlib.Path, plugin_dir: pathlib.Path | None) -> None:
     terraform.init(path, plugin_dir)
     result = json.loads(terraform.run("validate", "-json", cwd=path, check=False).stdout)
     assert result["valid"], [d.get("summary", "") + ": " + d.get("detail", "") for d in result["diagnostics"]]
@@ -43,13 +43,13 @@ def _validate(terraform: Terraform, path: pathlib.Path, plugin_dir: pathlib.Path
 
 @pytest.mark.parametrize("rel", PROVIDER_FREE)
 def test_validate_provider_free(terraform: Terraform, tf_copy: pathlib.Path, rel: str) -> None:
-    _validate(terraform, tf_copy / rel, None)
+    assert_validates(terraform, tf_copy / rel, None)
 
 
 @pytest.mark.parametrize("rel", AWS_DIRS)
 def test_validate_against_aws_schema(terraform: Terraform, tf_copy: pathlib.Path,
                                      plugin_dir: pathlib.Path, rel: str) -> None:
-    _validate(terraform, tf_copy / rel, plugin_dir)
+    assert_validates(terraform, tf_copy / rel, plugin_dir)
 
 
 def test_mocked_apply_runs_pass(mock_apply: dict[str, Any]) -> None:
