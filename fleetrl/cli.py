@@ -40,20 +40,12 @@ def _json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fleetrl", description="Cross-region, asynchronous RL post-training over message brokers."
-    )
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def _group(sub: Any, name: str, help: str, dest: str) -> Any:
+    return sub.add_parser(name, help=help).add_subparsers(dest=dest, metavar="SUBCOMMAND", required=True)
 
-    p = _cmd(sub, "demo", "fleetrl.demo:run_demo", "run the whole pipeline on this machine (embedded stack)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: algorithm.max_steps)")
-    p.add_argument("--workdir", default=None, help="folder for stores, logs and checkpoints")
 
-    config = sub.add_parser("config", help="check or document fleet.yaml").add_subparsers(
-        dest="config_command", metavar="SUBCOMMAND", required=True
-    )
+def _add_config(sub: Any) -> None:
+    config = _group(sub, "config", "check or document fleet.yaml", "config_command")
     p = _cmd(config, "check", "fleetrl.config_cli:check", "validate fleet.yaml and print the resolved config")
     p.add_argument("file", nargs="?", help="fleet.yaml to check (default: --config)")
     _json(p)
@@ -61,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
              config=False)
     p.add_argument("--update", metavar="FILE", help="rewrite the reference between the markers in FILE")
 
-    topics = sub.add_parser("topics", help="manage the Kafka topics of every region").add_subparsers(
-        dest="topics_command", metavar="SUBCOMMAND", required=True
-    )
+
+def _add_topics(sub: Any) -> None:
+    topics = _group(sub, "topics", "manage the Kafka topics of every region", "topics_command")
     for name, helptext in [
         ("create", "create the run's topics on every region cluster (idempotent)"),
         ("list", "list the run's topics and their partition counts"),
@@ -73,9 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = _cmd(topics, name, f"fleetrl.broker.cli:topics_{name}", helptext)
         _region(p)
         _json(p)
-    dlq = topics.add_parser("dlq", help="dead-lettered records").add_subparsers(
-        dest="dlq_command", metavar="SUBCOMMAND", required=True
-    )
+    dlq = _group(topics, "dlq", "dead-lettered records", "dlq_command")
     p = _cmd(dlq, "show", "fleetrl.broker.cli:dlq_show", "print dead-lettered records with their reasons")
     _region(p)
     _json(p)
@@ -88,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="show what would be replayed")
     _json(p)
 
-    hub = sub.add_parser("hub", help="the tensor hub: versions in object stores").add_subparsers(
-        dest="hub_command", metavar="SUBCOMMAND", required=True
-    )
+
+def _add_hub(sub: Any) -> None:
+    hub = _group(sub, "hub", "the tensor hub: versions in object stores", "hub_command")
     p = _cmd(hub, "publish", "fleetrl.hub.cli:publish", "publish a safetensors file or folder as the next version")
     p.add_argument("path", help="a .safetensors file or a folder of them")
     p = _cmd(hub, "pull", "fleetrl.hub.cli:pull", "materialize a version into a safetensors file")
@@ -108,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default="home", help="store to collect (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted")
 
+
+def _add_daemons(sub: Any) -> None:
     p = _cmd(sub, "trainer", "fleetrl.trainer_cli:run_trainer", "run the central trainer (daemon)")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: config)")
     p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
@@ -116,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _cmd(sub, "replicator", "fleetrl.hub.cli:run_replicator", "replicate versions into a region store (daemon)")
     _region(p, required=True)
     p.add_argument("--once", action="store_true", help="replicate what is missing, then exit")
+
+
+def _add_operations(sub: Any) -> None:
     p = _cmd(sub, "status", "fleetrl.broker.cli:status", "fleet view from the MQTT retained state")
     _json(p)
     p.add_argument("--wait-s", type=float, default=2.0, help="how long to collect retained messages")
@@ -133,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = _cmd(sub, "audit", "fleetrl.trainer.cli:audit",
              "prove every dispatched group was trained once, counted stale or dead-lettered")
     _json(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleetrl", description="Cross-region, asynchronous RL post-training over message brokers."
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = _cmd(sub, "demo", "fleetrl.demo:run_demo", "run the whole pipeline on this machine (embedded stack)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: algorithm.max_steps)")
+    p.add_argument("--workdir", default=None, help="folder for stores, logs and checkpoints")
+    for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations):
+        add(sub)
     return parser
 
 
