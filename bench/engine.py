@@ -144,11 +144,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer samples (under two minutes on 2 cores)")
     parser.add_argument("--rounds", type=int, default=None, help="measurement rounds per batch size")
     args = parser.parse_args()
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or 3
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model()
-    per_slot = 16 if args.quick else 40  # samples per slot: the queue outlasts the batch many times over
+    per_slot = 32 if args.quick else 64  # samples per slot: the queue outlasts the batch many times over
     results: dict[str, float] = {}
     for batch in (1, 8, 32):
         engine, generate = measure(model, batch, max(per_slot * batch, 32), rounds)

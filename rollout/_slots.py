@@ -16,6 +16,7 @@ import torch
 
 from fleetrl.rollout._kv import Pass, Prefill, SlotCache
 from fleetrl.rollout.engine import SeqState
+from fleetrl.rollout.sampling import hash_keys
 
 
 class SlotTable:
@@ -39,10 +40,11 @@ class SlotTable:
         self.limit = np.zeros(max_batch, dtype=np.int64)
         """Completion length at which a slot's sample stops (max_new_tokens, or the context)."""
         self.keys = np.zeros(max_batch, dtype=np.uint64)
+        """Each slot's sample key, hashed (`sampling.hash_keys`)."""
         self.live = np.zeros(max_batch, dtype=np.int64)
         self.last = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.temp = torch.ones(max_batch, device=device)
-        self.top_p = torch.ones(max_batch, device=device)
+        self.temp = np.ones(max_batch, dtype=np.float32)
+        self.top_p = np.ones(max_batch, dtype=np.float32)
         self._columns = torch.arange(self.cache.capacity, device=device)
 
     def running_rows(self) -> list[int]:
@@ -52,11 +54,11 @@ class SlotTable:
         """The lowest `k` free slots (keeps `n`, the pass width, small)."""
         return [b for b, s in enumerate(self.seqs) if s is None][:k]
 
-    def plan(self, admitted: Sequence[tuple[int, list[int]]]) -> tuple[Pass, torch.Tensor, torch.Tensor]:
+    def plan(self, admitted: Sequence[tuple[int, list[int]]]) -> tuple[Pass, torch.Tensor, torch.Tensor | None]:
         """The pass decoding slots 0..n-1 and prefilling `admitted` (slot, tokens); (pass, input_ids, keep).
 
         `keep` indexes the packed tokens whose logits are sampled: the n decode rows, then the last
-        token of each admitted sample.
+        token of each admitted sample (None: every token, when nothing is admitted).
         """
         n, dev = self.n, self.device
         width = int(self.pos[:n].max()) + 1 if n else 0
@@ -66,7 +68,7 @@ class SlotTable:
         if not admitted:
             slots = torch.from_numpy(self.write_slot[:n]).to(dev)
             plan = Pass(n, width, mask, slots, pos)
-            return plan, self.last[:n], torch.arange(n, device=dev)
+            return plan, self.last[:n], None
         lengths = [len(t) for _, t in admitted]
         starts = (n + np.cumsum([0, *lengths[:-1]])).tolist()
         slots_np = np.concatenate([self.write_slot[:n], np.repeat([s for s, _ in admitted], lengths)])
@@ -84,16 +86,15 @@ class SlotTable:
 
     def admit(self, rows: list[int], seqs: list[SeqState]) -> None:
         """Slots `rows` now hold `seqs`, whose prompt + completion this step's pass prefills."""
-        idx = torch.tensor(rows, device=self.device)
         # The counters as of the last prefilled token; `advance` moves them past the token sampled now.
         self.pos[rows] = [len(s.prompt_ids) + len(s.tokens) - 1 for s in seqs]
         self.write_slot[rows] = rows
         self.count[rows] = [len(s.tokens) for s in seqs]
         self.limit[rows] = [min(s.sampling.max_new_tokens, self.max_context - len(s.prompt_ids)) for s in seqs]
-        self.keys[rows] = [s.key for s in seqs]
+        self.keys[rows] = hash_keys([s.key for s in seqs])
         self.live[rows] = 1
-        self.temp[idx] = torch.tensor([s.sampling.temperature for s in seqs], device=self.device)
-        self.top_p[idx] = torch.tensor([s.sampling.top_p for s in seqs], device=self.device)
+        self.temp[rows] = [s.sampling.temperature for s in seqs]
+        self.top_p[rows] = [s.sampling.top_p for s in seqs]
         for b, s in zip(rows, seqs, strict=True):
             self.seqs[b] = s
         self.running += len(rows)
@@ -109,9 +110,7 @@ class SlotTable:
     def free(self, rows: list[int]) -> None:
         if not rows:
             return
-        idx = torch.tensor(rows, device=self.device)
-        self.temp[idx] = 1.0
-        self.top_p[idx] = 1.0
+        self.temp[rows] = self.top_p[rows] = 1.0
         self.pos[rows] = self.count[rows] = self.live[rows] = 0
         self.write_slot[rows] = self.max_batch
         for b in rows:

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def sample_key(seed: int, group_id: str, index: int) -> int:
@@ -36,19 +37,32 @@ def sample_key(seed: int, group_id: str, index: int) -> int:
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    # Array arithmetic wraps modulo 2**64 silently (scalars would warn), which is what we want.
-    z = (x + _GOLDEN) & _MASK64
-    z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
-    z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
-    return z ^ (z >> np.uint64(31))
+    # Array arithmetic wraps modulo 2**64 silently (scalars would warn), which is what we want; the
+    # constants are module-level uint64 scalars and the steps in place (this runs every step).
+    z = x + _GOLDEN
+    z ^= z >> _S30
+    z *= _MIX1
+    z ^= z >> _S27
+    z *= _MIX2
+    z ^= z >> _S31
+    return z
 
 
 def uniforms(keys: Sequence[int] | np.ndarray[Any, Any], positions: Sequence[int]) -> np.ndarray:
     """One uniform in [0, 1) per (sample key, token position), as float64."""
-    k = np.asarray(keys, dtype=np.uint64)
+    return hashed_uniforms(hash_keys(keys), positions)
+
+
+def hash_keys(keys: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray:
+    """The per-sample half of `uniforms`: an engine hashes a sample's key once, not every step."""
+    return _splitmix64(np.asarray(keys, dtype=np.uint64))
+
+
+def hashed_uniforms(hashed: np.ndarray, positions: Sequence[int] | np.ndarray[Any, Any]) -> np.ndarray:
+    """`uniforms` of keys already passed through `hash_keys`."""
     p = np.asarray(positions, dtype=np.uint64)
-    bits = _splitmix64(_splitmix64(k) ^ (p * _GOLDEN))
-    out: np.ndarray = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+    bits = _splitmix64(hashed ^ (p * _GOLDEN))
+    out: np.ndarray = (bits >> _S11).astype(np.float64) * (1.0 / 9007199254740992.0)
     return out
 
 
