@@ -7,6 +7,9 @@ import math
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fleetrl.broker import (
     GroupRecord,
     HandedOverBy,
@@ -24,8 +27,6 @@ from fleetrl.broker import (
     ids,
     rle_versions,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 LIMITS = RecordLimits(vocab_size=1000, known_tasks=frozenset({"reverse", "math"}),
                       max_tokens_per_sample=64, max_prompt_tokens=64, max_samples_per_group=8)
