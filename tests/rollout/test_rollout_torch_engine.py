@@ -133,3 +133,27 @@ def test_bad_weights_and_requests_name_the_fault() -> None:
         engine.step()
     with pytest.raises(EngineError, match="g-x"):
         engine.submit(GroupRequest("g-x", [], Sampling(), 1))
+
+
+def test_cache_growth_and_the_generic_forward_path_agree_with_a_fresh_pass() -> None:
+    # Samples outgrow the slot cache's first capacity (128 columns): the buffers double mid-run.
+    sampling = Sampling(max_new_tokens=60)
+    prompts = [[1, *[(5 * i + k) % 80 + 40 for k in range(90 + 7 * i)]] for i in range(3)]
+    results = []
+    for generic in (False, True):
+        engine = _engine(max_batch=2)  # rarely stops early: EOS is one id of 128
+        if generic:
+            engine._decoder = None  # the model's own forward instead of the decoder-layer fast path
+        for i, p in enumerate(prompts):
+            engine.submit(GroupRequest(f"g{i}", p, sampling, n_samples=1, seed=5))
+        done = {}
+        for _ in range(400):
+            done.update({f.group_id: f.samples[0] for f in engine.step()})
+        assert sorted(done) == ["g0", "g1", "g2"]
+        assert max(len(p) + len(s.completion_ids) for p, s in zip(prompts, done.values(), strict=True)) > 128
+        for i, p in enumerate(prompts):
+            fresh = _fresh_logprobs(engine.model, p, done[f"g{i}"], 1.0, 1.0)
+            np.testing.assert_allclose(done[f"g{i}"].logprobs, fresh.numpy(), atol=LOGPROB_TOL, rtol=0)
+        results.append(done)
+    for g in results[0]:
+        np.testing.assert_array_equal(results[0][g].completion_ids, results[1][g].completion_ids)
