@@ -104,7 +104,10 @@ def _add_daemons(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: config)")
     p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
     _region(p, required=True)
-    p.add_argument("--node", "-n", required=True, help="node name within the region")
+    p.add_argument("--node", "-n", required=True,
+                   help="node name ([a-z0-9-], need not be listed in the config: auto-scaled nodes use instance ids)")
+    p.add_argument("--notice-file", default=None, metavar="PATH",
+                   help="preemption notice: when this file appears, hand over, go offline and exit 0")
     p = _cmd(sub, "replicator", "fleetrl.hub.cli:run_replicator", "replicate versions into a region store (daemon)")
     _region(p, required=True)
     p.add_argument("--once", action="store_true", help="replicate what is missing, then exit")

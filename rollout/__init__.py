@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from fleetrl.rollout.engine import Engine, FinishedGroup, GroupRequest
     from fleetrl.rollout.torch_engine import TorchEngine
     from fleetrl.rollout.vllm_engine import VllmEngine
-    from fleetrl.rollout.worker import build_engine, run_worker
+    from fleetrl.rollout.worker import RolloutWorker, build_engine, run_worker
 
 _LAZY = {
     "Engine": "fleetrl.rollout.engine",
@@ -24,6 +24,7 @@ _LAZY = {
     "TorchEngine": "fleetrl.rollout.torch_engine",
     "VllmEngine": "fleetrl.rollout.vllm_engine",
     "run_worker": "fleetrl.rollout.worker",
+    "RolloutWorker": "fleetrl.rollout.worker",
     "build_engine": "fleetrl.rollout.worker",
 }
 
@@ -44,6 +45,7 @@ __all__ = [
     "FinishedGroup",
     "GroupRequest",
     "RolloutError",
+    "RolloutWorker",
     "Task",
     "TaskError",
     "TaskPrompt",

@@ -1,0 +1,42 @@
+"""`fleetrl agent --config fleet.yaml --region R --node N [--notice-file PATH]`: the region agent daemon.
+
+The config is parsed and the node's identity checked before torch is imported; a bad identity exits 2,
+any other fatal error 1, each with one line on stderr. SIGTERM, SIGINT, a `stop` command or the notice
+file appearing end the agent with exit 0 after the handover (see `fleetrl.regions.agent`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from fleetrl.config import FleetConfig
+from fleetrl.regions.errors import AgentConfigError
+from fleetrl.regions.identity import check_identity
+
+
+def run_agent(args: argparse.Namespace, config: FleetConfig) -> int:
+    try:
+        check_identity(config, args.region, args.node)
+    except AgentConfigError as exc:
+        print(f"fleetrl agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(config, args.region, args.node, getattr(args, "notice_file", None)))
+    except Exception as exc:  # the one place that turns a fatal error into one line
+        if getattr(args, "debug", False):
+            raise
+        print(f"fleetrl agent: fatal: {args.region}/{args.node}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(config: FleetConfig, region: str, node: str, notice_file: str | None) -> None:
+    from fleetrl.regions.agent import RegionAgent
+    from fleetrl.regions.preemption import NoticeFileWatcher, PreemptionWatcher, SignalWatcher
+
+    watchers: list[PreemptionWatcher] = [SignalWatcher()]
+    if notice_file:
+        watchers.append(NoticeFileWatcher(notice_file))
+    await RegionAgent(config, region, node, watchers=watchers).run()
