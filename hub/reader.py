@@ -65,6 +65,10 @@ class Reader:
             self._manifests[version] = cached
         return cached
 
+    def remember(self, manifest: mf.Manifest) -> None:
+        """Cache a manifest verified elsewhere (a replicator's, before it is written to this store)."""
+        self._manifests[manifest.version] = manifest
+
     # --- planning ---------------------------------------------------------------------------
 
     def _refs(self, step: Step) -> list[tuple[str, mf.PartRef]]:

@@ -7,6 +7,11 @@ copies the manifest (verified) and every object the region does not have yet (ea
 against its sha256 before it is written), and then writes the peer reference `holders/<N>/<region>`
 into the region store and the home store, and moves the region's `latest`. Rollout nodes of the
 region read only their region store.
+
+An anchor's dense objects are not copied when the region holds the version before it: only the
+anchor's delta crosses the WAN, and the dense objects are rebuilt here from the region's own chain
+and kept only if byte for byte the published ones (see rebuild.py); any other is copied. So a region
+that follows the chain receives only deltas over the WAN, one copy per version.
 """
 
 from __future__ import annotations
@@ -19,13 +24,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 from fleetrl.config import FleetConfig
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError, IntegrityError, LeaseLost, ObjectExists, ObjectNotFound
+from fleetrl.hub.hub import Hub
 from fleetrl.hub.lease import Lease
 from fleetrl.hub.publisher import read_latest
+from fleetrl.hub.rebuild import dense_objects, follows_chain
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
+from fleetrl.hub.tensors import to_words
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -48,6 +58,9 @@ class Replicator:
         self.progress: Progress | None = None
         self._renewed = 0.0
         self._manifests: dict[int, tuple[mf.Manifest, bytes]] = {}
+        self._hub: Hub | None = None
+        self.rebuilt_bytes = 0
+        """Bytes of dense anchor objects rebuilt in the region instead of copied (see rebuild.py)."""
 
     # --- one pass ---------------------------------------------------------------------------
 
@@ -117,19 +130,16 @@ class Replicator:
 
     def _copy_from(self, source: ObjectStore, version: int) -> int:
         manifest, raw = self._manifest(source, version)
+        missing = {obj for obj in manifest.objects if not self.local.exists(mf.object_key(self.run, obj))}
         copied = 0
-        for obj, size in sorted(manifest.objects.items()):
-            key = mf.object_key(self.run, obj)
-            if self.local.exists(key):
-                continue
-            data = source.get(key)
-            if len(data) != size or hashlib.sha256(data).hexdigest() != obj:
-                raise IntegrityError(f"{source.where(key)}: object does not match its sha256 (version {version})")
-            with contextlib.suppress(ObjectExists):  # a previous lease holder got there first: same bytes
-                self.local.create(key, data)
-            copied += len(data)
-            if self.progress is not None:
-                self.progress(len(data))
+        if manifest.is_anchor and follows_chain(manifest) and missing - manifest.delta_objects():
+            # Deltas first: the dense objects are then rebuilt here rather than copied over the WAN.
+            for obj in sorted(missing & manifest.delta_objects()):
+                copied += self._copy_object(source, obj, manifest.objects[obj], version)
+            missing -= manifest.delta_objects()
+            missing -= self._rebuild(manifest, missing)
+        for obj in sorted(missing):
+            copied += self._copy_object(source, obj, manifest.objects[obj], version)
         with contextlib.suppress(ObjectExists):
             self.local.create(mf.version_key(self.run, version), raw)
         self._keep_lease()
@@ -141,6 +151,60 @@ class Replicator:
                        "published_at": manifest.published_at}
             self.local.put(mf.latest_key(self.run), json.dumps(pointer).encode())
         return copied
+
+    def _copy_object(self, source: ObjectStore, obj: str, size: int, version: int) -> int:
+        """One object across the WAN, checked against its sha256 before it is written."""
+        key = mf.object_key(self.run, obj)
+        data = source.get(key)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != obj:
+            raise IntegrityError(f"{source.where(key)}: object does not match its sha256 (version {version})")
+        with contextlib.suppress(ObjectExists):  # a previous lease holder got there first: same bytes
+            self.local.create(key, data)
+        if self.progress is not None:
+            self.progress(len(data))
+        self._keep_lease()
+        return len(data)
+
+    def _rebuild(self, manifest: mf.Manifest, wanted: set[str]) -> set[str]:
+        """Rebuild the anchor's dense objects in `wanted` from the version before it, which this
+        region holds; returns those written (each checked against its sha256 in the manifest)."""
+        version = manifest.version
+        if not self.local.exists(mf.holder_key(self.run, version - 1, self.region)):
+            return set()  # joined after N-1: nothing to build from
+        try:
+            words = self._materialize_here(manifest)
+        except HubError as exc:
+            log.warning("replicator.rebuild_failed", version=version, region=self.region, error=str(exc))
+            return set()
+        built: set[str] = set()
+        hub = self._local_hub()
+        for obj, data in dense_objects(manifest, words, wanted, self.config.hub.zstd_level, hub.pool):
+            if data is None:
+                log.warning("replicator.rebuild_mismatch", version=version, region=self.region, object=obj,
+                            hint="the publisher's zstd build or hub.zstd_level differs; copying it instead")
+                continue
+            with contextlib.suppress(ObjectExists):
+                self.local.create(mf.object_key(self.run, obj), data)
+            self.rebuilt_bytes += len(data)
+            built.add(obj)
+            self._keep_lease()
+        log.info("replicator.rebuilt", version=version, region=self.region, objects=len(built),
+                 bytes=sum(manifest.objects[o] for o in built), mismatched=len(wanted - built))
+        return built
+
+    def _materialize_here(self, manifest: mf.Manifest) -> dict[str, np.ndarray]:
+        """Anchor `manifest`'s tensors as words, from this region's store only: its parent from the
+        verified chain, then the anchor's delta (its objects are copied already), every word checked."""
+        hub = self._local_hub()
+        hub.reader.remember(manifest)
+        state = hub.materialize(manifest.version - 1)
+        state = hub.materialize(manifest.version, into=state, have_version=manifest.version - 1)
+        return {name: to_words(tensor) for name, tensor in state.items()}
+
+    def _local_hub(self) -> Hub:
+        if self._hub is None:
+            self._hub = Hub(self.config, store=self.region, stores=self.stores)
+        return self._hub
 
     def _keep_lease(self) -> None:
         """Renew at a third of the TTL; a replicator that lost its lease must stop writing."""
@@ -175,6 +239,13 @@ class Replicator:
                 stop.wait(poll)
         finally:
             self.lease.release()
+            self.close()
+
+    def close(self) -> None:
+        """Stop the threads of the region-local reader used to rebuild anchors (if one was started)."""
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
 
     def _hold(self) -> bool:
         """Renew the lease we hold (at a third of its TTL), or try to take it."""
