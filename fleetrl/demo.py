@@ -1,0 +1,299 @@
+"""`fleetrl demo`: the whole pipeline on this machine, with nothing to set up (DESIGN.md §8).
+
+    fleetrl demo --config examples/fleet.demo.yaml [--steps N] [--workdir DIR]
+
+It starts, each as its own process with its log under `<workdir>/logs/`:
+
+    tansu (one per region, on the port of regions[].kafka)    the regions' Kafka clusters
+    an MQTT broker (mosquitto if installed, else amqtt)        the control plane, on mqtt.url's port
+    fleetrl trainer                                            dispatch, learn, publish versions
+    fleetrl replicator --region R   (one per region)           copy versions into the region stores
+    fleetrl agent --region R --node N   (one per regions[].nodes entry)
+
+after creating the run's topics on every cluster. The work directory (default `.fleetrl/demo` next
+to the config) is wiped at the start: every run starts from fresh stores and checkpoints, and the
+config the children read (`<workdir>/fleet.yaml`) points every store and the checkpoints there.
+Progress is read from the children's JSON log events (`fleetrl.demo_view`). When the trainer has
+done its steps and exited, the demo lets the replicas catch up, stops the agents and replicators,
+runs `fleetrl audit`, stops the brokers and prints a summary (also written to
+`<workdir>/summary.json`). Any child that dies makes the demo print its log tail, stop everything
+else and exit 1; Ctrl-C and SIGTERM stop everything too. Every stop is by PID and bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from fleetrl import devstack
+from fleetrl.config import FleetConfig
+from fleetrl.demo_procs import (
+    Child,
+    DemoError,
+    Ports,
+    check_free,
+    child_env,
+    default_workdir,
+    effective_config,
+    fleetrl_child,
+    fresh_workdir,
+    loopback_ports,
+    stop_all,
+    write_config,
+)
+from fleetrl.demo_view import LogTail, Progress, RegionView
+
+_POLL_S = 0.5
+_STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
+_CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
+_AUDIT_TIMEOUT_S = 120.0
+
+
+class ChildFailed(DemoError):
+    def __init__(self, name: str, pid: int, rc: int | None, log: pathlib.Path, tail: str) -> None:
+        super().__init__(f"{name} (pid {pid}) exited with code {rc}; last lines of {log}:\n{tail}")
+
+
+class _Terminated(BaseException):
+    """SIGTERM to the demo: unwinds like Ctrl-C, so that everything it started is stopped."""
+
+
+def run_demo(args: argparse.Namespace, config: FleetConfig) -> int:
+    # Off a terminal (a pipe, a CI log) rich would wrap at 80 columns: keep each step on one line.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    demo = Demo(args, config, console)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return demo.run()
+    except DemoError as exc:
+        print(f"fleetrl demo: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Terminated):
+        print("fleetrl demo: interrupted; everything it started was stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, config: FleetConfig, console: Console) -> None:
+        self.args, self.config, self.console = args, config, console
+        self.source = str(args.config)
+        self.steps = args.steps or config.algorithm.max_steps
+        self.servers: list[devstack.ServerProcess] = []
+        self.children: list[Child] = []
+        self.trainer: Child | None = None
+        self.tails: list[tuple[LogTail, tuple[str, str] | None]] = []
+
+    def run(self) -> int:
+        t0 = time.monotonic()
+        ports = loopback_ports(self.config, self.source)
+        for i, region in enumerate(self.config.regions):
+            if not region.nodes:
+                raise DemoError(f"{self.source}: regions[{i}] ({region.name}) lists no nodes; the demo starts "
+                                f"one agent per regions[].nodes entry")
+        check_free(ports, self.source)
+        config_path = pathlib.Path(self.args.config)
+        default = default_workdir(config_path)
+        self.workdir = fresh_workdir(pathlib.Path(self.args.workdir) if self.args.workdir else default, default)
+        self.config = effective_config(self.config, self.workdir)
+        self.config_path = write_config(self.config, self.workdir / "fleet.yaml")
+        self.progress = Progress(self.steps, {r.name: RegionView() for r in self.config.regions})
+        with self._everything_stopped_at_exit():
+            self.env = child_env()
+            self._start(ports, self.env)
+            self._watch_until_trainer_done()
+            self._catch_up()
+            self._stop_children()
+            audit = self._audit()
+            self._stop_servers()
+            wall_s = time.monotonic() - t0
+            summary = self._summary(audit, wall_s)
+        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self._print_summary(summary)
+        return 0 if audit.get("ok") else 1
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def _start(self, ports: Ports, env: dict[str, str]) -> None:
+        logs = self.workdir / "logs"
+        self.console.print(f"fleetrl demo: {self.steps} steps; workdir {self.workdir} (logs in {logs})")
+        for region, port in ports.kafka.items():
+            server = devstack.tansu(port)
+            server.log_path = logs / f"tansu-{region}.log"
+            self._start_server(server, f"tansu {region}")
+        mqtt = devstack.mqtt_broker(ports.mqtt, workdir=self.workdir)
+        mqtt.log_path = logs / f"{mqtt.name}.log"
+        self._start_server(mqtt, mqtt.name)
+        asyncio.run(self._create_topics())
+        c, p = self.config, self.config_path
+        for r in c.regions:
+            self._spawn(fleetrl_child(f"replicator-{r.name}", ["replicator", "--region", r.name], p, self.workdir,
+                                      env, c.hub.lease_ttl_s + 5))
+        self.trainer = self._spawn(fleetrl_child("trainer", ["trainer", "--steps", str(self.steps)], p, self.workdir,
+                                                 env, c.trainer.drain_timeout_s + 10))
+        for r in c.regions:
+            for n in r.nodes:
+                child = fleetrl_child(f"agent-{r.name}-{n.name}", ["agent", "--region", r.name, "--node", n.name], p,
+                                      self.workdir, env, 1.5 * c.rollout.handover_timeout_s + 10)
+                self._spawn(child, agent=(r.name, n.name))
+        (self.workdir / "pids.json").write_text(json.dumps(self.pids(), indent=2))
+
+    def _start_server(self, server: devstack.ServerProcess, label: str) -> None:
+        self.servers.append(server)
+        try:
+            server.start()
+        except devstack.DevStackError as exc:
+            raise DemoError(f"{label} did not start: {exc}") from None
+        self.console.print(f"  started {label:<22} pid {server.pid:<8} 127.0.0.1:{server.port}")
+
+    async def _create_topics(self) -> None:
+        from fleetrl.broker import ensure_topics
+
+        for r in self.config.regions:
+            await ensure_topics(self.config, r.name)
+
+    def _spawn(self, child: Child, agent: tuple[str, str] | None = None) -> Child:
+        self.children.append(child.start())
+        self.tails.append((LogTail(child.log_path), agent))
+        self.console.print(f"  started {child.name:<22} pid {child.pid:<8} log {child.log_path.name}")
+        return child
+
+    def pids(self) -> dict[str, int]:
+        out = {f"server:{s.name}:{s.port}": s.pid for s in self.servers if s.proc is not None}
+        return {**out, **{c.name: c.pid for c in self.children}}
+
+    # -- watch ----------------------------------------------------------------------------------
+
+    def _watch_until_trainer_done(self) -> None:
+        assert self.trainer is not None
+        last_step, last_change = 0, time.monotonic()
+        with self._display() as live:
+            while True:
+                self._read_logs(live)
+                rc = self.trainer.returncode()
+                if rc is not None:
+                    self._read_logs(live)
+                    if rc != 0:
+                        raise self._failed(self.trainer)
+                    return
+                self._check_alive()
+                if self.progress.step != last_step:
+                    last_step, last_change = self.progress.step, time.monotonic()
+                elif time.monotonic() - last_change > _STALL_S:
+                    raise DemoError(f"no optimizer step for {_STALL_S:.0f} s (at step {last_step}); "
+                                    f"see the logs in {self.workdir / 'logs'}")
+                time.sleep(_POLL_S)
+
+    @contextmanager
+    def _display(self) -> Iterator[Live | None]:
+        if not self.console.is_terminal:
+            yield None  # a pipe or a file: one plain line per step
+            return
+        with Live(self.progress.table(), console=self.console, refresh_per_second=4) as live:
+            yield live
+
+    def _read_logs(self, live: Live | None) -> None:
+        for tail, agent in self.tails:
+            for event in tail.events():
+                line = self.progress.feed(event, agent)
+                if line is not None and live is None:
+                    self.console.print(line)
+        if live is not None:
+            live.update(self.progress.table())
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            if child is not self.trainer and child.returncode() is not None:
+                raise self._failed(child)
+        for server in self.servers:
+            if not server.alive():
+                raise DemoError(f"{server.name} on port {server.port} (pid {server.pid}) died; "
+                                f"last lines of {server.log_path}:\n{server.tail()}")
+
+    @staticmethod
+    def _failed(child: Child) -> ChildFailed:
+        return ChildFailed(child.name, child.pid, child.returncode(), child.log_path, child.tail())
+
+    def _catch_up(self) -> None:
+        """Give the replicators a moment to copy the final version (bounded)."""
+        deadline = time.monotonic() + _CATCH_UP_S
+        while len(self.progress.holding_latest()) < len(self.progress.regions) and time.monotonic() < deadline:
+            self._check_alive()
+            time.sleep(0.2)
+            self._feed_quietly()
+
+    def _feed_quietly(self) -> None:
+        for tail, agent in self.tails:
+            for event in tail.events():
+                self.progress.feed(event, agent)
+
+    # -- stop, audit, summary -------------------------------------------------------------------
+
+    def _stop_children(self) -> dict[str, int | None]:
+        codes = stop_all([c for c in self.children if c.returncode() is None])
+        self._feed_quietly()
+        return codes
+
+    def _stop_servers(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+    @contextmanager
+    def _everything_stopped_at_exit(self) -> Iterator[None]:
+        """Whatever happens (a failure, Ctrl-C, SIGTERM), stop every process the demo started."""
+        try:
+            yield
+        finally:
+            # Cleanup is bounded; a second Ctrl-C must not cut it short and leave processes behind.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                live = [c for c in self.children if c.returncode() is None]
+                if live:
+                    self.console.print(f"stopping {len(live)} processes ...")
+                    stop_all(live)
+                self._stop_servers()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+
+    def _audit(self) -> dict[str, Any]:
+        argv = [sys.executable, "-m", "fleetrl.cli", "audit", "--config", str(self.config_path), "--json",
+                "--log-json"]
+        log_path = self.workdir / "logs" / "audit.log"
+        with open(log_path, "wb") as log:
+            try:
+                out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, timeout=_AUDIT_TIMEOUT_S,
+                                     env=self.env, check=False)
+            except subprocess.TimeoutExpired:
+                raise DemoError(f"fleetrl audit took over {_AUDIT_TIMEOUT_S:.0f} s; see {log_path}") from None
+        try:
+            report: dict[str, Any] = json.loads(out.stdout)
+        except ValueError:
+            raise DemoError(f"fleetrl audit exited {out.returncode} without a report; see {log_path}") from None
+        return report
+
+    def _summary(self, audit: dict[str, Any], wall_s: float) -> dict[str, Any]:
+        from fleetrl.demo_summary import summarize
+
+        return summarize(self.progress, audit, wall_s, self.pids(), self.workdir)
+
+    def _print_summary(self, summary: dict[str, Any]) -> None:
+        from fleetrl.demo_summary import render
+
+        self.console.print(render(summary))

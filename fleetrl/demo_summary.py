@@ -1,0 +1,90 @@
+"""The figures `fleetrl demo` ends with: learning, weight traffic, accounting, processes.
+
+`summarize` turns the demo's `Progress` (from the children's log events) and the `fleetrl audit`
+report into one JSON-able document (written to `<workdir>/summary.json`); `render` prints it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import statistics
+from typing import Any
+
+from rich.table import Table
+
+from fleetrl.demo_view import Progress
+
+_WINDOW = 3  # reward "first" and "last" are means over this many steps (one batch is noisy)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str, int],
+              workdir: pathlib.Path) -> dict[str, Any]:
+    anchors = [b for v, (b, anchor) in p.published.items() if v == anchor]
+    deltas = [b for v, (b, anchor) in p.published.items() if v != anchor]
+    return {
+        "wall_s": round(wall_s, 1),
+        "steps": p.step,
+        "rewards": [round(r, 4) for r in p.rewards],
+        "reward_first": round(statistics.fmean(p.rewards[:_WINDOW]), 4) if p.rewards else None,
+        "reward_last": round(statistics.fmean(p.rewards[-_WINDOW:]), 4) if p.rewards else None,
+        "final_version": p.version,
+        "versions_published": len(p.published),
+        "anchor_bytes_mean": round(statistics.fmean(anchors)) if anchors else None,
+        "delta_bytes_mean": round(statistics.fmean(deltas)) if deltas else None,
+        "regions": {
+            name: {"replica_version": r.replica_version, "wan_copies": r.copies, "wan_bytes": r.copy_bytes,
+                   "copied_from": dict(sorted(r.sources.items())), "groups_done": r.groups_done}
+            for name, r in p.regions.items()
+        },
+        "audit": audit,
+        "pids": pids,
+        "still_running": sorted(name for name, pid in pids.items() if _alive(pid)),
+        "workdir": str(workdir),
+    }
+
+
+def render(s: dict[str, Any]) -> Table:
+    a = s["audit"]
+    table = Table(title="fleetrl demo: summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    first, last = s["reward_first"], s["reward_last"]
+    table.add_row("wall time", f"{s['wall_s']:.1f} s")
+    table.add_row("learning", f"{s['steps']} steps; mean reward of the first {_WINDOW} steps "
+                              f"{_fmt(first)} -> last {_WINDOW} steps {_fmt(last)}")
+    table.add_row("weights", f"{s['versions_published']} versions published (0..{s['final_version']}); "
+                             f"anchor {_kb(s['anchor_bytes_mean'])}, delta {_kb(s['delta_bytes_mean'])} per version")
+    for name, r in s["regions"].items():
+        sources = ", ".join(f"{n} {k}" for n, k in r["copied_from"].items()) or "-"
+        table.add_row(f"region {name}", f"{r['groups_done']} groups generated; replica at version "
+                                        f"{r['replica_version']}; {r['wan_copies']} WAN copies "
+                                        f"({r['wan_bytes'] / 1e6:.2f} MB, from {sources})")
+    table.add_row("groups", f"{a.get('dispatched')} dispatched, {a.get('trained')} trained once, "
+                            f"{a.get('stale')} stale, {a.get('dead_lettered')} dead-lettered, "
+                            f"{a.get('in_flight')} in flight, {a.get('pending')} buffered, "
+                            f"{a.get('after_checkpoint')} after the checkpoint")
+    table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
+    running = s["still_running"]
+    table.add_row("processes", f"{len(s['pids'])} started, "
+                               + ("all stopped" if not running else f"STILL RUNNING: {', '.join(running)}"))
+    table.add_row("files", f"{s['workdir']} (logs/, summary.json)")
+    return table
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _kb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1024:.1f} KiB"

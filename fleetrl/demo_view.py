@@ -1,0 +1,145 @@
+"""What `fleetrl demo` shows: progress read from its children's JSON log events.
+
+Every daemon logs JSON events to its file under `<workdir>/logs/`; `LogTail` reads the new complete
+lines of each file, `Progress` folds the events into the figures on screen and in the summary. The
+logs are the most robust source here: they need no connection, survive a child's crash, and hold
+exactly what the daemons did (the events are documented in docs/trainer.md, docs/hub.md and
+docs/regions.md):
+
+    trainer     step.done (step, version, reward_mean), weights.published (version, anchor, bytes)
+    replicator  replicator.copied (version, region, source, bytes)
+    agent       worker.group_done, agent.state (state)
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.table import Table
+
+_RATE_WINDOW_S = 10.0  # groups/s is measured over this trailing window
+
+
+class LogTail:
+    """The JSON events appended to one log file since the last read (partial lines wait)."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path, self._offset, self._rest = path, 0, b""
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(chunk)
+        *lines, self._rest = (self._rest + chunk).split(b"\n")
+        for line in lines:
+            if line.startswith(b"{"):
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a line that merely starts like JSON (a child's stray print)
+                if isinstance(event, dict):
+                    yield event
+
+
+@dataclass
+class RegionView:
+    nodes: dict[str, str] = field(default_factory=dict)
+    """Node name -> its last state (`starting` until the agent says otherwise)."""
+    groups_done: int = 0
+    done_at: deque[float] = field(default_factory=deque)
+    replica_version: int | None = None
+    copies: int = 0
+    copy_bytes: int = 0
+    sources: dict[str, int] = field(default_factory=dict)
+    """Store a version was copied from -> how many times (home, or a peer region)."""
+
+    def groups_per_s(self, now: float) -> float:
+        while self.done_at and now - self.done_at[0] > _RATE_WINDOW_S:
+            self.done_at.popleft()
+        return len(self.done_at) / _RATE_WINDOW_S
+
+
+@dataclass
+class Progress:
+    target_steps: int
+    regions: dict[str, RegionView]
+    rewards: list[float] = field(default_factory=list)
+    step: int = 0
+    version: int | None = None
+    published: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Version -> (bytes written, anchor version)."""
+    started: float = field(default_factory=time.monotonic)
+
+    def feed(self, event: dict[str, Any], agent: tuple[str, str] | None = None) -> str | None:
+        """Fold one event in (`agent`: region and node of the agent that logged it); returns a line
+        worth printing, if any."""
+        name = event.get("event")
+        if name == "step.done":
+            self.step, self.version = int(event["step"]), int(event["version"])
+            self.rewards.append(float(event["reward_mean"]))
+            return self.step_line()
+        if name == "weights.published":
+            self.published[int(event["version"])] = (int(event["bytes"]), int(event["anchor"]))
+            self.version = max(self.version or 0, int(event["version"]))
+        elif name == "replicator.copied" and event.get("region") in self.regions:
+            r = self.regions[event["region"]]
+            r.replica_version = max(r.replica_version or 0, int(event["version"]))
+            r.copies, r.copy_bytes = r.copies + 1, r.copy_bytes + int(event["bytes"])
+            r.sources[str(event["source"])] = r.sources.get(str(event["source"]), 0) + 1
+        elif agent is not None:
+            self._agent_event(agent, name, event)
+        return None
+
+    def _agent_event(self, agent: tuple[str, str], name: Any, event: dict[str, Any]) -> None:
+        region, node = agent
+        view = self.regions.get(region)
+        if view is None:
+            return
+        if name == "worker.group_done":
+            view.groups_done += 1
+            view.done_at.append(time.monotonic())
+        elif name == "agent.state":
+            view.nodes[node] = str(event["state"])
+        elif name == "worker.started":
+            view.nodes[node] = "up"
+
+    def step_line(self) -> str:
+        now = time.monotonic()
+        regions = "  ".join(f"{n}: {r.groups_per_s(now):.1f} groups/s, replica v{_v(r.replica_version)}"
+                            for n, r in self.regions.items())
+        return (f"step {self.step}/{self.target_steps}  reward {self.rewards[-1]:.3f}  version {self.version}  "
+                f"{regions}  ({now - self.started:.0f} s)")
+
+    def holding_latest(self) -> list[str]:
+        return [n for n, r in self.regions.items()
+                if self.version is not None and r.replica_version is not None and r.replica_version >= self.version]
+
+    def table(self) -> Table:
+        now = time.monotonic()
+        reward = f"{self.rewards[-1]:.3f}" if self.rewards else "-"
+        first = f" (first {self.rewards[0]:.3f})" if len(self.rewards) > 1 else ""
+        table = Table(title=f"fleetrl demo: step {self.step}/{self.target_steps}, reward {reward}{first}, "
+                            f"policy version {self.version if self.version is not None else '-'}, "
+                            f"{now - self.started:.0f} s", title_justify="left")
+        for col in ("region", "nodes", "groups done", "groups/s", "replica version", "WAN copies"):
+            table.add_column(col)
+        for name, r in self.regions.items():
+            latest = r.replica_version is not None and self.version is not None and r.replica_version >= self.version
+            replica = "-" if r.replica_version is None else f"{r.replica_version}{' (latest)' if latest else ''}"
+            table.add_row(name, " ".join(f"{n}:{s}" for n, s in sorted(r.nodes.items())), str(r.groups_done),
+                          f"{r.groups_per_s(now):.1f}", replica, f"{r.copies} ({r.copy_bytes / 1e6:.2f} MB)")
+        return table
+
+
+def _v(version: int | None) -> str:
+    return "-" if version is None else str(version)
