@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -56,15 +57,19 @@ class Prefill:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> Prefill:
+        # numpy, then one transfer each: a dozen tiny torch ops would cost ~40 us per admission.
         longest = max(lengths)
-        i = torch.arange(longest)
-        start, length = torch.tensor(starts)[:, None], torch.tensor(lengths)[:, None]
-        query = (start + torch.minimum(i[None], length - 1)).flatten()
+        i = np.arange(longest)
+        start, length = np.asarray(starts)[:, None], np.asarray(lengths)[:, None]
+        query = (start + np.minimum(i[None], length - 1)).ravel()
         real = i[None, :] < length  # [A, L]
-        mask = (i[None, :, None] >= i[None, None, :]) & real[:, None, :]
-        out = (torch.arange(len(lengths))[:, None] * longest + i[None]).masked_select(real)
-        return cls(torch.tensor(slots, device=device), longest, query.to(device), mask[:, None].to(device),
-                   out.to(device))
+        mask = (i[:, None] >= i[None, :])[None] & real[:, None, :]
+        out = np.flatnonzero(real.ravel())
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        return cls(put(np.asarray(slots)), longest, put(query), put(mask[:, None]), put(out))
 
 
 @dataclass(slots=True)
@@ -191,6 +196,7 @@ def slot_attention(
                                       scaling=scaling, **kwargs)
     cache, p = current
     layer = cache.layers[module.layer_idx]  # type: ignore[index]
+    assert isinstance(layer, SlotLayer)
     keys, values = layer.keys, layer.values
     assert keys is not None and values is not None
     heads, dim, kv_heads = query.shape[1], query.shape[3], keys.shape[1]

@@ -99,10 +99,10 @@ class TorchEngine(Engine):
         if admitted:
             slots.admit(rows, admitted)
             # Packed order (decode rows 0..n-1, then one row per admitted sample) -> slot order.
-            order = torch.zeros(slots.n, dtype=torch.long)
-            order[:n_before] = torch.arange(n_before)
-            order[rows] = torch.arange(n_before, n_before + len(rows))
-            logits = logits.index_select(0, order.to(self.device))
+            order = np.zeros(slots.n, dtype=np.int64)
+            order[:n_before] = np.arange(n_before)
+            order[rows] = np.arange(n_before, n_before + len(rows))
+            logits = logits.index_select(0, torch.from_numpy(order).to(self.device))
         self._sample(logits)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
