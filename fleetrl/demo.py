@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -59,6 +60,7 @@ _POLL_S = 0.5
 _STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
 _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
 _AUDIT_TIMEOUT_S = 120.0
+_SERVER_READY_S = 20.0
 
 
 class ChildFailed(DemoError):
@@ -96,7 +98,7 @@ class Demo:
         self.args, self.config, self.console = args, config, console
         self.source = str(args.config)
         self.steps = args.steps or config.algorithm.max_steps
-        self.servers: list[devstack.ServerProcess] = []
+        self.servers: list[Child] = []
         self.children: list[Child] = []
         self.trainer: Child | None = None
         self.tails: list[tuple[LogTail, tuple[str, str] | None]] = []
@@ -135,11 +137,8 @@ class Demo:
         logs = self.workdir / "logs"
         self.console.print(f"fleetrl demo: {self.steps} steps; workdir {self.workdir} (logs in {logs})")
         for region, port in ports.kafka.items():
-            server = devstack.tansu(port)
-            server.log_path = logs / f"tansu-{region}.log"
-            self._start_server(server, f"tansu {region}")
+            self._start_server(devstack.tansu(port), f"tansu-{region}")
         mqtt = devstack.mqtt_broker(ports.mqtt, workdir=self.workdir)
-        mqtt.log_path = logs / f"{mqtt.name}.log"
         self._start_server(mqtt, mqtt.name)
         asyncio.run(self._create_topics())
         c, p = self.config, self.config_path
@@ -155,13 +154,17 @@ class Demo:
                 self._spawn(child, agent=(r.name, n.name))
         (self.workdir / "pids.json").write_text(json.dumps(self.pids(), indent=2))
 
-    def _start_server(self, server: devstack.ServerProcess, label: str) -> None:
-        self.servers.append(server)
+    def _start_server(self, spec: devstack.ServerProcess, name: str) -> None:
+        """Start a dev-stack server as a `Child` (so it, too, dies with the demo) and wait for its port."""
+        server = Child(name, spec.argv, self.workdir / "logs" / f"{name}.log", {**os.environ, **spec.env},
+                       stop_timeout_s=5.0)
+        self.servers.append(server.start())
+        assert server.proc is not None
         try:
-            server.start()
+            devstack.wait_for_port(spec.port, _SERVER_READY_S, server.proc)
         except devstack.DevStackError as exc:
-            raise DemoError(f"{label} did not start: {exc}") from None
-        self.console.print(f"  started {label:<22} pid {server.pid:<8} 127.0.0.1:{server.port}")
+            raise DemoError(f"{name} did not start: {exc}; last lines of {server.log_path}:\n{server.tail()}") from None
+        self.console.print(f"  started {name:<22} pid {server.pid:<8} 127.0.0.1:{spec.port}")
 
     async def _create_topics(self) -> None:
         from fleetrl.broker import ensure_topics
@@ -176,8 +179,7 @@ class Demo:
         return child
 
     def pids(self) -> dict[str, int]:
-        out = {f"server:{s.name}:{s.port}": s.pid for s in self.servers if s.proc is not None}
-        return {**out, **{c.name: c.pid for c in self.children}}
+        return {c.name: c.pid for c in [*self.servers, *self.children]}
 
     # -- watch ----------------------------------------------------------------------------------
 
@@ -223,9 +225,8 @@ class Demo:
             if child is not self.trainer and child.returncode() is not None:
                 raise self._failed(child)
         for server in self.servers:
-            if not server.alive():
-                raise DemoError(f"{server.name} on port {server.port} (pid {server.pid}) died; "
-                                f"last lines of {server.log_path}:\n{server.tail()}")
+            if server.returncode() is not None:
+                raise self._failed(server)
 
     @staticmethod
     def _failed(child: Child) -> ChildFailed:
@@ -252,8 +253,7 @@ class Demo:
         return codes
 
     def _stop_servers(self) -> None:
-        for server in reversed(self.servers):
-            server.stop()
+        stop_all([s for s in self.servers if s.returncode() is None])
 
     @contextmanager
     def _everything_stopped_at_exit(self) -> Iterator[None]:

@@ -1,0 +1,136 @@
+"""`fleetrl demo` in miniature: the whole pipeline as processes on free ports, a few steps.
+
+Asserts what the demo promises: exit 0, an audit that passes (every dispatched group trained once
+or counted), the final version replicated into both regions, rewards reported for every step, and
+no process it started left running. A second run kills one agent with SIGKILL: the demo must name
+it, show its log, stop everything else and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from fleetrl.devstack import free_port
+
+pytestmark = pytest.mark.e2e
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STEPS = 4
+DEMO_TIMEOUT_S = 150  # bound of one demo run (it takes ~20 s on 2 cores)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def demo_config(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The shipped demo config on free ports (and unchanged otherwise)."""
+    doc = yaml.safe_load((ROOT / "examples" / "fleet.demo.yaml").read_text())
+    for region in doc["regions"]:
+        region["kafka"] = f"127.0.0.1:{free_port()}"
+    doc["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """The demo's work directory; whatever it started and left alive is killed by PID afterwards."""
+    work = tmp_path / "work"
+    yield work
+    pids_file = work / "pids.json"
+    if pids_file.exists():
+        for pid in json.loads(pids_file.read_text()).values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _demo(config: pathlib.Path, work: pathlib.Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("FLEETRL_HUB_KEY", None)  # the demo brings its own
+    return subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
+                             str(work), "--steps", str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, _ = proc.communicate(timeout=DEMO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the demo's own bounded cleanup first
+        out, _ = proc.communicate(timeout=60)
+        raise AssertionError(f"demo ran over {DEMO_TIMEOUT_S} s:\n{out[-4000:]}") from None
+    return out
+
+
+def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: pathlib.Path,
+                                                                  workdir: pathlib.Path) -> None:
+    proc = _demo(demo_config, workdir)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    summary: dict[str, Any] = json.loads((workdir / "summary.json").read_text())
+    audit = summary["audit"]
+    assert audit["ok"] and audit["problems"] == [], audit
+    groups_per_step = yaml.safe_load(demo_config.read_text())["algorithm"]["groups_per_step"]
+    assert audit["trained"] == STEPS * groups_per_step  # each trained once (the ledger has no repeats)
+    assert audit["dispatched"] >= audit["trained"]
+    assert summary["steps"] == STEPS and len(summary["rewards"]) == STEPS
+    assert all(0.0 <= r <= 1.0 for r in summary["rewards"])
+    assert summary["final_version"] == STEPS  # version 0 at start, one per step
+    for name, region in summary["regions"].items():
+        assert region["replica_version"] == STEPS, f"region {name} did not get the final version: {region}"
+        assert region["wan_copies"] >= 1 and region["groups_done"] >= 1
+    assert "audit" in out and f"step {STEPS}/{STEPS}" in out
+    pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
+    assert {"trainer", "replicator-local-a", "replicator-local-b", "agent-local-a-node-1",
+            "agent-local-b-node-1", "tansu-local-a", "tansu-local-b"} <= set(pids)
+    assert summary["still_running"] == []
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
+
+
+def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_config: pathlib.Path,
+                                                                      workdir: pathlib.Path) -> None:
+    proc = _demo(demo_config, workdir)
+    pids_file = workdir / "pids.json"
+    deadline = time.monotonic() + 60
+    while not pids_file.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert pids_file.exists(), "the demo never wrote pids.json"
+    pids: dict[str, int] = json.loads(pids_file.read_text())
+    os.kill(pids["agent-local-b-node-1"], signal.SIGKILL)
+    out = _finish(proc)
+    assert proc.returncode == 1, out[-4000:]
+    assert "agent-local-b-node-1" in out and "exited with code -9" in out
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
+
+
+def test_ctrl_c_mid_run_stops_everything(demo_config: pathlib.Path, workdir: pathlib.Path) -> None:
+    proc = _demo(demo_config, workdir)
+    trainer_log = workdir / "logs" / "trainer.log"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if trainer_log.exists() and '"step.done"' in trainer_log.read_text(errors="replace"):
+            break
+        time.sleep(0.1)
+    pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the demo
+    out = _finish(proc)
+    assert proc.returncode == 130, out[-4000:]
+    assert "interrupted" in out
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
