@@ -227,7 +227,8 @@ def _pack_small(values: np.ndarray, bits: int) -> list[np.ndarray] | None:
 
 def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int, *, unzigzag: bool = False) -> np.ndarray:
     """Inverse of `_pack_small`: `m` values of word dtype `dtype` (with `unzigzag`, the wrapping
-    differences they stand for: the table is unzigzagged, not the `m` values).
+    differences they stand for: the table is unzigzagged, not the `m` values). The values are never 0
+    (`_pack_small` packs the differences of changed words only), which the escapes rely on.
 
     A lookup table maps each packed byte straight to its 8/bits values (one `np.take` of whole rows),
     so decoding costs one pass over the output; escaped slots are patched from the side stream.
@@ -246,14 +247,15 @@ def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int, *, unzigzag
         rest = _unzigzag(rest)
     packed = streams[1][: -(-m // per_byte)]
     out = np.take(_rows(streams[0].tobytes(), dtype, unzigzag), packed, axis=0).reshape(-1)[:m]
-    if rest.size:  # indices >= table_size are escapes; without escapes there is nothing to patch
-        index = np.take(_SLOTS[bits], packed, axis=0).reshape(-1)[:m]
-        escaped = np.flatnonzero(index >= table_size)
+    if rest.size:
+        # Escape indices decode to 0 (the padding of the table), and 0 is never a real value: these
+        # are differences (or their zigzag) of changed words. So the zeros are the escapes.
+        escaped = np.flatnonzero(out == 0)
         if escaped.size != rest.size:
             raise CodecError(f"{escaped.size} escaped values but {rest.size} stored")
         out[escaped] = rest
-    # An escape index with an empty escape stream would decode as 0: the part's sha256 and the
-    # sha256 checked after apply catch that, so no pass over the indices is spent looking for it.
+    # An escape with an empty escape stream would stay 0: the part's sha256 and the sha256 checked
+    # after apply catch that, so no pass over the output is spent looking for it.
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetrl.hub import parts
+from fleetrl.hub import parts, streams
 from fleetrl.hub.errors import CodecError
 from fleetrl.hub.streams import PosCodec, encode_positions
 from fleetrl.hub.tensors import DTYPES, from_words, to_words
@@ -115,3 +115,20 @@ def test_truncated_or_garbled_parts_are_refused_before_writing() -> None:
         with pytest.raises(CodecError):
             parts.apply_part(bad, target)
         assert np.array_equal(target, old)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_packed_differences_with_escapes_round_trip(bits: int) -> None:
+    """Differences of a few ulps (real RL steps at 1e-6 move small weights by several) as 1/2/4-bit
+    indices into a table of the most frequent ones, with escapes for the rest, decode exactly."""
+    rng = np.random.default_rng(bits)
+    top = 20 if bits == 4 else 1 << bits  # more distinct differences than table slots: some escape
+    diffs = (np.minimum(rng.geometric(0.3, 20_000), top) * np.where(rng.random(20_000) < 0.5, 1, -1))
+    diffs[rng.random(diffs.size) < 0.01] = 12345  # rare large moves
+    words = streams._zigzag(diffs.astype(np.int64).astype(np.uint16))
+    packed = streams._pack_small(words, bits)
+    assert packed is not None and packed[2].size > 0  # there are escapes
+    raw = [np.frombuffer(p.tobytes(), dtype=np.uint8) for p in packed]
+    assert np.array_equal(streams.unpack_small(raw, np.dtype("u2"), words.size), words)
+    as_diffs = streams.unpack_small(raw, np.dtype("u2"), words.size, unzigzag=True)
+    assert np.array_equal(as_diffs, diffs.astype(np.int64).astype(np.uint16))
