@@ -140,8 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = _cmd(sub, "demo", "fleetrl.demo:run_demo", "run the whole pipeline on this machine (embedded stack)")
+    p.epilog = ("Starts tansu per region and an MQTT broker on the config's loopback ports, then the trainer, one "
+                "replicator per region and one agent per node as processes; prints progress, runs the audit and "
+                "a summary, and stops everything it started (also on Ctrl-C or a failure). Every run starts "
+                "fresh: the work directory's stores, checkpoints and logs are wiped first (there is no resume).")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: algorithm.max_steps)")
-    p.add_argument("--workdir", default=None, help="folder for stores, logs and checkpoints")
+    p.add_argument("--workdir", default=None,
+                   help="folder for stores, checkpoints and logs, WIPED at the start of each run "
+                        "(default: .fleetrl/demo next to the config; a non-empty folder the demo did not make "
+                        "is refused)")
     for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations):
         add(sub)
     return parser

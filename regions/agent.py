@@ -36,6 +36,7 @@ from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.regions.errors import AgentError
 from fleetrl.regions.identity import check_identity
+from fleetrl.regions.metrics import AgentMetrics
 from fleetrl.regions.preemption import PreemptionWatcher, SignalWatcher
 from fleetrl.rollout import Engine, RolloutWorker, build_engine
 
@@ -62,12 +63,18 @@ class RegionAgent:
         self._changed = asyncio.Event()  # a command or notice the supervisor must look at
         self._beat_now = asyncio.Event()  # a state change to publish before the next interval
         self._cp: ControlPlane | None = None
+        self._retired = (0, 0)  # groups done and handed over by workers that already stopped
+        self.metrics = AgentMetrics()
+        self.metrics_port: int | None = None
 
     # -- the daemon -----------------------------------------------------------------------------
 
     async def run(self) -> str:
         watching = [asyncio.create_task(self._watch(w), name=f"watch-{type(w).__name__}") for w in self.watchers]
         await asyncio.sleep(0)  # let signal watchers take their signals before the slow start-up
+        if self.config.rollout.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.rollout.metrics_port)
+            log.info("agent.metrics", region=self.region, node=self.node, port=self.metrics_port)
         try:
             async with ControlPlane(self.config, self.client_id, will=(self.region, self.node),
                                     watch_nodes=False) as cp:
@@ -79,6 +86,7 @@ class RegionAgent:
             await asyncio.gather(*watching, return_exceptions=True)
             for w in self.watchers:
                 w.close()
+            self.metrics.close()
         log.info("agent.stopped", region=self.region, node=self.node, reason=self.exit_reason)
         return self.exit_reason or "stop"
 
@@ -108,6 +116,9 @@ class RegionAgent:
 
     async def _run_worker(self, commands: asyncio.Task[None]) -> None:
         worker = RolloutWorker(self.config, self.region, self.node, engine=self._engine)
+        if self.worker is not None:
+            done, handed = self._retired
+            self._retired = (done + self.worker.groups_done, handed + self.worker.groups_handed_over)
         self.worker, self.workers_started = worker, self.workers_started + 1
         stop, preempted = asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(worker.run(stop, preempted), name="rollout-worker")
@@ -199,8 +210,18 @@ class RegionAgent:
                 await asyncio.wait_for(self._beat_now.wait(), timeout=interval_s)
 
     async def _publish_heartbeat(self, timeout_s: float | None = None) -> None:
+        beat = self.heartbeat()
+        self._refresh_metrics(beat)
         if self._cp is not None:
-            await self._cp.heartbeat(self.region, self.node, self.heartbeat(), timeout_s=timeout_s)
+            await self._cp.heartbeat(self.region, self.node, beat, timeout_s=timeout_s)
+
+    def _refresh_metrics(self, beat: Heartbeat) -> None:
+        w = self.worker
+        done, handed = self._retired
+        if w is not None:
+            done, handed = done + w.groups_done, handed + w.groups_handed_over
+        self.metrics.update(beat.state, beat.version, w.stats() if w is not None else {}, done, handed,
+                            self.workers_started)
 
     def _engine_names(self) -> list[str]:
         r = self.config.region(self.region)

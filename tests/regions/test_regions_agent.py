@@ -15,6 +15,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +43,11 @@ pytestmark = pytest.mark.integration
 def _env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEETRL_HUB_KEY", HUB_KEY)
     torch.set_num_threads(1)
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
 
 
 @pytest.fixture
@@ -89,7 +95,9 @@ async def test_agent_process_heartbeats_up_then_offline_after_sigterm(
 async def test_drain_hands_over_unfinished_groups_then_resume_and_stop(
     run_id: str, tansu_bootstrap: str, mqtt_server: Any, tmp_path: pathlib.Path,
 ) -> None:
-    config = make_config(fleet_dict(run_id, tansu_bootstrap, mqtt_server.port, tmp_path / "store"))
+    data = fleet_dict(run_id, tansu_bootstrap, mqtt_server.port, tmp_path / "store")
+    data["rollout"]["metrics_port"] = 0
+    config = make_config(data)
     publish_tiny(config)
     await setup_topics(config)
     # Version 1 never comes: the worker admits these prompts and holds them, unfinished, until the drain.
@@ -109,6 +117,10 @@ async def test_drain_hands_over_unfinished_groups_then_resume_and_stop(
             assert sorted(p.group_id for p in handed) == sorted(sent)
             assert all(p.handed_over_by.node == "n1" and p.handed_over_by.reason == "sigterm" for p in handed)
             assert not run.done()  # still connected, still draining
+            assert agent.metrics_port is not None
+            scraped = await asyncio.to_thread(_scrape, agent.metrics_port)
+            assert 'fleetrl_agent_state{state="draining"} 1.0' in scraped
+            assert "fleetrl_rollout_groups_handed_over_total 3.0" in scraped
 
             await cp.send_control(REGION, ControlCommand(cmd="resume"))
             await wait_for_beat(cp, "n1", lambda b: b.state == "up", timeout_s=10)

@@ -1,0 +1,55 @@
+"""Prometheus metrics of a region agent (units in the names) on their own registry.
+
+Served on `rollout.metrics_port` (0 picks a free port, logged as `agent.metrics`; None disables).
+They are refreshed with every heartbeat, from the same figures the heartbeat carries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+STATES = ("up", "draining", "offline")
+
+
+class AgentMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self._server: Any = None
+        self.state = Gauge("fleetrl_agent_state", "1 for the node's current state, 0 for the others", ["state"],
+                           registry=r)
+        self.version = Gauge("fleetrl_rollout_policy_version", "Policy version the engine holds (-1: none yet)",
+                             registry=r)
+        self.tokens_per_s = Gauge("fleetrl_rollout_tokens_per_second", "Decoding rate of the current worker",
+                                  registry=r)
+        self.in_flight = Gauge("fleetrl_rollout_groups_in_flight", "Groups admitted and not yet handed to a record",
+                               registry=r)
+        self.groups_done = Gauge("fleetrl_rollout_groups_done_total", "Finished groups produced by this agent",
+                                 registry=r)
+        self.handed_over = Gauge("fleetrl_rollout_groups_handed_over_total",
+                                 "Unfinished groups handed over as partials by this agent", registry=r)
+        self.workers = Gauge("fleetrl_agent_workers_started_total", "Rollout workers started (1 + resumes)",
+                             registry=r)
+
+    def update(self, state: str, version: int | None, stats: dict[str, Any], done: int, handed_over: int,
+               workers: int) -> None:
+        for s in STATES:
+            self.state.labels(s).set(1.0 if s == state else 0.0)
+        self.version.set(-1 if version is None else version)
+        self.tokens_per_s.set(float(stats.get("tokens_per_s", 0.0)) if state == "up" else 0.0)
+        self.in_flight.set(float(stats.get("groups_in_flight", 0)))
+        self.groups_done.set(done)
+        self.handed_over.set(handed_over)
+        self.workers.set(workers)
+
+    def serve(self, port: int) -> int:
+        """Serve /metrics at `port` (0 picks a free one); returns the port."""
+        self._server, _ = start_http_server(port, registry=self.registry)
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
