@@ -66,12 +66,15 @@ def fresh_workdir(workdir: pathlib.Path, default: pathlib.Path) -> pathlib.Path:
 
 
 def effective_config(config: FleetConfig, workdir: pathlib.Path) -> FleetConfig:
-    """The config with every store and the checkpoints under `workdir` (fresh for this run)."""
+    """The config with every store and the checkpoints under `workdir` (fresh for this run), and
+    agents' metrics on free ports."""
     c = config.model_copy(deep=True)
     c.hub.home_store = StoreConfig(url=str(workdir / "stores" / "home"))
     for region in c.regions:
         region.store = StoreConfig(url=str(workdir / "stores" / region.name))
     c.trainer.checkpoint_dir = str(workdir / "checkpoints")
+    if c.rollout.metrics_port:  # every agent runs on this machine: one fixed port cannot serve them all
+        c.rollout.metrics_port = 0
     return c
 
 

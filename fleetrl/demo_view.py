@@ -24,6 +24,8 @@ from typing import Any
 from rich.table import Table
 
 _RATE_WINDOW_S = 10.0  # groups/s is measured over this trailing window
+_SPARK_STEPS = 40  # the reward curve on screen shows this many recent steps
+_BARS = "▁▂▃▄▅▆▇█"
 
 
 class LogTail:
@@ -128,9 +130,10 @@ class Progress:
         now = time.monotonic()
         reward = f"{self.rewards[-1]:.3f}" if self.rewards else "-"
         first = f" (first {self.rewards[0]:.3f})" if len(self.rewards) > 1 else ""
-        table = Table(title=f"fleetrl demo: step {self.step}/{self.target_steps}, reward {reward}{first}, "
-                            f"policy version {self.version if self.version is not None else '-'}, "
-                            f"{now - self.started:.0f} s", title_justify="left")
+        table = Table(title=f"fleetrl demo: step {self.step}/{self.target_steps}, reward {reward}{first} "
+                            f"{sparkline(self.rewards[-_SPARK_STEPS:])}, policy version "
+                            f"{self.version if self.version is not None else '-'}, {now - self.started:.0f} s",
+                      title_justify="left")
         for col in ("region", "nodes", "groups done", "groups/s", "replica version", "WAN copies"):
             table.add_column(col)
         for name, r in self.regions.items():
@@ -143,3 +146,10 @@ class Progress:
 
 def _v(version: int | None) -> str:
     return "-" if version is None else str(version)
+
+
+def sparkline(values: list[float]) -> str:
+    """Rewards as a row of block characters: the learning curve at a glance (full height: 0.5, or the
+    best reward once it is higher)."""
+    top = max([0.5, *values])
+    return "".join(_BARS[min(len(_BARS) - 1, max(0, int(v / top * len(_BARS))))] for v in values)
