@@ -101,6 +101,7 @@ class Demo:
         self.servers: list[Child] = []
         self.children: list[Child] = []
         self.trainer: Child | None = None
+        self.exit_codes: dict[str, int | None] = {}
         self.tails: list[tuple[LogTail, tuple[str, str] | None]] = []
 
     def run(self) -> int:
@@ -120,9 +121,10 @@ class Demo:
         with self._everything_stopped_at_exit():
             self.env = child_env()
             self._start(ports, self.env)
+            assert self.trainer is not None
             self._watch_until_trainer_done()
             self._catch_up()
-            self._stop_children()
+            self.exit_codes = {self.trainer.name: self.trainer.returncode(), **self._stop_children()}
             audit = self._audit()
             self._stop_servers()
             wall_s = time.monotonic() - t0
@@ -152,7 +154,6 @@ class Demo:
                 child = fleetrl_child(f"agent-{r.name}-{n.name}", ["agent", "--region", r.name, "--node", n.name], p,
                                       self.workdir, env, 1.5 * c.rollout.handover_timeout_s + 10)
                 self._spawn(child, agent=(r.name, n.name))
-        (self.workdir / "pids.json").write_text(json.dumps(self.pids(), indent=2))
 
     def _start_server(self, spec: devstack.ServerProcess, name: str) -> None:
         """Start a dev-stack server as a `Child` (so it, too, dies with the demo) and wait for its port."""
@@ -164,6 +165,7 @@ class Demo:
             devstack.wait_for_port(spec.port, _SERVER_READY_S, server.proc)
         except devstack.DevStackError as exc:
             raise DemoError(f"{name} did not start: {exc}; last lines of {server.log_path}:\n{server.tail()}") from None
+        self._record_pids()
         self.console.print(f"  started {name:<22} pid {server.pid:<8} 127.0.0.1:{spec.port}")
 
     async def _create_topics(self) -> None:
@@ -175,11 +177,16 @@ class Demo:
     def _spawn(self, child: Child, agent: tuple[str, str] | None = None) -> Child:
         self.children.append(child.start())
         self.tails.append((LogTail(child.log_path), agent))
+        self._record_pids()
         self.console.print(f"  started {child.name:<22} pid {child.pid:<8} log {child.log_path.name}")
         return child
 
     def pids(self) -> dict[str, int]:
         return {c.name: c.pid for c in [*self.servers, *self.children]}
+
+    def _record_pids(self) -> None:
+        """Kept current from the first start on: whoever cleans up after a crashed demo finds them all."""
+        (self.workdir / "pids.json").write_text(json.dumps(self.pids(), indent=2))
 
     # -- watch ----------------------------------------------------------------------------------
 
@@ -291,7 +298,7 @@ class Demo:
     def _summary(self, audit: dict[str, Any], wall_s: float) -> dict[str, Any]:
         from fleetrl.demo_summary import summarize
 
-        return summarize(self.progress, audit, wall_s, self.pids(), self.workdir)
+        return summarize(self.progress, audit, wall_s, self.pids(), self.exit_codes, self.workdir)
 
     def _print_summary(self, summary: dict[str, Any]) -> None:
         from fleetrl.demo_summary import render

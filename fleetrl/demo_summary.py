@@ -29,7 +29,7 @@ def _alive(pid: int) -> bool:
 
 
 def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str, int],
-              workdir: pathlib.Path) -> dict[str, Any]:
+              exit_codes: dict[str, int | None], workdir: pathlib.Path) -> dict[str, Any]:
     anchors = [b for v, (b, anchor) in p.published.items() if v == anchor]
     deltas = [b for v, (b, anchor) in p.published.items() if v != anchor]
     return {
@@ -49,6 +49,7 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
         },
         "audit": audit,
         "pids": pids,
+        "exit_codes": exit_codes,
         "still_running": sorted(name for name, pid in pids.items() if _alive(pid)),
         "workdir": str(workdir),
     }
@@ -76,8 +77,11 @@ def render(s: dict[str, Any]) -> Table:
                             f"{a.get('after_checkpoint')} after the checkpoint")
     table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
     running = s["still_running"]
+    failed = {n: c for n, c in s["exit_codes"].items() if c != 0}
+    codes = "daemons exited 0" if not failed else "non-zero exits: " + ", ".join(f"{n} {c}" for n, c in failed.items())
     table.add_row("processes", f"{len(s['pids'])} started, "
-                               + ("all stopped" if not running else f"STILL RUNNING: {', '.join(running)}"))
+                               + ("all stopped" if not running else f"STILL RUNNING: {', '.join(running)}")
+                               + f"; {codes}")
     table.add_row("files", f"{s['workdir']} (logs/, summary.json)")
     return table
 

@@ -61,12 +61,45 @@ def workdir(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.fixture(autouse=True)
+def _demo_reaped() -> Iterator[None]:
+    """A demo a failed test left running gets SIGINT (its own bounded cleanup), then SIGKILL."""
+    yield
+    for proc in _STARTED:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    _STARTED.clear()
+
+
+_STARTED: list[subprocess.Popen[str]] = []
+
+
 def _demo(config: pathlib.Path, work: pathlib.Path) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("FLEETRL_HUB_KEY", None)  # the demo brings its own
-    return subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
                              str(work), "--steps", str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
+    _STARTED.append(proc)
+    return proc
+
+
+def _wait_for_line(proc: subprocess.Popen[str], log: pathlib.Path, text: str, timeout_s: float = 90) -> None:
+    """Wait (bounded) until a child's log holds `text`; the demo must still be running then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and text in log.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
+    out = _finish(proc) if proc.poll() is None else (proc.stdout.read() if proc.stdout else "")
+    raise AssertionError(f"{log.name} never showed {text}; demo output:\n{out[-4000:]}")
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:
@@ -102,17 +135,14 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
             "agent-local-b-node-1", "tansu-local-a", "tansu-local-b"} <= set(pids)
     assert summary["still_running"] == []
     assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert summary["exit_codes"] and all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
 
 
 def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_config: pathlib.Path,
                                                                       workdir: pathlib.Path) -> None:
     proc = _demo(demo_config, workdir)
-    pids_file = workdir / "pids.json"
-    deadline = time.monotonic() + 60
-    while not pids_file.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    assert pids_file.exists(), "the demo never wrote pids.json"
-    pids: dict[str, int] = json.loads(pids_file.read_text())
+    _wait_for_line(proc, workdir / "logs" / "agent-local-b-node-1.log", '"agent.started"')
+    pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
     os.kill(pids["agent-local-b-node-1"], signal.SIGKILL)
     out = _finish(proc)
     assert proc.returncode == 1, out[-4000:]
@@ -122,12 +152,7 @@ def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_confi
 
 def test_ctrl_c_mid_run_stops_everything(demo_config: pathlib.Path, workdir: pathlib.Path) -> None:
     proc = _demo(demo_config, workdir)
-    trainer_log = workdir / "logs" / "trainer.log"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and proc.poll() is None:
-        if trainer_log.exists() and '"step.done"' in trainer_log.read_text(errors="replace"):
-            break
-        time.sleep(0.1)
+    _wait_for_line(proc, workdir / "logs" / "trainer.log", '"step.done"')
     pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
     proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the demo
     out = _finish(proc)
