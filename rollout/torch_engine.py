@@ -59,6 +59,7 @@ class TorchEngine(Engine):
         self._params = _param_index(self.model)
         self._keep_arg = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._decoder = _plain_decoder(self.model)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._waiting: deque[SeqState] = deque()
         self._eos_table = np.zeros(0, dtype=bool)
         self._slots = SlotTable(max_batch, int(cfg.num_hidden_layers), self.max_context, self.device)
@@ -118,12 +119,23 @@ class TorchEngine(Engine):
         # wrappers (output capture, config defaults, mask building): ~0.1 ms of a ~0.8 ms step on
         # the tiny model. Only for architectures whose forward is exactly this (`_plain_decoder`).
         hidden = inner.embed_tokens(input_ids)
-        rotary = inner.rotary_emb(hidden, position_ids)
+        rotary = self._rotary(inner.rotary_emb, hidden, position_ids)
         for layer in inner.layers:
             hidden = layer(hidden, attention_mask=None, position_embeddings=rotary, position_ids=position_ids,
                            past_key_values=cache, use_cache=True)
-        hidden = inner.norm(hidden)[0]
-        return self.model.lm_head(hidden if keep is None else hidden.index_select(0, keep))
+        hidden = hidden[0] if keep is None else hidden[0].index_select(0, keep)  # norm and head are per token
+        return self.model.lm_head(inner.norm(hidden))
+
+    def _rotary(self, rope: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the positions: rows of a table, for plain RoPE (elementwise in the position,
+        so bitwise what `rope` computes; ~10 ops a step fewer). Other RoPE types call `rope`."""
+        if getattr(rope, "rope_type", None) != "default":
+            return rope(hidden, position_ids)  # type: ignore[no-any-return]
+        need = self._slots.cache.capacity
+        if self._rope_table is None or self._rope_table[0].shape[1] < need or self._rope_table[0].dtype != hidden.dtype:
+            self._rope_table = rope(hidden, torch.arange(need, device=hidden.device)[None])
+        cos, sin = self._rope_table
+        return cos[:, position_ids[0]], sin[:, position_ids[0]]
 
     def _admissions(self) -> list[SeqState]:
         """Waiting samples to admit now: once enough slots are free, or all that wait fit, or none runs."""
