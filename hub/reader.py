@@ -3,9 +3,12 @@
 A reader that holds version h and wants N applies the deltas h+1..N when that is on the chain and
 cheaper in bytes than starting over; otherwise it starts from N's anchor. Parts are fetched with as
 few GETs as possible (one ranged GET per run of neighbouring parts, the whole object when most of it
-is needed), every part's sha256 is checked before it is decoded, parts are decoded and applied in
-parallel threads into private copies, and every tensor's sha256 is checked after apply. Only then
-does anything reach the caller, so an error never leaves a half-applied state dict behind.
+is needed), every part's sha256 is checked (by the thread that decodes it) before it is decoded.
+From an anchor, parts are applied into private copies and every tensor's sha256 is checked before
+anything reaches the caller. One version behind, in place (`apply_step_verified`), each part's new
+words are checked against its `changed_sha256` and written while their cache lines are hot, and on
+any failure every written part is restored; either way an error never leaves a half-applied state
+dict behind.
 """
 
 from __future__ import annotations

@@ -171,6 +171,7 @@ class Replicator:
         version = manifest.version
         if not self.local.exists(mf.holder_key(self.run, version - 1, self.region)):
             return set()  # joined after N-1: nothing to build from
+        self._keep_lease()
         try:
             words = self._materialize_here(manifest)
         except HubError as exc:

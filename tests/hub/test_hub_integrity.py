@@ -16,7 +16,7 @@ from hub_helpers import same_bits, step, tiny_state
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub, IntegrityError, SignatureError
-from fleetrl.hub.manifest import manifest_text
+from fleetrl.hub.manifest import dump_signed, manifest_text
 from fleetrl.hub.signing import generate_ed25519
 
 
@@ -138,3 +138,40 @@ def test_a_caller_state_that_is_not_the_claimed_version_is_refused_untouched(
             with pytest.raises(IntegrityError, match=name):
                 hub.materialize(1, into=into, have_version=0, verify_full=verify_full)
             assert same_bits(into, before)
+
+
+def test_a_failing_part_puts_back_every_part_already_written(dir_config: Callable[..., FleetConfig]) -> None:
+    """In place, parts are written as soon as they check out; one bad part restores all the others."""
+    states = [tiny_state(hidden=256), step(tiny_state(hidden=256), 1)]  # 64 KiB frames: several parts
+    name = "model.layers.0.mlp.up_proj.weight"
+    with Hub.from_config(dir_config()) as hub:
+        for s in states:
+            hub.publish(s)
+        assert len(hub.manifest(1).tensors[3].parts) > 1 and hub.manifest(1).tensors[3].name == name
+        into = {k: v.clone() for k, v in states[0].items()}
+        into["lm_head.weight"] = into["model.embed_tokens.weight"]
+        old, new = into[name].view(torch.int16).view(-1), states[1][name].view(torch.int16).reshape(-1)
+        old[int(torch.nonzero(old != new)[-1])] += 1  # one changed word of its last part: not version 0
+        before = {k: v.clone() for k, v in into.items()}
+        with pytest.raises(IntegrityError, match=name):
+            hub.materialize(1, into=into, have_version=0)
+        assert same_bits(into, before)  # the other parts of this tensor and the other tensors: put back
+        into = {k: v.clone() for k, v in states[0].items()}
+        assert same_bits(hub.materialize(1, into=into, have_version=0), states[1])
+
+
+def test_overlapping_parts_in_a_signed_manifest_are_refused_untouched(dir_config: Callable[..., FleetConfig]) -> None:
+    hub, states = published(dir_config())
+    with hub:
+        path = pathlib.Path(hub.store.url.removeprefix("file://")) / hub.run / "versions" / f"{1:012d}.json"
+        manifest = hub.manifest(1)
+        tensors = list(manifest.tensors)
+        i = next(i for i, t in enumerate(tensors) if t.encoding == "delta")
+        parts = [*tensors[i].parts, tensors[i].parts[0]]  # the same range twice: applied twice, undone twice
+        tensors[i] = tensors[i].model_copy(update={"parts": parts})
+        forged = manifest.model_copy(update={"tensors": tensors})
+        path.write_bytes(dump_signed(forged, hub.keys()))  # signed with the real key: only the check stops it
+        into = {k: v.clone() for k, v in states[0].items()}
+        with Hub.from_config(hub.config) as reader, pytest.raises(IntegrityError, match="overlap"):
+            reader.materialize(1, into=into, have_version=0)
+        assert same_bits(into, states[0])
