@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,8 +44,8 @@ def encode_dense_part(words: np.ndarray, level: int) -> bytes:
 
 def changed_digest(values: np.ndarray) -> str:
     """sha256 of the new words at the changed positions, in order, little-endian."""
-    data = np.ascontiguousarray(values.astype(values.dtype.newbyteorder("<"), copy=False))
-    return hashlib.sha256(memoryview(data)).hexdigest()  # hashes the array's buffer: no copy
+    data: Any = np.ascontiguousarray(values.astype(values.dtype.newbyteorder("<"), copy=False))
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()  # hashes the array's buffer: no copy
 
 
 def encode_delta_part(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, str] | None:
