@@ -72,10 +72,10 @@ class RegionAgent:
     async def run(self) -> str:
         watching = [asyncio.create_task(self._watch(w), name=f"watch-{type(w).__name__}") for w in self.watchers]
         await asyncio.sleep(0)  # let signal watchers take their signals before the slow start-up
-        if self.config.rollout.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.rollout.metrics_port)
-            log.info("agent.metrics", region=self.region, node=self.node, port=self.metrics_port)
         try:
+            if self.config.rollout.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.config.rollout.metrics_port)
+                log.info("agent.metrics", region=self.region, node=self.node, port=self.metrics_port)
             async with ControlPlane(self.config, self.client_id, will=(self.region, self.node),
                                     watch_nodes=False) as cp:
                 self._cp = cp
