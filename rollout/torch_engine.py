@@ -95,8 +95,13 @@ class TorchEngine(Engine):
         rows = slots.free_slots(len(admitted))
         plan, input_ids, keep = slots.plan([(b, s.prompt_ids + s.tokens) for b, s in zip(rows, admitted, strict=True)])
         n_before = slots.n
-        with slot_pass(self.model, slots.cache, plan):
-            logits = self._forward(input_ids[None], plan.write_col[None], keep)
+        try:
+            with slot_pass(self.model, slots.cache, plan):
+                logits = self._forward(input_ids[None], plan.write_col[None], keep)
+        except BaseException:
+            # Nothing advanced (a retried step rewrites the same columns); the admitted wait again.
+            self._waiting.extendleft(reversed(admitted))
+            raise
         if admitted:
             slots.admit(rows, admitted)
             # Packed order (decode rows 0..n-1, then one row per admitted sample) -> slot order.

@@ -157,3 +157,34 @@ def test_cache_growth_and_the_generic_forward_path_agree_with_a_fresh_pass() -> 
         results.append(done)
     for g in results[0]:
         np.testing.assert_array_equal(results[0][g].completion_ids, results[1][g].completion_ids)
+
+
+def test_a_failed_step_loses_nothing_and_changes_no_token() -> None:
+    sampling = Sampling(max_new_tokens=10)
+    requests = [GroupRequest(f"g{g}", _prompt(g), sampling, n_samples=3, seed=2) for g in range(3)]
+    reference = _engine(max_batch=4, eos=FREQUENT_EOS)
+    for r in requests:
+        reference.submit(r)
+    expected = {}
+    for _ in range(100):
+        expected.update({f.group_id: f.samples for f in reference.step()})
+    engine = _engine(max_batch=4, eos=FREQUENT_EOS)
+    for r in requests:
+        engine.submit(r)
+    layer = engine.model.model.layers[1]
+    original = layer.forward
+    done = {}
+    for fail_at in (0, 3):  # a step that admits everything, then one mid-run
+        for _ in range(fail_at):
+            done.update({f.group_id: f.samples for f in engine.step()})
+        layer.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+        layer.forward = original
+    for _ in range(100):
+        done.update({f.group_id: f.samples for f in engine.step()})
+    assert sorted(done) == sorted(expected)
+    for g, samples in expected.items():
+        for a, b in zip(samples, done[g], strict=True):
+            np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
