@@ -17,6 +17,7 @@ from fleetrl.broker.errors import (
     TopicError,
 )
 from fleetrl.broker.lag import PartitionLag, end_offsets, group_lag
+from fleetrl.broker.logread import RawRecord, read_log
 from fleetrl.broker.mqtt import ControlPlane
 from fleetrl.broker.naming import (
     SCHEMA_HEADER,
@@ -75,6 +76,7 @@ __all__ = [
     "PolicyAnnouncement",
     "Producer",
     "PromptRecord",
+    "RawRecord",
     "Record",
     "RecordError",
     "RecordLimits",
@@ -99,6 +101,7 @@ __all__ = [
     "node_topic",
     "policy_topic",
     "read_dead_letters",
+    "read_log",
     "replay_dead_letters",
     "rle_versions",
     "rollout_group",

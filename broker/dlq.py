@@ -9,17 +9,11 @@ a replayed dead letter stays in the topic; the replayed record, if still bad, is
 
 from __future__ import annotations
 
-import asyncio
-
-from aiokafka import TopicPartition
-
-from fleetrl.broker.clients import bounded
 from fleetrl.broker.deadletter import DeadLetter
-from fleetrl.broker.errors import KafkaError, TopicError
-from fleetrl.broker.lag import log_ends, reader
+from fleetrl.broker.errors import TopicError
+from fleetrl.broker.logread import read_log
 from fleetrl.broker.naming import STREAMS, topic_name
 from fleetrl.broker.producer import Producer
-from fleetrl.broker.topics import describe_topics
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
@@ -28,33 +22,8 @@ log = get_logger(__name__)
 
 async def read_dead_letters(config: FleetConfig, region: str, limit: int = 50) -> list[DeadLetter]:
     """Up to `limit` dead letters of `region`, oldest first per partition."""
-    topic = topic_name(config.run, "dead-letter")
-    states = await describe_topics(config, region, [topic])
-    if topic not in states:
-        raise TopicError(f"region {region!r} has no topic {topic}; run `fleetrl topics create` first")
-    tps = [TopicPartition(topic, p) for p in sorted(states[topic].leaders)]
-    timeout = config.kafka.request_timeout_s
-    out: list[DeadLetter] = []
-    async with reader(config, region, "fleetrl-dlq") as consumer:
-        consumer.assign(tps)
-        ends = await log_ends(consumer, tps, timeout)
-        starts = await bounded(consumer.beginning_offsets(tps), timeout, f"start offsets of {topic} ({region!r})")
-        for tp in tps:
-            consumer.seek(tp, starts[tp])
-        remaining = {tp for tp in tps if ends[tp] > starts[tp]}
-        try:
-            async with asyncio.timeout(timeout):
-                while remaining and len(out) < limit:
-                    batch = await consumer.getmany(*remaining, timeout_ms=500, max_records=limit - len(out))
-                    for tp, messages in batch.items():
-                        out += [DeadLetter.from_record(m.partition, m.offset, m.key, m.value or b"",
-                                                       list(m.headers or ())) for m in messages if m.offset < ends[tp]]
-                        if messages and messages[-1].offset + 1 >= ends[tp]:
-                            remaining.discard(tp)
-        except TimeoutError as exc:
-            raise KafkaError(f"region {region!r}: {topic} could not be read to its end within {timeout:.0f} s",
-                             retriable=True) from exc
-    return out[:limit]
+    records = await read_log(config, region, topic_name(config.run, "dead-letter"), limit, "fleetrl-dlq")
+    return [DeadLetter.from_record(r.partition, r.offset, r.key, r.value, r.headers) for r in records]
 
 
 async def replay_dead_letters(

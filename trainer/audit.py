@@ -17,7 +17,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.broker import DeadLetter, GroupRecord, PromptRecord, RecordError, decode_record, topic_name
+from fleetrl.broker import (
+    DeadLetter,
+    GroupRecord,
+    PromptRecord,
+    RawRecord,
+    RecordError,
+    Stream,
+    TopicError,
+    decode_record,
+    read_log,
+    topic_name,
+)
 from fleetrl.config import FleetConfig
 
 
@@ -118,15 +129,16 @@ async def read_topics(config: FleetConfig, timeout_s: float = 30.0) -> TopicView
 
 
 async def _read_region(config: FleetConfig, region: str, view: TopicView, timeout_s: float) -> None:
-    for stream in ("prompts", "trajectories", "dead-letter"):
-        for key, value, headers, partition, offset in await _read_all(config, region, stream, timeout_s):
+    streams: tuple[Stream, ...] = ("prompts", "trajectories", "dead-letter")
+    for stream in streams:
+        for raw in await _read_all(config, region, stream, timeout_s):
             if stream == "dead-letter":
-                dl = DeadLetter.from_record(partition, offset, key, value, headers)
+                dl = DeadLetter.from_record(raw.partition, raw.offset, raw.key, raw.value, raw.headers)
                 view.dead_letters += 1
-                view.dead.setdefault((key or b"").decode(errors="replace"), []).append(dl.reason)
+                view.dead.setdefault((raw.key or b"").decode(errors="replace"), []).append(dl.reason)
                 continue
             try:
-                record = decode_record(value)
+                record = decode_record(raw.value)
             except RecordError:
                 continue  # the consumer dead-letters these; they show up in the dead-letter topic
             if isinstance(record, PromptRecord) and stream == "prompts":
@@ -135,37 +147,10 @@ async def _read_region(config: FleetConfig, region: str, view: TopicView, timeou
                 view.arrived.setdefault(record.group_id, []).append((region, record.attempt))
 
 
-async def _read_all(config: FleetConfig, region: str, stream: Any, timeout_s: float
-                    ) -> list[tuple[bytes | None, bytes, list[tuple[str, bytes]], int, int]]:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
+async def _read_all(config: FleetConfig, region: str, stream: Stream, timeout_s: float) -> list[RawRecord]:
+    # read_log bounds itself by kafka.request_timeout_s; timeout_s bounds the whole topic
     topic = topic_name(config.run, stream)
-    c = config.region(region).kafka
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=c.bootstrap, security_protocol=c.security_protocol, group_id=None,
-        enable_auto_commit=False, client_id=f"{config.run}-audit",
-        max_partition_fetch_bytes=config.kafka.max_message_bytes + (1 << 20),
-        fetch_max_bytes=config.kafka.max_message_bytes + (1 << 20),
-    )
-    await asyncio.wait_for(consumer.start(), timeout_s)
-    out: list[tuple[bytes | None, bytes, list[tuple[str, bytes]], int, int]] = []
     try:
-        await asyncio.wait_for(consumer.topics(), timeout_s)  # refreshes the metadata
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
-        if not tps:
-            return out
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await asyncio.wait_for(consumer.end_offsets(tps), timeout_s)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-            if loop.time() > deadline:
-                raise TimeoutError(f"reading {topic} of region {region!r} took longer than {timeout_s} s")
-            batch = await consumer.getmany(timeout_ms=500, max_records=1000)
-            for tp, msgs in batch.items():
-                out.extend((m.key, m.value or b"", list(m.headers or ()), tp.partition, m.offset) for m in msgs
-                           if m.offset < ends[tp])
-    finally:
-        await consumer.stop()
-    return out
+        return await asyncio.wait_for(read_log(config, region, topic, client_id=f"{config.run}-audit"), timeout_s)
+    except TopicError:
+        return []  # a topic never created holds nothing to audit

@@ -1,0 +1,65 @@
+"""Read a topic of one region from its log start to its current end, without a consumer group.
+
+Operator tools (`fleetrl topics dlq show`, `fleetrl audit`) need every record that exists now and
+nothing more: the end offsets are taken when the read begins (confirmed by a fetch, see
+`log_ends`), so a read never waits for records that do not exist yet. Uses the region's full
+client settings (TLS, SASL) like every other client of the package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiokafka import TopicPartition
+
+from fleetrl.broker.clients import bounded
+from fleetrl.broker.errors import KafkaError, TopicError
+from fleetrl.broker.lag import log_ends, reader
+from fleetrl.broker.topics import describe_topics
+from fleetrl.config import FleetConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """One record as it sits in the log: undecoded bytes and headers."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+
+async def read_log(
+    config: FleetConfig, region: str, topic: str, limit: int | None = None, client_id: str = "fleetrl-read"
+) -> list[RawRecord]:
+    """Every record of `topic` in `region` (at most `limit`), oldest first per partition."""
+    states = await describe_topics(config, region, [topic])
+    if topic not in states:
+        raise TopicError(f"region {region!r} has no topic {topic}; run `fleetrl topics create` first")
+    tps = [TopicPartition(topic, p) for p in sorted(states[topic].leaders)]
+    cap = limit if limit is not None else float("inf")
+    timeout = config.kafka.request_timeout_s
+    out: list[RawRecord] = []
+    async with reader(config, region, client_id) as consumer:
+        consumer.assign(tps)
+        ends = await log_ends(consumer, tps, timeout)
+        starts = await bounded(consumer.beginning_offsets(tps), timeout, f"start offsets of {topic} ({region!r})")
+        for tp in tps:
+            consumer.seek(tp, starts[tp])
+        remaining = {tp for tp in tps if ends[tp] > starts[tp]}
+        try:
+            async with asyncio.timeout(timeout):
+                while remaining and len(out) < cap:
+                    want = 1000 if limit is None else max(1, min(1000, limit - len(out)))
+                    batch = await consumer.getmany(*remaining, timeout_ms=500, max_records=want)
+                    for tp, messages in batch.items():
+                        out += [RawRecord(m.partition, m.offset, m.key, m.value or b"", list(m.headers or ()))
+                                for m in messages if m.offset < ends[tp]]
+                        if messages and messages[-1].offset + 1 >= ends[tp]:
+                            remaining.discard(tp)
+        except TimeoutError as exc:
+            raise KafkaError(f"region {region!r}: {topic} could not be read to its end within {timeout:.0f} s",
+                             retriable=True) from exc
+    return out if limit is None else out[:limit]
