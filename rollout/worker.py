@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -45,6 +46,7 @@ from fleetrl.rollout.tokenize import TextCodec, load_codec
 from fleetrl.rollout.weights import WeightSync
 
 log = get_logger(__name__)
+RATE_WINDOW_S = 30.0
 _IDLE_WAKE_S = 0.05  # an idle loop's longest nap: bounds how late it sees a stop or new weights
 
 
@@ -82,6 +84,9 @@ class RolloutWorker:
         self.groups_handed_over = 0
         self.tokens_generated = 0
         self._started = self._last_stats = time.monotonic()
+        # (time, engine.tokens_sampled) samples: the reported rate covers the recent window only,
+        # so a worker that sat idle (drained, starved) reports what it does now, not its lifetime mean
+        self._rate_samples: deque[tuple[float, int]] = deque([(self._started, self.engine.tokens_sampled)])
         self._admitting = True
         self._work_arrived = asyncio.Event()
 
@@ -198,11 +203,19 @@ class RolloutWorker:
     def stats(self) -> dict[str, Any]:
         """Counters for heartbeats and logs (the region agent reports them)."""
         in_flight = sum(self.engine.tokens_so_far(g) for g in self.engine.group_ids())
-        elapsed = max(time.monotonic() - self._started, 1e-9)
         return {"groups_done": self.groups_done, "handed_over": self.groups_handed_over,
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
-                "tokens_per_s": round((self.tokens_generated + in_flight) / elapsed, 2),
-                "version": self.engine.version}
+                "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version}
+
+    def _recent_tokens_per_s(self) -> float:
+        """Tokens sampled per second over about the last RATE_WINDOW_S seconds."""
+        now, total = time.monotonic(), self.engine.tokens_sampled
+        samples = self._rate_samples
+        samples.append((now, total))
+        while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
+            samples.popleft()
+        t0, n0 = samples[0]
+        return (total - n0) / max(now - t0, 1e-9)
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()

@@ -103,10 +103,18 @@ class RegionCredits:
             rates = {n: self.regions[n].weight for n in self.regions}
 
         def expected_return_s(n: str) -> tuple[float, str]:
-            backlog = (in_flight.get(n, 0) + 1) / max(rates[n], 1e-9)
+            held = in_flight.get(n, 0)
+            if held == 0 and self._has_live_nodes(self.regions[n], now):
+                # Idle with live nodes: it can start at once. Without this probe a region that got
+                # no work (after a drain, say) reports no throughput and never gets work again.
+                return self.latency(n, now), n
+            backlog = (held + 1) / max(rates[n], 1e-9)
             return max(self.latency(n, now), backlog), n
 
         return min(candidates, key=expected_return_s)
+
+    def _has_live_nodes(self, r: _Region, now: float) -> bool:
+        return any(state == "up" and now - at <= self.window_s for state, _, at in r.nodes.values())
 
     def silent_since(self, region: str) -> float | None:
         """When the region last proved it returns work (its last arrival, else its first dispatch)."""

@@ -165,6 +165,25 @@ def test_credits_follow_throughput_and_skip_a_silent_region() -> None:
     assert fresh.rates(0.0) == {"a": 3.0, "b": 1.0}
 
 
+def test_an_idle_region_with_live_nodes_is_probed_again() -> None:
+    # "busy" returns 2 groups/s; "idle" was drained and resumed: no arrivals in the window and its
+    # fresh worker reports ~0 tokens/s, so by throughput alone it would never get work again.
+    cr = RegionCredits({"busy": 1.0, "idle": 1.0}, window_s=10, tokens_per_group=100)
+    for r in ("busy", "idle"):
+        cr.on_dispatch(r, 0.0)
+    for t in np.linspace(1, 9.5, 20):
+        cr.on_arrival("busy", float(t))
+    cr.on_heartbeat("busy", "b1", "up", 200.0, 9.0)
+    cr.on_heartbeat("idle", "i1", "up", 0.01, 9.0)
+    assert cr.rates(10.0)["idle"] < 0.01
+    assert cr.pick({"busy": 3, "idle": 0}, 10.0) == "idle"  # one group to prove it can work
+    # ... but only one while it has not shown its rate: the next goes where it returns sooner
+    assert cr.pick({"busy": 3, "idle": 1}, 10.0) == "busy"
+    # a region whose nodes are all offline (or silent) is not probed
+    cr.on_heartbeat("idle", "i1", "offline", 0.0, 9.5)
+    assert cr.pick({"busy": 3, "idle": 0}, 10.0) == "busy"
+
+
 def test_silent_region_is_redispatched_with_a_new_attempt() -> None:
     cfg = _config(1, 2, regions=("a", "b"))
     sent: list[tuple[str, Any]] = []
