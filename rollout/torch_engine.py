@@ -135,7 +135,7 @@ class TorchEngine(Engine):
         """cos/sin of the positions: rows of a table, for plain RoPE (elementwise in the position,
         so bitwise what `rope` computes; ~10 ops a step fewer). Other RoPE types call `rope`."""
         if getattr(rope, "rope_type", None) != "default":
-            return rope(hidden, position_ids)  # type: ignore[no-any-return]
+            return rope(hidden, position_ids)
         need = self._slots.cache.capacity
         if self._rope_table is None or self._rope_table[0].shape[1] < need or self._rope_table[0].dtype != hidden.dtype:
             self._rope_table = rope(hidden, torch.arange(need, device=hidden.device)[None])
