@@ -1,10 +1,10 @@
-"""The PyTorch/transformers engine: continuous batching with a shared KV cache, CPU or CUDA.
+"""The PyTorch/transformers engine: continuous batching over a slot-addressed KV cache, CPU or CUDA.
 
-Each `step()` runs at most two forward passes: one decode pass over every running sample (one new
-token each, against the shared left-padded `DynamicCache`), and one prefill pass over the samples
-admitted into free slots (prompt plus any completion a previous worker handed over). The two
-batches are merged, one token is sampled per row (`fleetrl.rollout.sampling`), and finished rows
-leave the cache at once, so the next step refills their slots.
+Each `step()` runs ONE forward pass (`_kv.py`, `_slots.py`): one new token for every running
+sample, plus the prompt (and any completion a previous worker handed over) of the samples admitted
+into free slots, packed into one row. One token is sampled per slot (`fleetrl.rollout.sampling`),
+the finish rules are applied to the whole batch at once, and a finished sample's slot is free for
+the next admission (its cache columns are simply overwritten).
 
 Weights come from the hub's materialized tensors (Hugging Face names, tied weights once) via
 `stage_weights`, cast into the engine's dtype; the model itself is built from `ModelConfig`
