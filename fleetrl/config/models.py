@@ -146,7 +146,8 @@ class TorchEngineConfig(Model):
     threads: int = Field(1, ge=1)
     """torch intra-op threads (1 avoids 100x slow-downs on shared cores)."""
     refill_fraction: float = Field(0.125, gt=0, le=1)
-    """Admit waiting samples once this fraction of the slots is free (at least one): fewer prefill passes."""
+    """Admit waiting samples once this fraction of the slots is free (at least one): admitting has a fixed
+    cost per step, so batching admissions trades a little occupancy for fewer of them."""
 
 
 class VllmEngineConfig(Model):
