@@ -14,6 +14,7 @@ The file is `{"manifest": {...}, "signature": {...}}` in one zstd frame; the sig
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Literal
 
@@ -154,3 +155,14 @@ def load_signed(data: bytes, keys: Keys, where: str, *, run: str, version: int) 
             f"run {run!r} version {version} (swapped manifest)"
         )
     return manifest
+
+
+def check_disjoint(refs: list[tuple[str, PartRef]], where: str) -> None:
+    """Parts of one tensor in one version cover disjoint element ranges (as the publisher cuts them)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for name, r in refs:
+        spans.setdefault(name, []).append((r.start, r.stop))
+    for name, ranges in spans.items():
+        ranges.sort()
+        if any(prev[1] > cur[0] for prev, cur in itertools.pairwise(ranges)):
+            raise IntegrityError(f"{where}: parts of tensor {name} overlap")

@@ -60,7 +60,12 @@ def encode_delta_part(old: np.ndarray, new: np.ndarray, level: int) -> tuple[byt
     return payload, changed_digest(new[pos])
 
 
-def _unpack(payload: bytes | memoryview) -> tuple[tuple[int, ...], list[np.ndarray]]:
+Header = tuple[int, int, int, int, int, int, int]
+"""(kind, position codec, value codec, rice k, n, m, position streams) of a part."""
+
+
+def split_part(payload: bytes | memoryview) -> tuple[Header, list[tuple[memoryview, int]]]:
+    """A part's header and its zstd frames with their raw sizes, checked for layout, not decoded."""
     view = memoryview(payload)
     if len(view) < _HEAD.size:
         raise CodecError(f"part of {len(view)} bytes is shorter than its header")
@@ -70,16 +75,21 @@ def _unpack(payload: bytes | memoryview) -> tuple[tuple[int, ...], list[np.ndarr
     offset = _HEAD.size + n_streams * _STREAM.size
     if len(view) < offset:
         raise CodecError("part is shorter than its stream table")
-    streams = []
+    frames = []
     for i in range(n_streams):
         zlen, raw = _STREAM.unpack_from(view, _HEAD.size + i * _STREAM.size)
         if offset + zlen > len(view):
             raise CodecError(f"stream {i} runs past the end of the part (truncated frame)")
-        streams.append(np.frombuffer(st.decompress(view[offset : offset + zlen], raw), dtype=np.uint8))
+        frames.append((view[offset : offset + zlen], raw))
         offset += zlen
     if offset != len(view):
         raise CodecError(f"{len(view) - offset} stray bytes after the last stream")
-    return (kind, pos, val, k, n, m, n_pos), streams
+    return (kind, pos, val, k, n, m, n_pos), frames
+
+
+def _unpack(payload: bytes | memoryview) -> tuple[Header, list[np.ndarray]]:
+    head, frames = split_part(payload)
+    return head, [np.frombuffer(st.decompress(frame, raw), dtype=np.uint8) for frame, raw in frames]
 
 
 @dataclass(frozen=True)

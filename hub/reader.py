@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
 
+from fleetrl.hub import bulk
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import CodecError, HubError, IntegrityError
-from fleetrl.hub.parts import Decoded, apply_window, changed_digest, decode_part
+from fleetrl.hub.parts import Decoded, apply_window, changed_digest, decode_part, split_part
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
 from fleetrl.hub.streams import new_values
@@ -176,9 +176,9 @@ class Reader:
             by_name = self._entries[version] = {t.name: t for t in self.manifest(version).tensors}
         return by_name[name]
 
-    def _decode_one(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
-                    item: tuple[str, mf.PartRef]) -> Decoded:
-        """Check one part's bytes against its sha256, then decode it (no tensor is touched)."""
+    def _checked(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
+                 item: tuple[str, mf.PartRef]) -> memoryview:
+        """A part's bytes, once its range fits its tensor and its bytes match their sha256."""
         name, r = item
         if name not in sizes or not 0 <= r.start <= r.stop <= sizes[name]:
             raise IntegrityError(f"version {version} tensor {name}: part range {r.start}:{r.stop} "
@@ -187,10 +187,18 @@ class Reader:
         if len(payload) != r.length or hashlib.sha256(payload).hexdigest() != r.sha256:
             raise IntegrityError(f"{self._where(r)}: part of tensor {name} of version {version} does not "
                                  f"match its sha256")
+        return payload
+
+    def _decode_checked(self, version: int, name: str, r: mf.PartRef, payload: memoryview) -> Decoded:
         try:
             return decode_part(payload, word_dtype(self._entry(version, name).dtype), r.stop - r.start)
         except CodecError as exc:
             raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {exc}") from exc
+
+    def _decode_one(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
+                    item: tuple[str, mf.PartRef]) -> Decoded:
+        """Check one part's bytes against its sha256, then decode it (no tensor is touched)."""
+        return self._decode_checked(version, item[0], item[1], self._checked(version, payloads, sizes, item))
 
     def _where(self, r: mf.PartRef) -> str:
         return f"{self.store.where(mf.object_key(self.run, r.object))} bytes {r.offset}+{r.length}"
@@ -214,47 +222,99 @@ class Reader:
         """Apply one delta step straight into `targets` (the caller's memory): the common case of a
         reader one version behind.
 
-        Each worker takes a batch of parts and, per part, checks its bytes, decodes it, reads the old
-        words at the changed positions, computes the new ones, checks them against `changed_sha256`
-        and writes them while those cache lines are still hot (at RL learning rates about half of the
-        model's cache lines hold a change: a second pass over them would cost as much as the first).
-        The old words are kept, so when any part fails every written part is restored before the
-        error is raised: the caller's state is then bit for bit what it was. Parts of a tensor must
-        not overlap (checked first), so restoring is order-free.
-
-        Work is batched (a few batches per thread, balanced by bytes) rather than one task per part: a
-        model has many tiny parts (norms, biases) whose cost is the hand-off, not the arithmetic.
+        Every part's bytes are checked against their sha256 first. The parts with the common codecs
+        are then decoded together (bulk.py: a few large calls instead of dozens per part), the others
+        one by one; then, per tensor (or part), the old words at the changed positions are read, the
+        new ones computed and checked against `changed_sha256`, and written while those cache lines
+        are still hot (at RL learning rates about half of the model's cache lines hold a change: a
+        second pass over them would cost as much as the first). The old words are kept, so when any
+        part fails every written part is restored before the error is raised: the caller's state is
+        then bit for bit what it was. Parts of a tensor must not overlap (checked first), so
+        restoring is order-free. Work is split into a few tasks per thread, balanced by size.
         """
+        version = step.version
         refs = self._refs(step)
-        _check_disjoint(refs, self.store.where(mf.version_key(self.run, step.version)))
-        payloads = self.fetch(step.version, refs, progress)
+        mf.check_disjoint(refs, self.store.where(mf.version_key(self.run, version)))
+        payloads = self.fetch(version, refs, progress)
         sizes = {n: t.size for n, t in targets.items()}
-        Undo = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
 
-        def run(batch: list[tuple[str, mf.PartRef]]) -> tuple[Undo, HubError | None]:
-            undo: Undo = []
-            try:
-                for name, r in batch:
-                    d = self._decode_one(step.version, payloads, sizes, (name, r))
-                    if d.dense or d.pos is None:
-                        raise IntegrityError(f"{self._where(r)}: dense part of tensor {name} in a delta step")
-                    view = targets[name][r.start : r.stop]
-                    old = np.take(view, d.pos)
-                    new = new_values(d.codec, old, d.words)
-                    self._check_changed(step.version, name, r, new)
-                    view[d.pos] = new
-                    undo.append((view, d.pos, old))
-            except HubError as exc:
-                return undo, exc
-            return undo, None
+        def check(batch: list[tuple[str, mf.PartRef]]) -> list[tuple[str, mf.PartRef, memoryview]]:
+            return [(name, r, self._checked(version, payloads, sizes, (name, r))) for name, r in batch]
 
-        results = list(self.pool.map(run, _batches(refs, 4 * self._threads)))
+        checked = [c for chunk in self.pool.map(check, _batches(refs, 2 * self._threads)) for c in chunk]
+        order = {(name, r.offset, r.object): i for i, (name, r) in enumerate(refs)}
+        checked.sort(key=lambda c: order[(c[0], c[1].offset, c[1].object)])
+        items, rest = self._split_bulk(version, checked)
+        # Each thread decodes and applies whole tensors: large calls, and no barrier in between.
+        tasks: list[Callable[[], tuple[_Undo, HubError | None]]] = [
+            functools.partial(self._apply_bulk, version, group, payloads, targets)
+            for group in bulk.tensor_groups(items, self._threads)]
+        tasks += [functools.partial(self._apply_parts, version, batch, targets)
+                  for batch in _batches_of(rest, 2 * self._threads)]
+        results = list(self.pool.map(lambda task: task(), tasks))
         failed = next((exc for _, exc in results if exc is not None), None)
         if failed is not None:
             for undo, _ in results:
                 for view, pos, old in undo:
                     view[pos] = old
             raise failed
+
+    def _split_bulk(self, version: int, checked: list[tuple[str, mf.PartRef, memoryview]]
+                    ) -> tuple[list[bulk.Item], list[tuple[str, mf.PartRef, memoryview]]]:
+        items, rest = [], []
+        for name, r, payload in checked:
+            try:
+                head, frames = split_part(payload)
+            except CodecError as exc:
+                raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {exc}") from exc
+            if bulk.eligible(head, frames, word_dtype(self._entry(version, name).dtype), r):
+                items.append(bulk.Item(name, r, head, frames))
+            else:
+                rest.append((name, r, payload))
+        return items, rest
+
+    def _apply_bulk(self, version: int, items: list[bulk.Item], payloads: Mapping[tuple[str, int], memoryview],
+                    targets: dict[str, np.ndarray]) -> tuple[_Undo, HubError | None]:
+        """Decode `items` together (bulk.py), then gather, add, check and scatter one tensor at a
+        time (positions are within the tensor). Items are whole tensors, in manifest order."""
+        try:
+            decoded = bulk.decode(items, 1)
+        except CodecError:  # part by part instead: that names the part at fault
+            rest = [(it.name, it.ref, payloads[(it.ref.object, it.ref.offset)]) for it in items]
+            return self._apply_parts(version, rest, targets)
+        undo: _Undo = []
+        try:
+            for name, a, b, members in bulk.by_tensor(decoded):
+                words, pos = targets[name], decoded.pos[a:b]
+                old = np.take(words, pos)
+                new = old + decoded.diffs[a:b]
+                for i in members:
+                    lo, hi = int(decoded.offsets[i]) - a, int(decoded.offsets[i + 1]) - a
+                    self._check_changed(version, name, decoded.items[i].ref, new[lo:hi])
+                words[pos] = new
+                undo.append((words, pos, old))
+        except HubError as exc:
+            return undo, exc
+        return undo, None
+
+    def _apply_parts(self, version: int, batch: list[tuple[str, mf.PartRef, memoryview]],
+                     targets: dict[str, np.ndarray]) -> tuple[_Undo, HubError | None]:
+        """The per-part path, for parts of the less common codecs (their bytes are checked already)."""
+        undo: _Undo = []
+        try:
+            for name, r, payload in batch:
+                d = self._decode_checked(version, name, r, payload)
+                if d.dense or d.pos is None:
+                    raise IntegrityError(f"{self._where(r)}: dense part of tensor {name} in a delta step")
+                view = targets[name][r.start : r.stop]
+                old = np.take(view, d.pos)
+                new = new_values(d.codec, old, d.words)
+                self._check_changed(version, name, r, new)
+                view[d.pos] = new
+                undo.append((view, d.pos, old))
+        except HubError as exc:
+            return undo, exc
+        return undo, None
 
     def _check_changed(self, version: int, name: str, r: mf.PartRef, new: np.ndarray) -> None:
         if r.changed_sha256 is None or changed_digest(new) != r.changed_sha256:
@@ -325,15 +385,19 @@ def _ranges(parts: list[mf.PartRef], limit: int) -> list[tuple[int, int, list[mf
     return groups
 
 
-def _check_disjoint(refs: list[tuple[str, mf.PartRef]], where: str) -> None:
-    """Parts of one tensor in one version cover disjoint element ranges (as the publisher cuts them)."""
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for name, r in refs:
-        spans.setdefault(name, []).append((r.start, r.stop))
-    for name, ranges in spans.items():
-        ranges.sort()
-        if any(prev[1] > cur[0] for prev, cur in itertools.pairwise(ranges)):
-            raise IntegrityError(f"{where}: parts of tensor {name} overlap")
+_Undo = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _batches_of(items: list[tuple[str, mf.PartRef, memoryview]], count: int
+                ) -> list[list[tuple[str, mf.PartRef, memoryview]]]:
+    """Checked parts in at most `count` batches of about equal bytes."""
+    bins: list[list[tuple[str, mf.PartRef, memoryview]]] = [[] for _ in range(max(1, min(count, len(items))))]
+    load = [0] * len(bins)
+    for item in sorted(items, key=lambda item: -item[1].length):
+        i = load.index(min(load))
+        bins[i].append(item)
+        load[i] += item[1].length + 4096
+    return [b for b in bins if b]
 
 
 def _batches(refs: list[tuple[str, mf.PartRef]], count: int) -> list[list[tuple[str, mf.PartRef]]]:

@@ -259,6 +259,15 @@ def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int, *, unzigzag
     return out
 
 
+def table_rows(head: bytes, dtype: np.dtype) -> np.ndarray:
+    """(256, 8/bits) wrapping differences of each packed byte for one table (`head`: bits, table)."""
+    return _rows(head, dtype, True)
+
+
+def unzigzag(zz: np.ndarray) -> np.ndarray:
+    return _unzigzag(zz)
+
+
 @functools.lru_cache(maxsize=64)
 def _rows(head: bytes, dtype: np.dtype, unzigzag: bool) -> np.ndarray:
     """(256, 8/bits) values of each packed byte, for one table (`head`: bits, then the table). At RL
