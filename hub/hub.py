@@ -123,10 +123,11 @@ class Hub:
         """The full state dict at `version`.
 
         With `into` (holding `have_version`), tensors are updated in place, from the caller's state when
-        that is on the chain and cheaper, else from the nearest anchor. Everything is verified before
-        `into` is touched: a state built from an anchor against each tensor's sha256; an in-place delta
-        update against the sha256 of the words it writes (O(changes)), or, with `verify_full`, against
-        each whole tensor's sha256 on private copies (O(model), also catching a wrong `have_version`
+        that is on the chain and cheaper, else from the nearest anchor. On any error `into` is left bit
+        for bit as it was: a state built from an anchor is checked against each tensor's sha256 before
+        it is copied in; an in-place delta update checks the sha256 of the words it writes (O(changes))
+        and puts back every word already written when a part fails; with `verify_full`, each whole
+        tensor's sha256 is checked on private copies (O(model), also catching a wrong `have_version`
         in elements the chain does not touch).
         """
         target = self.reader.manifest(version)
