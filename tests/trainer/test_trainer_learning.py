@@ -93,7 +93,10 @@ async def test_trainer_and_worker_raise_mean_reward(run_id: str, tansu_bootstrap
         await asyncio.wait_for(worker, 60)
     rewards = trainer.result.rewards
     wall = time.monotonic() - t0
-    print(f"learning: task={TASK} start={np.mean(rewards[:WINDOW]):.3f} best{WINDOW}={max(_windowed(rewards)):.3f} "
+    print(f"learning: task={TASK} start={rewards[0]:.3f} best{WINDOW}={max(_windowed(rewards)):.3f} "
           f"steps={len(rewards)} wall_s={wall:.1f} rewards={np.round(rewards, 3).tolist()}")
-    assert np.mean(rewards[:WINDOW]) < TARGET_REWARD - 0.2  # it starts well below the target
+    # The first step trains on groups sampled from the initial weights only (version 0 is all there
+    # is when they are dispatched), so its reward is the untrained level (~0.05); later steps
+    # already include learning. It must start far below the target, or the test proves nothing.
+    assert rewards[0] < TARGET_REWARD / 2
     assert reached(), f"mean reward never reached {TARGET_REWARD} in {len(rewards)} steps: {rewards}"
