@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge
+
+from fleetrl.metrics import MetricsRegistry
 
 STATES = ("up", "draining", "offline")
 
 
-class AgentMetrics:
+class AgentMetrics(MetricsRegistry):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
-        self._server: Any = None
+        super().__init__(registry)
+        r = self.registry
         self.state = Gauge("fleetrl_agent_state", "1 for the node's current state, 0 for the others", ["state"],
                            registry=r)
         self.version = Gauge("fleetrl_rollout_policy_version", "Policy version the engine holds (-1: none yet)",
@@ -42,14 +44,3 @@ class AgentMetrics:
         self.groups_done.set(done)
         self.handed_over.set(handed_over)
         self.workers.set(workers)
-
-    def serve(self, port: int) -> int:
-        """Serve /metrics at `port` (0 picks a free one); returns the port."""
-        self._server, _ = start_http_server(port, registry=self.registry)
-        return int(self._server.server_port)
-
-    def close(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()

@@ -6,17 +6,17 @@ serves it on `trainer.metrics_port`.
 
 from __future__ import annotations
 
-from typing import Any
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from fleetrl.metrics import MetricsRegistry
 
 _STEP_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100)
 
 
-class TrainerMetrics:
+class TrainerMetrics(MetricsRegistry):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
-        self._server: Any = None
+        super().__init__(registry)
+        r = self.registry
         self.reward_mean = Gauge("fleetrl_trainer_reward_mean", "Mean reward of the last step's samples", registry=r)
         self.staleness = Histogram(
             "fleetrl_trainer_staleness_versions", "Version lag of each trained group (learner - oldest token)",
@@ -53,15 +53,3 @@ class TrainerMetrics:
                                             buckets=_STEP_BUCKETS, registry=r)
         self.version = Gauge("fleetrl_trainer_policy_version", "Newest published policy version", registry=r)
         self.steps = Counter("fleetrl_trainer_steps_total", "Optimizer steps", registry=r)
-
-    def serve(self, port: int) -> int:
-        """Serve /metrics on every interface at `port` (0 picks a free one); returns the port."""
-        self._server, _ = start_http_server(port, registry=self.registry)
-        return int(self._server.server_port)
-
-    def close(self) -> None:
-        """Stop serving (idempotent)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
