@@ -23,6 +23,7 @@ import numpy as np
 
 from fleetrl.hub import bulk
 from fleetrl.hub import manifest as mf
+from fleetrl.hub.batching import RANGE_FRAMES, balanced, ranged_gets
 from fleetrl.hub.errors import CodecError, HubError, IntegrityError
 from fleetrl.hub.parts import Decoded, apply_window, changed_digest, decode_part, split_part
 from fleetrl.hub.signing import Keys
@@ -30,10 +31,6 @@ from fleetrl.hub.stores import ObjectStore
 from fleetrl.hub.streams import new_values
 from fleetrl.hub.tensors import sha256_words, word_dtype
 
-MERGE_GAP = 1 << 20
-"""Neighbouring parts closer than this are fetched in one ranged GET..."""
-RANGE_FRAMES = 4
-"""...of at most this many frames, so a large object downloads in parallel ranged GETs."""
 Progress = Callable[[int], None]
 
 
@@ -140,7 +137,7 @@ class Reader:
         sizes = self.manifest(version).objects
         jobs: list[tuple[str, int, int, list[mf.PartRef]]] = []
         for obj, parts in by_object.items():
-            jobs.extend((obj, lo, hi, group) for lo, hi, group in _ranges(parts, self.range_bytes))
+            jobs.extend((obj, lo, hi, group) for lo, hi, group in ranged_gets(parts, self.range_bytes))
 
         def get(job: tuple[str, int, int, list[mf.PartRef]]) -> list[tuple[tuple[str, int], memoryview]]:
             obj, lo, hi, group = job
@@ -241,7 +238,7 @@ class Reader:
         def check(batch: list[tuple[str, mf.PartRef]]) -> list[tuple[str, mf.PartRef, memoryview]]:
             return [(name, r, self._checked(version, payloads, sizes, (name, r))) for name, r in batch]
 
-        checked = [c for chunk in self.pool.map(check, _batches(refs, 2 * self._threads)) for c in chunk]
+        checked = [c for chunk in self.pool.map(check, balanced(refs, 2 * self._threads, _part_bytes)) for c in chunk]
         order = {(name, r.offset, r.object): i for i, (name, r) in enumerate(refs)}
         checked.sort(key=lambda c: order[(c[0], c[1].offset, c[1].object)])
         items, rest = self._split_bulk(version, checked)
@@ -250,7 +247,7 @@ class Reader:
             functools.partial(self._apply_bulk, version, group, payloads, targets)
             for group in bulk.tensor_groups(items, self._threads)]
         tasks += [functools.partial(self._apply_parts, version, batch, targets)
-                  for batch in _batches_of(rest, 2 * self._threads)]
+                  for batch in balanced(rest, 2 * self._threads, _part_bytes)]
         results = list(self.pool.map(lambda task: task(), tasks))
         failed = next((exc for _, exc in results if exc is not None), None)
         if failed is not None:
@@ -373,43 +370,11 @@ class Reader:
                                      f"{entries[name].sha256[:16]}…")
 
 
-def _ranges(parts: list[mf.PartRef], limit: int) -> list[tuple[int, int, list[mf.PartRef]]]:
-    """Group the parts of one object into ranged GETs of neighbouring parts, each up to `limit` bytes."""
-    groups: list[tuple[int, int, list[mf.PartRef]]] = []
-    for r in sorted(parts, key=lambda r: r.offset):
-        if groups and r.offset - groups[-1][1] <= MERGE_GAP and r.offset + r.length - groups[-1][0] <= limit:
-            lo, hi, members = groups[-1]
-            groups[-1] = (lo, max(hi, r.offset + r.length), [*members, r])
-        else:
-            groups.append((r.offset, r.offset + r.length, [r]))
-    return groups
-
-
 _Undo = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _batches_of(items: list[tuple[str, mf.PartRef, memoryview]], count: int
-                ) -> list[list[tuple[str, mf.PartRef, memoryview]]]:
-    """Checked parts in at most `count` batches of about equal bytes."""
-    bins: list[list[tuple[str, mf.PartRef, memoryview]]] = [[] for _ in range(max(1, min(count, len(items))))]
-    load = [0] * len(bins)
-    for item in sorted(items, key=lambda item: -item[1].length):
-        i = load.index(min(load))
-        bins[i].append(item)
-        load[i] += item[1].length + 4096
-    return [b for b in bins if b]
-
-
-def _batches(refs: list[tuple[str, mf.PartRef]], count: int) -> list[list[tuple[str, mf.PartRef]]]:
-    """Split parts into at most `count` batches of about equal bytes (a proxy for decode work):
-    largest first, each to the lightest batch so far."""
-    bins: list[list[tuple[str, mf.PartRef]]] = [[] for _ in range(max(1, min(count, len(refs))))]
-    load = [0] * len(bins)
-    for item in sorted(refs, key=lambda item: -item[1].length):
-        i = load.index(min(load))
-        bins[i].append(item)
-        load[i] += item[1].length + 4096  # a part's fixed cost, in bytes of work
-    return [b for b in bins if b]
+def _part_bytes(item: tuple[str, mf.PartRef] | tuple[str, mf.PartRef, memoryview]) -> int:
+    return item[1].length
 
 
 def empty_words(entry: mf.TensorEntry) -> np.ndarray:
