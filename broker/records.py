@@ -81,7 +81,7 @@ class HandedOverBy:
     region: str
     node: str
     reason: str
-    """`preempted`, `sigterm`, `deadline` (long-tail cut) or `min_version`."""
+    """`preempted`, `sigterm`, `drain`, `stop` (operator commands), `deadline` (long-tail cut) or `min_version`."""
 
 
 @dataclass(slots=True)

@@ -20,8 +20,8 @@ State machine (`offline` is only ever the last word):
     up ──drain──▶ draining ──resume──▶ up
     up | draining ──stop / signal / notice──▶ (hand over) ──▶ offline, exit 0
 
-The worker's handover reason is `preempted` for a preemption notice and `sigterm` for every orderly
-stop (signal, `stop`, `drain`).
+The worker's handover reason is `preempted` for a preemption notice, `drain` or `stop` for those
+commands, and `sigterm` for a signal.
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ class RegionAgent:
                 raise AgentError(f"rollout worker of {self.region}/{self.node} stopped on its own")
             return
         reason = self.exit_reason or "drain"
+        worker.stop_reason = reason if reason in ("drain", "stop") else "sigterm"
         (preempted if reason == "preempted" else stop).set()
         bound_s = 1.5 * self.config.rollout.handover_timeout_s + _HANDOVER_SLACK_S
         log.info("agent.handing_over", region=self.region, node=self.node, reason=reason, bound_s=bound_s)

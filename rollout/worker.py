@@ -89,9 +89,11 @@ class RolloutWorker:
         self._rate_samples: deque[tuple[float, int]] = deque([(self._started, self.engine.tokens_sampled)])
         self._admitting = True
         self._work_arrived = asyncio.Event()
+        self.stop_reason = "sigterm"
+        """Reason written into partials handed over when `stop` is set (the agent sets `drain`, `stop`)."""
 
     async def run(self, stop: asyncio.Event, preempted: asyncio.Event | None = None) -> None:
-        """Work until `stop` (reason `sigterm`) or `preempted` is set, then hand over and return."""
+        """Work until `stop` (reason `self.stop_reason`) or `preempted` is set, then hand over and return."""
         try:
             await self._run(stop, preempted)
         finally:
@@ -124,7 +126,7 @@ class RolloutWorker:
             if preempted is not None and preempted.is_set():
                 return "preempted"
             if stop.is_set():
-                return "sigterm"
+                return self.stop_reason
             if intake.done():
                 intake.result()  # the intake died: surface why
             self._start_ready_jobs()

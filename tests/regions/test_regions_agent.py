@@ -115,7 +115,7 @@ async def test_drain_hands_over_unfinished_groups_then_resume_and_stop(
             assert beat.tokens_per_s == 0.0
             handed = await read_partials(config, 3, timeout_s=20)
             assert sorted(p.group_id for p in handed) == sorted(sent)
-            assert all(p.handed_over_by.node == "n1" and p.handed_over_by.reason == "sigterm" for p in handed)
+            assert all(p.handed_over_by.node == "n1" and p.handed_over_by.reason == "drain" for p in handed)
             assert not run.done()  # still connected, still draining
             assert agent.metrics_port is not None
             scraped = await asyncio.to_thread(_scrape, agent.metrics_port)
