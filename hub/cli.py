@@ -75,8 +75,7 @@ def publish(args: argparse.Namespace, config: FleetConfig) -> int:
 def pull(args: argparse.Namespace, config: FleetConfig) -> int:
     with Hub.from_config(config, store=args.store) as hub:
         version = _version(hub, args.hub_version)
-        steps, _ = hub.reader.plan(version, None)
-        with _progress(f"v{version}", hub.reader._cost(steps)) as progress:
+        with _progress(f"v{version}", hub.reader.bytes_to_read(version)) as progress:
             out = hub.materialize_to_safetensors(version, args.out, progress=progress)
     print(json.dumps({"version": version, "path": str(out), "bytes": out.stat().st_size}))
     return 0
@@ -85,8 +84,7 @@ def pull(args: argparse.Namespace, config: FleetConfig) -> int:
 def verify(args: argparse.Namespace, config: FleetConfig) -> int:
     with Hub.from_config(config, store=args.store) as hub:
         version = _version(hub, args.hub_version)
-        steps, _ = hub.reader.plan(version, None)
-        with _progress(f"verify v{version}", hub.reader._cost(steps)) as progress:
+        with _progress(f"verify v{version}", hub.reader.bytes_to_read(version)) as progress:
             state = hub.materialize(version, progress=progress)  # checks signature, parts and tensors
     print(json.dumps({"version": version, "store": args.store, "tensors": len(state), "ok": True}))
     return 0

@@ -121,6 +121,10 @@ class Reader:
     def _cost(self, steps: list[Step]) -> int:
         return sum(r.length for s in steps for _, r in self._refs(s))
 
+    def bytes_to_read(self, version: int, have: int | None = None) -> int:
+        """Compressed bytes `plan(version, have)` will fetch (for progress bars)."""
+        return self._cost(self.plan(version, have)[0])
+
     # --- fetching ---------------------------------------------------------------------------
 
     def fetch(self, version: int, refs: list[tuple[str, mf.PartRef]], progress: Progress | None = None
