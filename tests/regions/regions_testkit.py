@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 import yaml
+from fleet_testkit import produce_prompts, read_stream, reverse_prompts
+from fleet_testkit import publish_tiny as publish_tiny  # re-exported for the tests
 
-from fleetrl.broker import (
-    Consumer,
-    ControlPlane,
-    Delivery,
-    Heartbeat,
-    PartialRecord,
-    Producer,
-    PromptRecord,
-    RecordLimits,
-    Sampling,
-    ensure_topics,
-)
+from fleetrl.broker import ControlPlane, Heartbeat, PartialRecord, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
-from fleetrl.hub import Hub
-from fleetrl.rollout import get_task
 
 HUB_KEY = "regions-test-hub-key-0123456789"
 REGION = "r1"
@@ -52,45 +40,21 @@ def make_config(data: dict[str, Any]) -> FleetConfig:
     return parse_config(yaml.safe_dump(data), source="regions-test.yaml", env={})
 
 
-def publish_tiny(config: FleetConfig) -> int:
-    """Publish the config's tiny model as the next version (bf16)."""
-    import torch
-
-    state = {k: v.to(torch.bfloat16) for k, v in config.model.build().state_dict().items()}
-    with Hub.from_config(config) as hub:
-        return hub.publish(state).version
-
-
 async def setup_topics(config: FleetConfig) -> None:
     await ensure_topics(config, REGION)
 
 
 async def send_prompts(config: FleetConfig, n: int, min_version: int) -> list[str]:
     """n prompts of the reverse task; returns their group ids."""
-    task = get_task("reverse")
-    records = [
-        PromptRecord(group_id=f"{config.run}-g{i}", run=config.run, task="reverse", n_samples=2,
-                     sampling=Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8),
-                     prompt=p.prompt, reference=p.reference, min_version=min_version)
-        for i, p in enumerate(itertools.islice(task.prompts(3), n))
-    ]
-    async with Producer(config, REGION, "test-dispatcher") as producer:
-        for r in records:
-            await producer.send("prompts", r.group_id, r)
+    records = reverse_prompts(config, REGION, n, n_samples=2, max_new_tokens=8, min_version=min_version, seed=3)
+    await produce_prompts(config, REGION, records)
     return [r.group_id for r in records]
 
 
 async def read_partials(config: FleetConfig, n: int, timeout_s: float) -> list[PartialRecord]:
     """Read up to n `partials` records with a fresh consumer group (bounded wait)."""
-    limits = RecordLimits.from_config(config)
-    async with Producer(config, REGION, "test-reader-dl") as dl, Consumer(
-        config, REGION, ["partials"], f"{config.run}-test-partials", limits, dl, "test-reader",
-    ) as consumer:
-        got: list[Delivery] = []
-        deadline = time.monotonic() + timeout_s
-        while len(got) < n and time.monotonic() < deadline:
-            got += await consumer.poll(max_records=100, timeout_s=0.3)
-        return [d.record for d in got if isinstance(d.record, PartialRecord)]
+    got = await read_stream(config, REGION, "partials", n, timeout_s, group=f"{config.run}-test-partials")
+    return [d.record for d in got if isinstance(d.record, PartialRecord)]
 
 
 async def wait_for_beat(cp: ControlPlane, node: str, pred: Callable[[Heartbeat], bool], timeout_s: float) -> Heartbeat:

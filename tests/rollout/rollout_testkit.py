@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import pathlib
 from typing import Any
 
-import torch
+import fleet_testkit
 import yaml
+from fleet_testkit import produce_prompts, reverse_prompts
+from fleet_testkit import publish_tiny as publish_tiny  # re-exported for the tests
 
-from fleetrl.broker import (
-    Consumer,
-    Delivery,
-    GroupRecord,
-    PartialRecord,
-    Producer,
-    PromptRecord,
-    RecordLimits,
-    Sampling,
-    ensure_topics,
-    trainer_group,
-)
+from fleetrl.broker import Delivery, GroupRecord, PartialRecord, PromptRecord, Stream, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
-from fleetrl.hub import Hub
-from fleetrl.rollout import get_task
 
 HUB_KEY = "rollout-test-hub-key-0123456789"
 REGION = "r1"
@@ -51,50 +38,23 @@ def make_config(data: dict[str, Any]) -> FleetConfig:
     return parse_config(yaml.safe_dump(data), source="rollout-test.yaml", env={})
 
 
-def publish_tiny(config: FleetConfig, seed: int = 0) -> int:
-    """Publish the config's tiny model (weights from `seed`) as the next version, bf16."""
-    model_cfg = config.model.model_copy(deep=True)
-    model_cfg.tiny.seed = seed
-    state = {k: v.to(torch.bfloat16) for k, v in model_cfg.build().state_dict().items()}
-    with Hub.from_config(config) as hub:
-        return hub.publish(state).version
-
-
 async def setup_topics(config: FleetConfig) -> None:
     await ensure_topics(config, REGION)
 
 
 def prompts(config: FleetConfig, n: int, max_new_tokens: int, min_version: int = 0) -> list[PromptRecord]:
-    task = get_task("reverse")
-    return [
-        PromptRecord(group_id=f"{config.run}-g{i}", run=config.run, task="reverse", n_samples=4,
-                     sampling=Sampling(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens),
-                     prompt=p.prompt, reference=p.reference, min_version=min_version)
-        for i, p in enumerate(itertools.islice(task.prompts(7), n))
-    ]
+    return reverse_prompts(config, REGION, n, n_samples=4, max_new_tokens=max_new_tokens, min_version=min_version,
+                           seed=7)
 
 
 async def send_prompts(config: FleetConfig, records: list[PromptRecord]) -> None:
-    async with Producer(config, REGION, "test-dispatcher") as producer:
-        for r in records:
-            await producer.send("prompts", r.group_id, r)
+    await produce_prompts(config, REGION, records)
 
 
-async def read_stream(config: FleetConfig, stream: str, n: int, timeout_s: float,
+async def read_stream(config: FleetConfig, stream: Stream, n: int, timeout_s: float,
                       group: str | None = None) -> list[Delivery]:
-    """Read `n` records of a stream with a fresh consumer group (bounded wait); commits them."""
-    limits = RecordLimits.from_config(config)
-    async with Producer(config, REGION, "test-reader-dl") as dl, Consumer(
-        config, REGION, [stream], group or f"{trainer_group(config.run)}-{stream}", limits, dl, "test-reader",  # type: ignore[list-item]
-    ) as consumer:
-        got: list[Delivery] = []
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while len(got) < n and loop.time() < deadline:
-            got += await consumer.poll(max_records=100, timeout_s=0.3)
-        # A little longer: anything beyond n would be a duplicate the test must see.
-        got += await consumer.poll(max_records=100, timeout_s=0.5)
-        return got
+    """Read `n` records of a stream with a fresh consumer group (bounded wait)."""
+    return await fleet_testkit.read_stream(config, REGION, stream, n, timeout_s, group)
 
 
 def groups(deliveries: list[Delivery]) -> list[GroupRecord]:
