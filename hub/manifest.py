@@ -8,14 +8,17 @@
 
 A manifest lists each tensor under its Hugging Face name with dtype, shape, encoding, its parts
 (object, byte range, sha256 of the part, element range) and the sha256 of its bytes after apply.
-The file is `{"manifest": {...}, "signature": {...}}` in one zstd frame; the signature covers the canonical JSON of
-`manifest` (sorted keys, no spaces), so any edit, or a manifest copied under another key, is refused.
+The file is `{"signature":{...},"manifest":{...}}` in one zstd frame; the signature covers the exact bytes of
+the `manifest` value as stored (nothing is re-serialized to check it), so any edit, even of whitespace, is
+refused, and the run and version inside it must match the key it is stored under (a manifest copied
+under another key is refused).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from typing import Any, Literal
 
 import zstandard
@@ -63,9 +66,10 @@ class PartRef(_Frozen):
     """Of the part's bytes as stored: checked before decoding."""
     start: int
     stop: int
-    changed_sha256: str | None = None
-    """Delta parts: sha256 of the new words at the changed positions, in order. An in-place update
-    checks what it is about to write against it, without hashing the unchanged rest of the tensor."""
+    changed_digest: str | None = None
+    """Delta parts: 64-bit digest (`kernels.digest`, hex) of the new words at the changed positions,
+    in order. An in-place update checks what it writes against it, without hashing the unchanged rest
+    of the tensor."""
 
 
 class TensorEntry(_Frozen):
@@ -108,16 +112,16 @@ class Manifest(_Frozen):
         return out
 
 
-def _canonical(body: Any) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+_SIGNATURE_HEAD = re.compile(r'\s*\{\s*"signature"\s*:\s*')
+_MANIFEST_HEAD = re.compile(r'\s*,\s*"manifest"\s*:\s*')
 
 
 def dump_signed(manifest: Manifest, keys: Keys) -> bytes:
     """The manifest file: signed JSON in one zstd frame (hex digests and names shrink ~5x, which
     matters next to deltas of a few hundred KB)."""
-    body = manifest.model_dump(mode="json")
-    signature = {"scheme": keys.scheme, "key_id": keys.key_id, "value": keys.sign(_canonical(body))}
-    text = json.dumps({"manifest": body, "signature": signature}, sort_keys=True, indent=None).encode()
+    body = manifest.model_dump_json().encode()
+    signature = {"scheme": keys.scheme, "key_id": keys.key_id, "value": keys.sign(body)}
+    text = b'{"signature":' + json.dumps(signature, separators=(",", ":")).encode() + b',"manifest":' + body + b"}"
     return zstandard.ZstdCompressor(level=19).compress(text)
 
 
@@ -131,22 +135,41 @@ def manifest_text(data: bytes, where: str) -> bytes:
         raise IntegrityError(f"{where}: manifest frame does not decode: {exc}") from exc
 
 
+def _signed_parts(text: str, where: str) -> tuple[Any, str]:
+    """The signature and the exact text of the manifest value of a manifest document."""
+    head = _SIGNATURE_HEAD.match(text)
+    if head is not None:
+        try:
+            signature, end = json.JSONDecoder().raw_decode(text, head.end())
+        except ValueError as exc:
+            raise IntegrityError(f"{where}: not a manifest document ({exc})") from exc
+        body_head = _MANIFEST_HEAD.match(text, end)
+        body = text[body_head.end() :].rstrip() if body_head is not None else ""
+        if body.endswith("}") and body[:-1].rstrip().endswith("}"):
+            return signature, body[:-1].rstrip()
+    try:  # not laid out as written: unsigned, or edited
+        doc = json.loads(text)
+        return doc.get("signature"), json.dumps(doc["manifest"])
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise IntegrityError(f"{where}: not a manifest document ({exc})") from exc
+
+
 def load_signed(data: bytes, keys: Keys, where: str, *, run: str, version: int) -> Manifest:
     """Parse, verify the signature, and check the manifest is the one its key promises."""
     try:
-        doc = json.loads(manifest_text(data, where))
-        body, signature = doc["manifest"], doc.get("signature")
-    except (ValueError, TypeError, KeyError) as exc:
+        text = manifest_text(data, where).decode()
+    except UnicodeDecodeError as exc:
         raise IntegrityError(f"{where}: not a manifest document ({exc})") from exc
+    signature, body = _signed_parts(text, where)
     if not isinstance(signature, dict) or not isinstance(signature.get("value"), str):
         raise SignatureError(f"{where}: manifest is unsigned")
     if signature.get("scheme") != keys.scheme:
         raise SignatureError(f"{where}: signed with {signature.get('scheme')!r}, this reader expects {keys.scheme!r}")
     if signature.get("key_id") != keys.key_id:
         raise SignatureError(f"{where}: signed with key {signature.get('key_id')}, expected key {keys.key_id}")
-    keys.verify(_canonical(body), signature["value"], where)
+    keys.verify(body.encode(), signature["value"], where)
     try:
-        manifest = Manifest.model_validate(body)
+        manifest = Manifest.model_validate_json(body)
     except ValidationError as exc:
         raise IntegrityError(f"{where}: signed but malformed manifest: {exc}") from exc
     if manifest.run != run or manifest.version != version:

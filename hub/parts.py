@@ -13,20 +13,19 @@ Words are the tensor's bit patterns viewed as unsigned integers of its item size
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from fleetrl.hub import kernels
 from fleetrl.hub import streams as st
 from fleetrl.hub.errors import CodecError
 
 MAGIC = b"FHP1"
 _HEAD = struct.Struct("<4sBBBBIIBB")
 _STREAM = struct.Struct("<II")
-DENSE, DELTA = 0, 1
+DENSE, DELTA = st.DENSE, st.DELTA
 _VAL_CODECS = frozenset(int(c) for c in st.ValCodec)
 
 
@@ -42,22 +41,16 @@ def encode_dense_part(words: np.ndarray, level: int) -> bytes:
     return _pack(DENSE, 0, 0, 0, words.size, words.size, 0, frames, sizes)
 
 
-def changed_digest(values: np.ndarray) -> str:
-    """sha256 of the new words at the changed positions, in order, little-endian."""
-    data: Any = np.ascontiguousarray(values.astype(values.dtype.newbyteorder("<"), copy=False))
-    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()  # hashes the array's buffer: no copy
-
-
 def encode_delta_part(old: np.ndarray, new: np.ndarray, level: int) -> tuple[bytes, str] | None:
-    """The sparse change from `old` to `new` (same shape and word dtype) and the `changed_digest` of
-    its result; None when nothing changed."""
+    """The sparse change from `old` to `new` (same shape and word dtype) and the digest of its new
+    words (`kernels.digest`); None when nothing changed."""
     pos = np.flatnonzero(old != new)
     if pos.size == 0:
         return None
     pcodec, k, pframes, psizes = st.encode_positions(pos, old.size, level)
     vcodec, vframes, vsizes = st.encode_values(old[pos], new[pos], level)
     payload = _pack(DELTA, pcodec, vcodec, k, old.size, pos.size, len(pframes), pframes + vframes, psizes + vsizes)
-    return payload, changed_digest(new[pos])
+    return payload, kernels.digest(new[pos])
 
 
 Header = tuple[int, int, int, int, int, int, int]

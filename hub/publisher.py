@@ -201,7 +201,7 @@ class Publisher:
 
         def part_refs(name: str, kind: str) -> list[mf.PartRef]:
             return [mf.PartRef(object=shas_at[i], offset=off, length=n, sha256=sha, start=s, stop=e,
-                               changed_sha256=digest)
+                               changed_digest=digest)
                     for (i, off, n, sha), s, e, digest in refs.get((name, kind), [])]
 
         entries = []

@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import queue
+import struct
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import zstandard
 
-from fleetrl.hub import bulk
+from fleetrl.hub import kernels
 from fleetrl.hub import manifest as mf
+from fleetrl.hub import streams as st
 from fleetrl.hub.batching import RANGE_FRAMES, balanced, ranged_gets
 from fleetrl.hub.errors import CodecError, HubError, IntegrityError
-from fleetrl.hub.parts import Decoded, apply_window, changed_digest, decode_part, split_part
+from fleetrl.hub.parts import Decoded, Header, apply_window, decode_part, split_part
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
 from fleetrl.hub.streams import new_values
@@ -50,7 +56,11 @@ class Reader:
         self.anchor_interval = anchor_interval
         self._manifests: dict[int, mf.Manifest] = {}
         self._entries: dict[int, dict[str, mf.TensorEntry]] = {}
+        self._ref_cache: dict[tuple[Step, int], tuple[mf.Manifest, list[tuple[str, mf.PartRef]]]] = {}
         self._threads = max(1, threads)
+        self._lock = threading.Lock()
+        self._scratch: list[np.ndarray | None] = []
+        """Decompression buffers of the last in-place step, reused by the next (already mapped)."""
 
     def manifest(self, version: int) -> mf.Manifest:
         """The verified manifest of `version` (cached: manifests are immutable)."""
@@ -74,6 +84,9 @@ class Reader:
     def _refs(self, step: Step) -> list[tuple[str, mf.PartRef]]:
         """(tensor, part) pairs a step applies: an anchor's dense parts, or a version's delta parts."""
         m = self.manifest(step.version)
+        cached = self._ref_cache.get((step, id(m)))
+        if cached is not None:
+            return cached[1]
         out: list[tuple[str, mf.PartRef]] = []
         for t in m.tensors:
             if step.dense:
@@ -83,6 +96,9 @@ class Reader:
             else:
                 refs = t.parts if t.encoding == "delta" else []
             out.extend((t.name, r) for r in refs)
+        if len(self._ref_cache) > 256:
+            self._ref_cache.clear()
+        self._ref_cache[(step, id(m))] = (m, out)  # holding `m` keeps its id from being reused
         return out
 
     def touched(self, steps: list[Step]) -> set[str]:
@@ -131,8 +147,8 @@ class Reader:
               ) -> dict[tuple[str, int], memoryview]:
         """Payloads of `refs` keyed by (object, offset), as views into the fetched ranges.
 
-        Not yet checked: each part's sha256 is checked by the thread that decodes it (`_decode_one`),
-        so hashing runs in parallel and touches bytes while they are in cache. A whole-object hash
+        Not yet checked: each part's sha256 is checked by the thread that decodes it, so hashing runs
+        in parallel with other work and touches bytes while they are in cache. A whole-object hash
         would add nothing: every byte a reader uses lies in a part it checks.
         """
         by_object: dict[str, list[mf.PartRef]] = {}
@@ -181,10 +197,7 @@ class Reader:
                  item: tuple[str, mf.PartRef]) -> memoryview:
         """A part's bytes, once its range fits its tensor and its bytes match their sha256."""
         name, r = item
-        if name not in sizes or not 0 <= r.start <= r.stop <= sizes[name]:
-            raise IntegrityError(f"version {version} tensor {name}: part range {r.start}:{r.stop} "
-                                 f"outside its {sizes.get(name)} elements")
-        payload = payloads[(r.object, r.offset)]
+        payload = self._in_range(version, payloads, sizes, item)
         if len(payload) != r.length or hashlib.sha256(payload).hexdigest() != r.sha256:
             raise IntegrityError(f"{self._where(r)}: part of tensor {name} of version {version} does not "
                                  f"match its sha256")
@@ -223,104 +236,159 @@ class Reader:
         """Apply one delta step straight into `targets` (the caller's memory): the common case of a
         reader one version behind.
 
-        Every part's bytes are checked against their sha256 first. The parts with the common codecs
-        are then decoded together (bulk.py: a few large calls instead of dozens per part), the others
-        one by one; then, per tensor (or part), the old words at the changed positions are read, the
-        new ones computed and checked against `changed_sha256`, and written while those cache lines
-        are still hot (at RL learning rates about half of the model's cache lines hold a change: a
-        second pass over them would cost as much as the first). The old words are kept, so when any
-        part fails every written part is restored before the error is raised: the caller's state is
-        then bit for bit what it was. Parts of a tensor must not overlap (checked first), so
-        restoring is order-free. Work is split into a few tasks per thread, balanced by size.
+        A pipeline: the pool checks the sha256 of each object fetched whole (one call per object; a
+        part fetched by range is checked on its own) and prepares batches of parts (split, zstd into
+        a scratch buffer), while the calling thread applies the prepared batches in order. Parts of
+        the common codecs go through the fused kernel (kernels.py: one pass that writes each changed
+        word in place and folds it into the part's digest), the others through numpy (gather the old
+        words, compute the new, scatter). Either way the new words are checked against the part's
+        `changed_digest` (is the state really version N-1?). Applying is bound by memory traffic
+        and preparing by the CPU, so on separate cores they overlap; and one thread writing alone
+        keeps its memory accesses streaming.
+
+        Nothing is written before every object of the step is checked. Every write is recorded, so
+        when any part fails every written word is put back before the error is raised: the
+        caller's state is then bit for bit what it was. Parts of a tensor must not overlap (checked
+        first), so putting back is order-free.
         """
         version = step.version
         refs = self._refs(step)
         mf.check_disjoint(refs, self.store.where(mf.version_key(self.run, version)))
         payloads = self.fetch(version, refs, progress)
         sizes = {n: t.size for n, t in targets.items()}
+        batches = balanced(refs, PIPELINE_BATCHES, _part_bytes)
+        batches.sort(key=lambda batch: sum(r.length for _, r in batch))  # the smallest first: writing starts soonest
+        with self._lock:  # two concurrent steps must not share buffers
+            scratch, self._scratch = self._scratch, []
+        scratch += [None] * (len(batches) - len(scratch))
+        ready: queue.SimpleQueue[_Prepared | BaseException] = queue.SimpleQueue()
+        stop = threading.Event()
 
-        def check(batch: list[tuple[str, mf.PartRef]]) -> list[tuple[str, mf.PartRef, memoryview]]:
-            return [(name, r, self._checked(version, payloads, sizes, (name, r))) for name, r in batch]
+        def prepare_all() -> None:
+            for batch, buf in zip(batches, scratch, strict=False):
+                if stop.is_set():
+                    return
+                try:
+                    ready.put(self._prepare(version, payloads, sizes, targets, batch, buf))
+                except BaseException as exc:  # handed to the writer, which raises it
+                    ready.put(exc)
+                    return
 
-        checked = [c for chunk in self.pool.map(check, balanced(refs, 2 * self._threads, _part_bytes)) for c in chunk]
-        order = {(name, r.offset, r.object): i for i, (name, r) in enumerate(refs)}
-        checked.sort(key=lambda c: order[(c[0], c[1].offset, c[1].object)])
-        items, rest = self._split_bulk(version, checked)
-        # Each thread decodes and applies whole tensors: large calls, and no barrier in between.
-        tasks: list[Callable[[], tuple[_Undo, HubError | None]]] = [
-            functools.partial(self._apply_bulk, version, group, payloads, targets)
-            for group in bulk.tensor_groups(items, self._threads)]
-        tasks += [functools.partial(self._apply_parts, version, batch, targets)
-                  for batch in balanced(rest, 2 * self._threads, _part_bytes)]
-        results = list(self.pool.map(lambda task: task(), tasks))
-        failed = next((exc for _, exc in results if exc is not None), None)
-        if failed is not None:
-            for undo, _ in results:
-                for view, pos, old in undo:
-                    view[pos] = old
-            raise failed
+        preparing = self.pool.submit(prepare_all)
+        undo: list[Callable[[], None]] = []
+        used: list[np.ndarray | None] = []
+        try:
+            for _ in batches:
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                used += [group.scratch for group, _ in item[0].values()]
+                self._apply_prepared(version, item, targets, undo)
+        except BaseException:
+            stop.set()
+            for put_back in reversed(undo):
+                put_back()
+            raise
+        finally:
+            stop.set()
+            preparing.result()
+            with self._lock:
+                self._scratch = used[:PIPELINE_BATCHES]
 
-    def _split_bulk(self, version: int, checked: list[tuple[str, mf.PartRef, memoryview]]
-                    ) -> tuple[list[bulk.Item], list[tuple[str, mf.PartRef, memoryview]]]:
-        items, rest = [], []
-        for name, r, payload in checked:
+    def _prepare(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
+                 targets: dict[str, np.ndarray], batch: list[tuple[str, mf.PartRef]], scratch: np.ndarray | None
+                 ) -> _Prepared:
+        """A batch made ready to apply, nothing written: every part checked against its sha256, parts
+        for the kernel decompressed together into one scratch buffer per word dtype, the others kept
+        as bytes."""
+        fused: dict[np.dtype, tuple[kernels.Batch, list[_Fused]]] = {}
+        others: list[tuple[str, mf.PartRef, memoryview]] = []
+        for name, r in batch:
+            payload = self._checked(version, payloads, sizes, (name, r))
             try:
                 head, frames = split_part(payload)
             except CodecError as exc:
                 raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {exc}") from exc
-            if bulk.eligible(head, frames, word_dtype(self._entry(version, name).dtype), r):
-                items.append(bulk.Item(name, r, head, frames))
+            dtype = word_dtype(self._entry(version, name).dtype)
+            if kernels.eligible(head, dtype) and targets[name].dtype == dtype:
+                if dtype not in fused:
+                    fused[dtype] = (kernels.Batch(None if fused else scratch), [])
+                fused[dtype][1].append((name, r, head, frames))
             else:
-                rest.append((name, r, payload))
-        return items, rest
+                others.append((name, r, payload))
+        for group, members in fused.values():
+            self._decompress_into(version, group, members, targets)
+            group.seal()
+        return fused, others
 
-    def _apply_bulk(self, version: int, items: list[bulk.Item], payloads: Mapping[tuple[str, int], memoryview],
-                    targets: dict[str, np.ndarray]) -> tuple[_Undo, HubError | None]:
-        """Decode `items` together (bulk.py), then gather, add, check and scatter one tensor at a
-        time (positions are within the tensor). Items are whole tensors, in manifest order."""
-        try:
-            decoded = bulk.decode(items, 1)
-        except CodecError:  # part by part instead: that names the part at fault
-            rest = [(it.name, it.ref, payloads[(it.ref.object, it.ref.offset)]) for it in items]
-            return self._apply_parts(version, rest, targets)
-        undo: _Undo = []
-        try:
-            for name, a, b, members in bulk.by_tensor(decoded):
-                words, pos = targets[name], decoded.pos[a:b]
-                old = np.take(words, pos)
-                new = old + decoded.diffs[a:b]
-                for i in members:
-                    lo, hi = int(decoded.offsets[i]) - a, int(decoded.offsets[i + 1]) - a
-                    self._check_changed(version, name, decoded.items[i].ref, new[lo:hi])
-                words[pos] = new
-                undo.append((words, pos, old))
-        except HubError as exc:
-            return undo, exc
-        return undo, None
+    def _apply_prepared(self, version: int, prepared: _Prepared, targets: dict[str, np.ndarray],
+                        undo: list[Callable[[], None]]) -> None:
+        fused, others = prepared
+        for name, r, payload in others:
+            self._apply_numpy(version, name, r, payload, targets[name], undo)
+        for group, members in fused.values():
+            undo.append(group.undo)
+            digests, at, error = group.apply()
+            if error is not None:
+                name, r, _, _ = members[at]
+                raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {error}")
+            for (name, r, _, _), digest in zip(members, digests, strict=True):
+                self._check_digest(version, name, r, digest)
 
-    def _apply_parts(self, version: int, batch: list[tuple[str, mf.PartRef, memoryview]],
-                     targets: dict[str, np.ndarray]) -> tuple[_Undo, HubError | None]:
-        """The per-part path, for parts of the less common codecs (their bytes are checked already)."""
-        undo: _Undo = []
+    def _decompress_into(self, version: int, group: kernels.Batch,
+                         members: list[_Fused],
+                         targets: dict[str, np.ndarray]) -> None:
+        """Every frame of the members in one zstd call (fewer hand-overs of the GIL), into `group`;
+        when that fails, part by part, to name the part at fault."""
+        frames = [frame for _, _, _, fr in members for frame, _ in fr]
+        raw = [size for _, _, _, fr in members for _, size in fr]
         try:
-            for name, r, payload in batch:
-                d = self._decode_checked(version, name, r, payload)
-                if d.dense or d.pos is None:
-                    raise IntegrityError(f"{self._where(r)}: dense part of tensor {name} in a delta step")
-                view = targets[name][r.start : r.stop]
-                old = np.take(view, d.pos)
-                new = new_values(d.codec, old, d.words)
-                self._check_changed(version, name, r, new)
-                view[d.pos] = new
-                undo.append((view, d.pos, old))
-        except HubError as exc:
-            return undo, exc
-        return undo, None
+            out = zstandard.ZstdDecompressor().multi_decompress_to_buffer(
+                list[bytes | bytearray | memoryview](frames), decompressed_sizes=struct.pack(f"={len(raw)}Q", *raw),
+                threads=1)
+            segments: list[Any] = [out[i] for i in range(len(raw))]
+            if any(len(seg) != size for seg, size in zip(segments, raw, strict=True)):
+                raise zstandard.ZstdError("a frame holds another number of bytes than its header says")
+        except zstandard.ZstdError:
+            segments = []
+            for name, r, _, fr in members:
+                try:
+                    segments += [st.decompress(frame, size) for frame, size in fr]
+                except CodecError as exc:
+                    raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {exc}") from exc
+        at = 0
+        for name, r, head, fr in members:
+            group.add(targets[name], r.start, r.stop, head[5], segments[at : at + len(fr)])
+            at += len(fr)
+
+    def _in_range(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
+                  item: tuple[str, mf.PartRef]) -> memoryview:
+        name, r = item
+        if name not in sizes or not 0 <= r.start <= r.stop <= sizes[name]:
+            raise IntegrityError(f"version {version} tensor {name}: part range {r.start}:{r.stop} "
+                                 f"outside its {sizes.get(name)} elements")
+        return payloads[(r.object, r.offset)]
+
+    def _apply_numpy(self, version: int, name: str, r: mf.PartRef, payload: memoryview, words: np.ndarray,
+                     undo: list[Callable[[], None]]) -> None:
+        """The per-part numpy path, for parts of the less common codecs (their bytes are checked)."""
+        d = self._decode_checked(version, name, r, payload)
+        if d.dense or d.pos is None:
+            raise IntegrityError(f"{self._where(r)}: dense part of tensor {name} in a delta step")
+        view = words[r.start : r.stop]
+        old = np.take(view, d.pos)
+        new = new_values(d.codec, old, d.words)
+        self._check_changed(version, name, r, new)
+        view[d.pos] = new
+        undo.append(functools.partial(view.__setitem__, d.pos, old))
 
     def _check_changed(self, version: int, name: str, r: mf.PartRef, new: np.ndarray) -> None:
-        if r.changed_sha256 is None or changed_digest(new) != r.changed_sha256:
+        self._check_digest(version, name, r, kernels.digest(new))
+
+    def _check_digest(self, version: int, name: str, r: mf.PartRef, digest: str) -> None:
+        if r.changed_digest is None or digest != r.changed_digest:
             raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: changed words do "
-                                 f"not match their sha256 (is the state really the version it claims?); "
+                                 f"not match their digest (is the state really the version it claims?); "
                                  f"nothing was applied")
 
     def apply_verified(self, decoded: dict[str, list[tuple[int, Decoded, mf.PartRef]]],
@@ -374,7 +442,13 @@ class Reader:
                                      f"{entries[name].sha256[:16]}…")
 
 
-_Undo = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+_Fused = tuple[str, mf.PartRef, Header, list[tuple[memoryview, int]]]
+"""A part for the kernel: tensor, reference, header, (zstd frame, raw size) of each stream."""
+_Prepared = tuple[dict[np.dtype, tuple[kernels.Batch, list[_Fused]]], list[tuple[str, mf.PartRef, memoryview]]]
+"""A batch ready to apply: kernel groups per word dtype, and the parts for numpy."""
+PIPELINE_BATCHES = 8
+"""Batches of an in-place step: small enough that applying starts early and never waits long for
+the next, large enough that the per-batch Python is noise."""
 
 
 def _part_bytes(item: tuple[str, mf.PartRef] | tuple[str, mf.PartRef, memoryview]) -> int:

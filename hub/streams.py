@@ -23,6 +23,8 @@ from fleetrl.hub.errors import CodecError
 
 _local = threading.local()
 ESCAPE = 255
+DENSE, DELTA = 0, 1
+"""Part kinds (parts.py): a dense range of words, or the sparse change from the previous version."""
 
 
 class PosCodec(IntEnum):
@@ -133,12 +135,17 @@ def encode_positions(pos: np.ndarray, n: int, level: int) -> tuple[IntEnum, int,
         mask = np.zeros(n, dtype=np.uint8)
         mask[pos] = 1
         candidates.append((PosCodec.BITMAP, 0, [np.packbits(mask, bitorder="little")]))
-    return _smallest(candidates, level, penalty=_DECODE_PENALTY)
+    return _smallest(candidates, level, penalty=_DECODE_PENALTY, fast=PosCodec.GAP8)
 
 
 _DECODE_PENALTY: dict[IntEnum, float] = {PosCodec.GAP8: 1.0, PosCodec.RICE: 1.02, PosCodec.BITMAP: 1.02}
-"""Gap bytes decode fastest (one widening add and one cumsum per part); Rice and bitmaps must save
-more than 2% of the bytes to be chosen (readers decode every part, publishers encode it once)."""
+"""Gap bytes decode fastest (the reader's fused kernel walks them, kernels.py); Rice and bitmaps must
+save more than 2% of the bytes to be chosen (readers decode every part, publishers encode it once)."""
+SLOW_PART_BYTES = 128
+"""...and a fixed number of bytes more: a part the kernel cannot apply costs a reader a few dozen
+microseconds of Python (measured: ~36 us), which the small dense-change parts of norm weights and
+biases would otherwise pay for a saving of a few dozen bytes."""
+
 
 
 def decode_positions(codec: int, k: int, n: int, m: int, streams: list[np.ndarray]) -> np.ndarray:
@@ -297,7 +304,7 @@ def encode_values(old: np.ndarray, new: np.ndarray, level: int) -> tuple[IntEnum
         packed = _pack_small(diff, bits)
         if packed is not None:
             candidates.append((ValCodec.SUB_PACKED, bits, packed))
-    codec, _, frames, sizes = _smallest(candidates, level)
+    codec, _, frames, sizes = _smallest(candidates, level, fast=ValCodec.SUB_PACKED)
     return codec, frames, sizes
 
 
@@ -327,14 +334,15 @@ def decode_dense(streams: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
 
 def _smallest(
     candidates: list[tuple[IntEnum, int, list[np.ndarray]]], level: int,
-    penalty: dict[IntEnum, float] | None = None,
+    penalty: dict[IntEnum, float] | None = None, fast: IntEnum | None = None,
 ) -> tuple[IntEnum, int, list[bytes], list[int]]:
     """Compress every candidate coding and keep the one with the fewest bytes (times its decode
-    `penalty`, if any)."""
+    `penalty`, if any, plus SLOW_PART_BYTES unless it is the `fast` codec)."""
     best: tuple[float, IntEnum, int, list[bytes], list[int]] | None = None
     for codec, k, raw in candidates:
         frames = [compress(r, level) for r in raw]
         size = sum(len(f) for f in frames) * (penalty or {}).get(codec, 1.0)
+        size += 0 if fast is None or codec is fast else SLOW_PART_BYTES
         if best is None or size < best[0]:
             best = (size, codec, k, frames, [r.nbytes for r in raw])
     assert best is not None
