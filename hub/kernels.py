@@ -66,6 +66,17 @@ def _prefetch(typingctx: object, array: types.Array, index: types.Integer) -> tu
     return types.void(array, index), codegen
 
 
+@intrinsic
+@no_type_check  # compiled: numba types the body, not mypy
+def _pointer(typingctx, address, like):  # pragma: no cover
+    """`address` (an int64) as a pointer to words of `like`'s dtype."""
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+    return pointer(address, like), codegen
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 @no_type_check  # compiled: numba types the body, not mypy
 def _word(data: np.ndarray, at: int, width: int) -> int:  # pragma: no cover - compiled
@@ -217,14 +228,16 @@ def _walk(target: np.ndarray, start: int, stop: int, m: int, gaps: np.ndarray, b
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 @no_type_check  # compiled: numba types the body, not mypy
-def _walk_parts(targets: numba.typed.List, buf: np.ndarray, meta: np.ndarray, limits: np.ndarray, sign: int,
-                ahead: int, digests: np.ndarray) -> tuple[int, int, int]:  # pragma: no cover - compiled
+def _walk_parts(like: np.ndarray, targets: np.ndarray, buf: np.ndarray, meta: np.ndarray, limits: np.ndarray,
+                sign: int, ahead: int, digests: np.ndarray) -> tuple[int, int, int]:  # pragma: no cover - compiled
     """`_walk` over parts; row j of `meta`: target index, start, stop, m, then offset and length in
-    `buf` of each of the five streams. Returns (error code, part at fault, changes of it written)."""
+    `buf` of each of the five streams. Target t is the `targets[t, 1]` words (of `like`'s dtype) at
+    address `targets[t, 0]`. Returns (error code, part at fault, changes of it written)."""
     for j in range(meta.shape[0]):
         row = meta[j]
+        target = numba.carray(_pointer(targets[row[0], 0], like), targets[row[0], 1])
         code, written, h = _walk(
-            targets[row[0]], row[1], row[2], row[3], buf[row[4] : row[4] + row[5]], buf[row[6] : row[6] + row[7]],
+            target, row[1], row[2], row[3], buf[row[4] : row[4] + row[5]], buf[row[6] : row[6] + row[7]],
             buf[row[8] : row[8] + row[9]], buf[row[10] : row[10] + row[11]], buf[row[12] : row[12] + row[13]],
             limits[j], sign, ahead)
         digests[j] = h
@@ -245,17 +258,17 @@ def eligible(head: tuple[int, int, int, int, int, int, int], dtype: np.dtype) ->
 class Batch:
     """Parts to apply with one kernel call: their decompressed streams back to back in one buffer.
 
-    `add` the five streams of each part (one target array per tensor; all of one word dtype), then
-    `apply`; on an error or a digest mismatch, `undo` puts back every word written. `scratch` is the
-    buffer to copy the streams into: a reader passes the one of its previous step (`scratch` is
-    then the one used, grown if needed), so they land in memory that is already mapped.
+    `add` each part (its target: the whole tensor's words, all of one word dtype; its five streams),
+    then `apply`; on an error or a digest mismatch, `undo` puts back every word written. The kernel
+    finds each target by address and size (a numba typed list of arrays costs ~12 us an element to
+    build); the batch holds the arrays, so the addresses stay valid while it lives.
     """
 
-    def __init__(self, scratch: np.ndarray | None = None) -> None:
-        self.scratch = scratch if scratch is not None else np.empty(0, dtype=np.uint8)
+    def __init__(self) -> None:
         self._targets: list[np.ndarray] = []
         self._index: dict[int, int] = {}
         self._rows: list[list[int]] = []
+        self._streams: list[Any] = []
         self._at = 0
         self._written: np.ndarray | None = None
         self._args: tuple[Any, ...] = ()
@@ -263,43 +276,47 @@ class Batch:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def add(self, target: np.ndarray, start: int, stop: int, m: int, streams: Sequence[Any]) -> None:
-        """A part covering [start, stop) of `target` (the whole tensor's words), with `m` changes and its
-        five decompressed streams (anything with the buffer protocol)."""
-        if len(streams) != 5:
+    def add(self, target: np.ndarray, start: int, stop: int, m: int, streams: Sequence[Any], sizes: Sequence[int]
+            ) -> None:
+        """A part covering [start, stop) of `target` with `m` changes: its five decompressed streams
+        (anything with the buffer protocol) and their sizes in bytes."""
+        if len(streams) != 5 or len(sizes) != 5:
             raise ValueError(f"a delta part of gap bytes and packed values has 5 streams, not {len(streams)}")
+        if not target.flags.c_contiguous or not target.flags.writeable or target.ndim != 1:
+            raise ValueError("the kernel writes flat, contiguous, writeable word arrays only")
         t = self._index.setdefault(id(target), len(self._targets))
         if t == len(self._targets):
             self._targets.append(target)
         row = [t, start, stop, m]
-        need = self._at + sum(memoryview(data).nbytes for data in streams)
-        if need > self.scratch.size:
-            grown = np.empty(max(need, 2 * self.scratch.size), dtype=np.uint8)
-            grown[: self._at] = self.scratch[: self._at]
-            self.scratch = grown
-        for data in streams:
-            words = np.frombuffer(data, dtype=np.uint8)
-            row += [self._at, words.size]
-            self.scratch[self._at : self._at + words.size] = words
-            self._at += words.size
+        for size in sizes:
+            row += [self._at, size]
+            self._at += size
+        self._streams.extend(streams)
         self._rows.append(row)
 
     def seal(self) -> None:
-        """Build the kernel's arguments (call once every part is added; `apply` does if needed)."""
-        targets = numba.typed.List(self._targets)
+        """Build the kernel's arguments: one join of every stream (call once every part is added;
+        `apply` does if needed)."""
+        buf = np.frombuffer(b"".join(self._streams), dtype=np.uint8)
+        if buf.size != self._at:
+            raise ValueError(f"streams hold {buf.size} bytes, their sizes say {self._at}")
+        self._streams = []
+        targets = np.array([(t.ctypes.data, t.size) for t in self._targets], dtype=np.int64).reshape(-1, 2)
         meta = np.array(self._rows, dtype=np.int64).reshape(-1, 14)
-        ahead = PREFETCH_BYTES // self._targets[0].itemsize if self._targets else 0
-        self._args = (targets, self.scratch[: self._at], meta, ahead)
+        like = self._targets[0][:0] if self._targets else np.zeros(0, dtype=np.uint16)
+        self._args = (like, targets, buf, meta, PREFETCH_BYTES // like.itemsize)
 
     def apply(self) -> tuple[list[str], int, str | None]:
         """Write every part; returns the digests of the parts written in full, and on an error the
         index of the part at fault and the error (then `undo`)."""
         if not self._args:
             self.seal()
-        targets, buf, meta, ahead = self._args
+        like, targets, buf, meta, ahead = self._args
+        if any(t.dtype != like.dtype for t in self._targets):
+            raise ValueError("a batch holds targets of one word dtype")
         limits = meta[:, 3].copy()
         digests = np.zeros(len(self._rows), dtype=np.uint64)
-        code, at, written = _walk_parts(targets, buf, meta, limits, 1, ahead, digests)
+        code, at, written = _walk_parts(like, targets, buf, meta, limits, 1, ahead, digests)
         self._written = limits.copy()
         self._written[at:] = 0
         if at < len(self._written):
@@ -311,6 +328,6 @@ class Batch:
         """Take back every word `apply` wrote (exactly: wrapping subtraction inverts the addition)."""
         if self._written is None or not self._written.any() or not self._args:
             return
-        targets, buf, meta, ahead = self._args
-        _walk_parts(targets, buf, meta, self._written, -1, ahead, np.zeros(len(self._rows), dtype=np.uint64))
+        like, targets, buf, meta, ahead = self._args
+        _walk_parts(like, targets, buf, meta, self._written, -1, ahead, np.zeros(len(self._rows), dtype=np.uint64))
         self._written[:] = 0

@@ -13,12 +13,13 @@ dict behind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import queue
 import struct
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -58,9 +59,6 @@ class Reader:
         self._entries: dict[int, dict[str, mf.TensorEntry]] = {}
         self._ref_cache: dict[tuple[Step, int], tuple[mf.Manifest, list[tuple[str, mf.PartRef]]]] = {}
         self._threads = max(1, threads)
-        self._lock = threading.Lock()
-        self._scratch: list[np.ndarray | None] = []
-        """Decompression buffers of the last in-place step, reused by the next (already mapped)."""
 
     def manifest(self, version: int) -> mf.Manifest:
         """The verified manifest of `version` (cached: manifests are immutable)."""
@@ -236,20 +234,19 @@ class Reader:
         """Apply one delta step straight into `targets` (the caller's memory): the common case of a
         reader one version behind.
 
-        A pipeline: the pool checks the sha256 of each object fetched whole (one call per object; a
-        part fetched by range is checked on its own) and prepares batches of parts (split, zstd into
-        a scratch buffer), while the calling thread applies the prepared batches in order. Parts of
-        the common codecs go through the fused kernel (kernels.py: one pass that writes each changed
-        word in place and folds it into the part's digest), the others through numpy (gather the old
-        words, compute the new, scatter). Either way the new words are checked against the part's
-        `changed_digest` (is the state really version N-1?). Applying is bound by memory traffic
-        and preparing by the CPU, so on separate cores they overlap; and one thread writing alone
-        keeps its memory accesses streaming.
+        The parts are cut into batches, and every thread (the caller's and the pool's) takes the
+        next task: apply a prepared batch if there is one, else prepare the next (check each part's
+        sha256, split it, zstd its streams into one buffer). Applying is bound by memory traffic and
+        preparing by the CPU, so the two overlap. Parts of the common codecs go through the fused
+        kernel (kernels.py: one pass that writes each changed word in place and folds it into the
+        part's digest), the others through numpy (gather the old words, compute the new, scatter).
+        Either way the new words are checked against the part's `changed_digest` (is the state
+        really version N-1?).
 
-        Nothing is written before every object of the step is checked. Every write is recorded, so
-        when any part fails every written word is put back before the error is raised: the
-        caller's state is then bit for bit what it was. Parts of a tensor must not overlap (checked
-        first), so putting back is order-free.
+        Every write is recorded, so when any part fails every written word is put back before the
+        error is raised: the caller's state is then bit for bit what it was. Parts of a tensor must
+        not overlap (checked first), so batches are applied in any order and putting back is
+        order-free.
         """
         version = step.version
         refs = self._refs(step)
@@ -257,49 +254,37 @@ class Reader:
         payloads = self.fetch(version, refs, progress)
         sizes = {n: t.size for n, t in targets.items()}
         batches = balanced(refs, PIPELINE_BATCHES, _part_bytes)
-        batches.sort(key=lambda batch: sum(r.length for _, r in batch))  # the smallest first: writing starts soonest
-        with self._lock:  # two concurrent steps must not share buffers
-            scratch, self._scratch = self._scratch, []
-        scratch += [None] * (len(batches) - len(scratch))
-        ready: queue.SimpleQueue[_Prepared | BaseException] = queue.SimpleQueue()
-        stop = threading.Event()
+        work = _Work(len(batches))
 
-        def prepare_all() -> None:
-            for batch, buf in zip(batches, scratch, strict=False):
-                if stop.is_set():
-                    return
+        def run() -> None:
+            while (task := work.next()) is not None:
+                k, item = task
                 try:
-                    ready.put(self._prepare(version, payloads, sizes, targets, batch, buf))
-                except BaseException as exc:  # handed to the writer, which raises it
-                    ready.put(exc)
-                    return
+                    if item is None:
+                        work.prepared(self._prepare(version, payloads, sizes, targets, batches[k]))
+                    else:
+                        undo: list[Callable[[], None]] = []
+                        try:
+                            self._apply_prepared(version, item, targets, undo)
+                        finally:
+                            work.applied(undo)
+                except BaseException as exc:
+                    work.fail(exc)
 
-        preparing = self.pool.submit(prepare_all)
-        undo: list[Callable[[], None]] = []
-        used: list[np.ndarray | None] = []
-        try:
-            for _ in batches:
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                used += [group.scratch for group, _ in item[0].values()]
-                self._apply_prepared(version, item, targets, undo)
-        except BaseException:
-            stop.set()
-            for put_back in reversed(undo):
+        with _short_gil_turns():
+            helpers = [self.pool.submit(run) for _ in range(self._threads - 1)]
+            run()
+            for helper in helpers:
+                helper.result()
+        if work.error is not None:
+            for put_back in reversed(work.undo):
                 put_back()
-            raise
-        finally:
-            stop.set()
-            preparing.result()
-            with self._lock:
-                self._scratch = used[:PIPELINE_BATCHES]
+            raise work.error
 
     def _prepare(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
-                 targets: dict[str, np.ndarray], batch: list[tuple[str, mf.PartRef]], scratch: np.ndarray | None
-                 ) -> _Prepared:
+                 targets: dict[str, np.ndarray], batch: list[tuple[str, mf.PartRef]]) -> _Prepared:
         """A batch made ready to apply, nothing written: every part checked against its sha256, parts
-        for the kernel decompressed together into one scratch buffer per word dtype, the others kept
+        for the kernel decompressed together into one buffer per word dtype, the others kept
         as bytes."""
         fused: dict[np.dtype, tuple[kernels.Batch, list[_Fused]]] = {}
         others: list[tuple[str, mf.PartRef, memoryview]] = []
@@ -312,7 +297,7 @@ class Reader:
             dtype = word_dtype(self._entry(version, name).dtype)
             if kernels.eligible(head, dtype) and targets[name].dtype == dtype:
                 if dtype not in fused:
-                    fused[dtype] = (kernels.Batch(None if fused else scratch), [])
+                    fused[dtype] = (kernels.Batch(), [])
                 fused[dtype][1].append((name, r, head, frames))
             else:
                 others.append((name, r, payload))
@@ -358,7 +343,7 @@ class Reader:
                     raise IntegrityError(f"{self._where(r)}: tensor {name} of version {version}: {exc}") from exc
         at = 0
         for name, r, head, fr in members:
-            group.add(targets[name], r.start, r.stop, head[5], segments[at : at + len(fr)])
+            group.add(targets[name], r.start, r.stop, head[5], segments[at : at + len(fr)], raw[at : at + len(fr)])
             at += len(fr)
 
     def _in_range(self, version: int, payloads: Mapping[tuple[str, int], memoryview], sizes: Mapping[str, int],
@@ -449,6 +434,71 @@ _Prepared = tuple[dict[np.dtype, tuple[kernels.Batch, list[_Fused]]], list[tuple
 PIPELINE_BATCHES = 8
 """Batches of an in-place step: small enough that applying starts early and never waits long for
 the next, large enough that the per-batch Python is noise."""
+
+
+@contextlib.contextmanager
+def _short_gil_turns() -> Iterator[None]:
+    """Hand the GIL over every 0.2 ms instead of every 5 ms while a step runs. Its threads spend
+    most of their time in C (kernel, zstd, sha256) and need the GIL only briefly in between; with
+    the default interval, a thread coming back from C could wait 5 ms for a thread running Python
+    (measured: three such waits in one 15 ms step). The interval is process-wide, so it is put back
+    when the step ends."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, 0.0002))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+class _Work:
+    """The tasks of one in-place step, shared by its threads: prepare batch k, or apply a prepared one."""
+
+    def __init__(self, count: int) -> None:
+        self._cond = threading.Condition()
+        self._count = count
+        self._next = 0
+        self._ready: list[_Prepared] = []
+        self._applied = 0
+        self._applying = 0
+        self.undo: list[Callable[[], None]] = []
+        self.error: BaseException | None = None
+
+    def next(self) -> tuple[int, _Prepared | None] | None:
+        """A task: (batch, None) to prepare, (-1, prepared batch) to apply; None when all is done or failed.
+
+        One thread applies at a time while batches are left to prepare (applying is bound by memory
+        traffic: a second writer gains little, and a preparing thread overlaps it fully)."""
+        with self._cond:
+            while True:
+                if self.error is not None or self._applied == self._count:
+                    return None
+                if self._ready and (self._applying == 0 or self._next == self._count):
+                    self._applying += 1
+                    return -1, self._ready.pop()
+                if self._next < self._count:
+                    self._next += 1
+                    return self._next - 1, None
+                self._cond.wait(timeout=1.0)  # another thread is preparing the last batches
+
+    def prepared(self, item: _Prepared) -> None:
+        with self._cond:
+            self._ready.append(item)
+            self._cond.notify()
+
+    def applied(self, undo: list[Callable[[], None]]) -> None:
+        with self._cond:
+            self._applying -= 1
+            self._applied += 1
+            self.undo += undo
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = exc
+            self._cond.notify_all()
+
 
 
 def _part_bytes(item: tuple[str, mf.PartRef] | tuple[str, mf.PartRef, memoryview]) -> int:
