@@ -5,9 +5,9 @@ cheaper in bytes than starting over; otherwise it starts from N's anchor. Parts 
 few GETs as possible (one ranged GET per run of neighbouring parts, the whole object when most of it
 is needed), every part's sha256 is checked (by the thread that decodes it) before it is decoded.
 From an anchor, parts are applied into private copies and every tensor's sha256 is checked before
-anything reaches the caller. One version behind, in place (`apply_step_verified`), each part's new
-words are checked against its `changed_sha256` and written while their cache lines are hot, and on
-any failure every written part is restored; either way an error never leaves a half-applied state
+anything reaches the caller. One version behind, in place (`apply_step_verified`), a compiled kernel
+(kernels.py) writes each part's changes and checks them against the part's `changed_digest`, and on
+any failure every written word is put back; either way an error never leaves a half-applied state
 dict behind.
 """
 
@@ -379,7 +379,7 @@ class Reader:
     def apply_verified(self, decoded: dict[str, list[tuple[int, Decoded, mf.PartRef]]],
                        targets: dict[str, np.ndarray]) -> None:
         """Apply delta chains straight into `targets` (the caller's memory), after checking every word
-        about to be written against its part's `changed_sha256`; on any mismatch nothing is written.
+        about to be written against its part's `changed_digest`; on any mismatch nothing is written.
 
         The chain is first folded into one sparse overlay per tensor (positions, final words), reading
         old words from `targets` and from earlier steps, so the check costs O(changes), not O(tensor).
@@ -436,19 +436,31 @@ PIPELINE_BATCHES = 8
 the next, large enough that the per-batch Python is noise."""
 
 
+_turns_lock = threading.Lock()
+_turns_users = 0
+_turns_before = 0.0
+
+
 @contextlib.contextmanager
 def _short_gil_turns() -> Iterator[None]:
     """Hand the GIL over every 0.2 ms instead of every 5 ms while a step runs. Its threads spend
     most of their time in C (kernel, zstd, sha256) and need the GIL only briefly in between; with
     the default interval, a thread coming back from C could wait 5 ms for a thread running Python
-    (measured: three such waits in one 15 ms step). The interval is process-wide, so it is put back
-    when the step ends."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, 0.0002))
+    (measured: three such waits in one 15 ms step). The interval is process-wide: the first of
+    overlapping steps shortens it and the last one puts it back."""
+    global _turns_users, _turns_before
+    with _turns_lock:
+        if _turns_users == 0:
+            _turns_before = sys.getswitchinterval()
+            sys.setswitchinterval(min(_turns_before, 0.0002))
+        _turns_users += 1
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _turns_lock:
+            _turns_users -= 1
+            if _turns_users == 0:
+                sys.setswitchinterval(_turns_before)
 
 
 class _Work:
