@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import struct
 import sys
 import threading
@@ -253,7 +254,11 @@ class Reader:
         mf.check_disjoint(refs, self.store.where(mf.version_key(self.run, version)))
         payloads = self.fetch(version, refs, progress)
         sizes = {n: t.size for n, t in targets.items()}
-        batches = balanced(refs, PIPELINE_BATCHES, _part_bytes)
+        # Twice as many batches, the first two (one per thread) kept small and the rest paired, so
+        # that writing starts after half a batch's preparation.
+        halves = balanced(refs, 2 * PIPELINE_BATCHES, _part_bytes)
+        halves.sort(key=lambda batch: sum(r.length for _, r in batch))
+        batches = halves[:2] + [a + b for a, b in itertools.zip_longest(halves[2::2], halves[3::2], fillvalue=[])]
         work = _Work(len(batches))
 
         def run() -> None:
