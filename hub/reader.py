@@ -258,7 +258,8 @@ class Reader:
         # that writing starts after half a batch's preparation.
         halves = balanced(refs, 2 * PIPELINE_BATCHES, _part_bytes)
         halves.sort(key=lambda batch: sum(r.length for _, r in batch))
-        batches = halves[:2] + [a + b for a, b in itertools.zip_longest(halves[2::2], halves[3::2], fillvalue=[])]
+        none: list[tuple[str, mf.PartRef]] = []
+        batches = halves[:2] + [a + b for a, b in itertools.zip_longest(halves[2::2], halves[3::2], fillvalue=none)]
         work = _Work(len(batches))
 
         def run() -> None:
