@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from fleetrl.config import FleetConfig
+from fleetrl.hub import inplace
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
@@ -136,10 +137,10 @@ class Hub:
         steps, from_caller = self.reader.plan(version, have_version if usable else None)
         work: dict[str, np.ndarray]
         if from_caller and into is not None and not verify_full and self._in_place_ok(steps, entries, into):
-            changed = {n for step in steps for n, _ in self.reader._refs(step)}
+            changed = {n for step in steps for n, _ in self.reader.refs(step)}
             targets = {n: to_words(into[n]) for n in changed}
             if len(steps) == 1:  # one version behind: the common case, checked and applied per part
-                self.reader.apply_step_verified(steps[0], targets, progress)
+                inplace.apply_step(self.reader, steps[0], targets, progress)
             else:
                 decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
                 self.reader.apply_verified(decoded, targets)
