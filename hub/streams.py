@@ -135,17 +135,22 @@ def encode_positions(pos: np.ndarray, n: int, level: int) -> tuple[IntEnum, int,
         mask = np.zeros(n, dtype=np.uint8)
         mask[pos] = 1
         candidates.append((PosCodec.BITMAP, 0, [np.packbits(mask, bitorder="little")]))
-    return _smallest(candidates, level, penalty=_DECODE_PENALTY, fast=PosCodec.GAP8)
+    return _smallest(candidates, level, _POS_COST)
 
 
-_DECODE_PENALTY: dict[IntEnum, float] = {PosCodec.GAP8: 1.0, PosCodec.RICE: 1.02, PosCodec.BITMAP: 1.02}
-"""Gap bytes decode fastest (the reader's fused kernel walks them, kernels.py); Rice and bitmaps must
-save more than 2% of the bytes to be chosen (readers decode every part, publishers encode it once)."""
 SLOW_PART_BYTES = 128
-"""...and a fixed number of bytes more: a part the kernel cannot apply costs a reader a few dozen
-microseconds of Python (measured: ~36 us), which the small dense-change parts of norm weights and
-biases would otherwise pay for a saving of a few dozen bytes."""
-
+"""A part the reader's kernel (kernels.py) cannot apply costs it a few dozen microseconds of Python
+(measured: ~36 us); the small dense-change parts of norm weights and biases would otherwise pay
+that for a saving of a few dozen bytes."""
+_POS_COST: dict[IntEnum, tuple[float, int]] = {
+    PosCodec.GAP8: (1.0, 0), PosCodec.RICE: (1.02, SLOW_PART_BYTES), PosCodec.BITMAP: (1.02, SLOW_PART_BYTES)}
+"""(factor, extra bytes) a coding's size is weighed with when choosing: gap bytes decode fastest (the
+kernel walks them); Rice and bitmaps must save more than 2% and SLOW_PART_BYTES to be chosen
+(readers decode every part, publishers encode it once)."""
+_VAL_COST: dict[IntEnum, tuple[float, int]] = {
+    ValCodec.SUB_PACKED: (1.0, 0), ValCodec.RAW: (1.0, SLOW_PART_BYTES), ValCodec.XOR: (1.0, SLOW_PART_BYTES),
+    ValCodec.SUB: (1.0, SLOW_PART_BYTES)}
+"""The same for values: the kernel applies packed differences only."""
 
 
 def decode_positions(codec: int, k: int, n: int, m: int, streams: list[np.ndarray]) -> np.ndarray:
@@ -266,15 +271,6 @@ def unpack_small(streams: list[np.ndarray], dtype: np.dtype, m: int, *, unzigzag
     return out
 
 
-def table_rows(head: bytes, dtype: np.dtype) -> np.ndarray:
-    """(256, 8/bits) wrapping differences of each packed byte for one table (`head`: bits, table)."""
-    return _rows(head, dtype, True)
-
-
-def unzigzag(zz: np.ndarray) -> np.ndarray:
-    return _unzigzag(zz)
-
-
 @functools.lru_cache(maxsize=64)
 def _rows(head: bytes, dtype: np.dtype, unzigzag: bool) -> np.ndarray:
     """(256, 8/bits) values of each packed byte, for one table (`head`: bits, then the table). At RL
@@ -304,7 +300,7 @@ def encode_values(old: np.ndarray, new: np.ndarray, level: int) -> tuple[IntEnum
         packed = _pack_small(diff, bits)
         if packed is not None:
             candidates.append((ValCodec.SUB_PACKED, bits, packed))
-    codec, _, frames, sizes = _smallest(candidates, level, fast=ValCodec.SUB_PACKED)
+    codec, _, frames, sizes = _smallest(candidates, level, _VAL_COST)
     return codec, frames, sizes
 
 
@@ -334,15 +330,15 @@ def decode_dense(streams: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
 
 def _smallest(
     candidates: list[tuple[IntEnum, int, list[np.ndarray]]], level: int,
-    penalty: dict[IntEnum, float] | None = None, fast: IntEnum | None = None,
+    cost: dict[IntEnum, tuple[float, int]],
 ) -> tuple[IntEnum, int, list[bytes], list[int]]:
     """Compress every candidate coding and keep the one with the fewest bytes (times its decode
-    `penalty`, if any, plus SLOW_PART_BYTES unless it is the `fast` codec)."""
+    factor, plus its extra bytes: `cost`)."""
     best: tuple[float, IntEnum, int, list[bytes], list[int]] | None = None
     for codec, k, raw in candidates:
         frames = [compress(r, level) for r in raw]
-        size = sum(len(f) for f in frames) * (penalty or {}).get(codec, 1.0)
-        size += 0 if fast is None or codec is fast else SLOW_PART_BYTES
+        factor, extra = cost[codec]
+        size = sum(len(f) for f in frames) * factor + extra
         if best is None or size < best[0]:
             best = (size, codec, k, frames, [r.nbytes for r in raw])
     assert best is not None
