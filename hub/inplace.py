@@ -120,7 +120,9 @@ class _InPlace:
                 raise self._fail(name, r, exc) from exc
             dtype = word_dtype(self.reader.entry(self.version, name).dtype)
             if kernels.eligible(head, dtype) and self.targets[name].dtype == dtype:
-                fused.setdefault(dtype, (kernels.Batch(), []))[1].append((name, r, head, frames))
+                if dtype not in fused:
+                    fused[dtype] = (kernels.Batch(), [])
+                fused[dtype][1].append((name, r, head, frames))
             else:
                 others.append((name, r, payload))
         for group, members in fused.values():

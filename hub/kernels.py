@@ -79,6 +79,13 @@ def _pointer(typingctx, address, like):  # pragma: no cover
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 @no_type_check  # compiled: numba types the body, not mypy
+def _unzigzag(z: int) -> int:  # pragma: no cover - compiled
+    """The wrapping difference a zigzagged word stands for (streams._unzigzag, on one int64)."""
+    return (z >> 1) ^ -(z & 1)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+@no_type_check  # compiled: numba types the body, not mypy
 def _word(data: np.ndarray, at: int, width: int) -> int:  # pragma: no cover - compiled
     """The little-endian unsigned word of `width` bytes at byte `at`."""
     v = np.int64(0)
@@ -158,7 +165,7 @@ def _loop(target: np.ndarray, p: int, last: int, gaps: np.ndarray, bigs: np.ndar
                 return 3, i, h
             z = _word(rest, width * ne, width)
             ne += 1
-            d = (z >> 1) ^ -(z & 1)
+            d = _unzigzag(z)
         if sign > 0:
             target[p] = np.int64(target[p]) + d
             h += _mix(i, target[p])
@@ -198,7 +205,7 @@ def _walk(target: np.ndarray, start: int, stop: int, m: int, gaps: np.ndarray, b
     table = np.zeros(16, dtype=np.int64)  # unzigzagged differences; 0 marks the escape
     for j in range((table_head.size - 1) // width):
         z = _word(table_head, 1 + j * width, width)
-        table[j] = (z >> 1) ^ -(z & 1)
+        table[j] = _unzigzag(z)
     total = np.int64(0)
     escapes = np.int64(0)
     for i in range(m):
@@ -272,9 +279,6 @@ class Batch:
         self._at = 0
         self._written: np.ndarray | None = None
         self._args: tuple[Any, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self._rows)
 
     def add(self, target: np.ndarray, start: int, stop: int, m: int, streams: Sequence[Any], sizes: Sequence[int]
             ) -> None:
