@@ -25,9 +25,9 @@ from typing import Any
 import aiomqtt
 from pydantic import ValidationError
 
-from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement
+from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement, ReplicaAnnouncement
 from fleetrl.broker.errors import ControlPlaneError
-from fleetrl.broker.naming import control_topic, node_topic, policy_topic
+from fleetrl.broker.naming import control_topic, node_topic, policy_topic, replica_topic
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
@@ -46,16 +46,24 @@ class ControlPlane:
         will: tuple[str, str] | None = None,
         *,
         watch_nodes: bool = True,
+        watch_replicas: bool = False,
         connect_timeout_s: float = 10.0,
+        wait_connected: bool = True,
     ) -> None:
         self.config, self.client_id, self.will = config, client_id, will
         self.connect_timeout_s = connect_timeout_s
+        self.wait_connected = wait_connected
+        """False: entering does not wait for the broker (a daemon that must start while MQTT is down);
+        the client connects in the background and publishes wait for it."""
         self.policy: PolicyAnnouncement | None = None
         self.nodes: dict[tuple[str, str], Heartbeat] = {}
+        self.replicas: dict[str, ReplicaAnnouncement] = {}
+        """The newest retained replica announcement of each region (with `watch_replicas`)."""
         run = config.run
-        self._policy_topic, self._nodes_prefix, self._control_prefix = (
-            policy_topic(run), f"fleetrl/{run}/nodes/", f"fleetrl/{run}/control/")
-        self._filters = {self._policy_topic} | ({self._nodes_prefix + "+/+"} if watch_nodes else set())
+        self._policy_topic, self._nodes_prefix, self._control_prefix, self._replicas_prefix = (
+            policy_topic(run), f"fleetrl/{run}/nodes/", f"fleetrl/{run}/control/", f"fleetrl/{run}/replicas/")
+        self._filters = ({self._policy_topic} | ({self._nodes_prefix + "+/+"} if watch_nodes else set())
+                         | ({self._replicas_prefix + "+"} if watch_replicas else set()))
         self._queues: dict[str, list[asyncio.Queue[ControlCommand | BaseException]]] = {}
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
@@ -73,6 +81,8 @@ class ControlPlane:
             raise ControlPlaneError(f"control plane client {self.client_id!r} cannot be started twice")
         self._task = asyncio.create_task(self._run(), name=f"mqtt-{self.client_id}")
         self._task.add_done_callback(self._on_task_done)
+        if not self.wait_connected:
+            return self
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await self._wait_connected()
@@ -145,6 +155,12 @@ class ControlPlane:
         """Retained state of one node."""
         await self._publish(node_topic(self.config.run, region, node), beat.to_json(), retain=True, timeout_s=timeout_s)
 
+    async def announce_replica(self, region: str, announcement: ReplicaAnnouncement,
+                               timeout_s: float | None = None) -> None:
+        """Retained, QoS 1: the region's workers (and any that join later) learn what their store holds."""
+        await self._publish(replica_topic(self.config.run, region), announcement.to_json(), retain=True,
+                            timeout_s=timeout_s)
+
     async def send_control(self, region: str, command: ControlCommand) -> None:
         """A command to the region's nodes (not retained: only connected nodes act on it)."""
         await self._publish(control_topic(self.config.run, region), command.to_json(), retain=False)
@@ -183,6 +199,22 @@ class ControlPlane:
                                     f"within {timeout_s:.0f} s (latest: {have})") from exc
         return self.policy
 
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def changed(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the next change of the retained state (policy, replicas, nodes) or
+        of the connection; True if one came. Raises ControlPlaneError if the client died."""
+        self._check_alive()
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait()
+                self._check_alive()
+                return True
+        return False
+
     async def commands(self, region: str) -> AsyncIterator[ControlCommand]:
         """Commands sent to `region` from now on; ends with ControlPlaneError if the client dies."""
         self._check_alive()
@@ -219,6 +251,7 @@ class ControlPlane:
                     self._client = client
                     self.connections += 1
                     self._connected.set()
+                    self._changed.set()
                     delay = _FIRST_BACKOFF_S
                     log.info("control.connected", client_id=self.client_id, url=self.config.mqtt.url,
                              connections=self.connections)
@@ -260,6 +293,9 @@ class ControlPlane:
                 if len(parts) == 2:
                     self.nodes[(parts[0], parts[1])] = Heartbeat.model_validate(json.loads(raw))
                     self._changed.set()
+            elif topic.startswith(self._replicas_prefix):
+                region = topic[len(self._replicas_prefix):]
+                self._on_replica(region, ReplicaAnnouncement.model_validate(json.loads(raw)))
             elif topic.startswith(self._control_prefix):
                 self._on_command(topic[len(self._control_prefix):], ControlCommand.model_validate(json.loads(raw)))
         except (ValueError, ValidationError) as exc:  # JSONDecodeError is a ValueError
@@ -268,6 +304,12 @@ class ControlPlane:
     def _on_policy(self, announcement: PolicyAnnouncement) -> None:
         if self.policy is None or announcement.version >= self.policy.version:
             self.policy = announcement
+            self._changed.set()
+
+    def _on_replica(self, region: str, announcement: ReplicaAnnouncement) -> None:
+        known = self.replicas.get(region)
+        if "/" not in region and (known is None or announcement.version >= known.version):
+            self.replicas[region] = announcement
             self._changed.set()
 
     def _on_command(self, region: str, command: ControlCommand) -> None:

@@ -108,15 +108,18 @@ def _add_daemons(sub: Any) -> None:
                    help="node name ([a-z0-9-], need not be listed in the config: auto-scaled nodes use instance ids)")
     p.add_argument("--notice-file", default=None, metavar="PATH",
                    help="preemption notice: when this file appears, hand over, go offline and exit 0")
-    p = _cmd(sub, "replicator", "fleetrl.hub.cli:run_replicator", "replicate versions into a region store (daemon)")
+    p = _cmd(sub, "replicator", "fleetrl.regions.replicas:run_replicator",
+             "replicate versions into a region store and announce them (daemon)")
     _region(p, required=True)
     p.add_argument("--once", action="store_true", help="replicate what is missing, then exit")
 
 
 def _add_operations(sub: Any) -> None:
-    p = _cmd(sub, "status", "fleetrl.broker.cli:status", "fleet view from the MQTT retained state")
+    p = _cmd(sub, "status", "fleetrl.broker.fleet_status:status", "fleet view from the MQTT retained state")
     _json(p)
     p.add_argument("--wait-s", type=float, default=2.0, help="how long to collect retained messages")
+    p.add_argument("--watch", type=float, default=None, metavar="S",
+                   help="stay connected and redraw every S seconds (Ctrl-C ends it)")
     ctl = sub.add_parser("control", help="send a command to every node of a region").add_subparsers(
         dest="command_name", metavar="COMMAND", required=True
     )

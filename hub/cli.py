@@ -23,7 +23,7 @@ from fleetrl.config import FleetConfig
 from fleetrl.hub.errors import HubError
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.reader import Progress
-from fleetrl.hub.replicator import Replicator
+from fleetrl.hub.replicator import Holding, Replicator
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -127,13 +127,15 @@ def gc(args: argparse.Namespace, config: FleetConfig) -> int:
     return 0
 
 
-def run_replicator(args: argparse.Namespace, config: FleetConfig) -> int:
-    """The region's replicator daemon: contend for the lease, replicate, drain on SIGTERM."""
+def run_replicator(args: argparse.Namespace, config: FleetConfig, on_holding: Holding | None = None) -> int:
+    """The region's replicator daemon: contend for the lease, replicate, drain on SIGTERM. `on_holding`
+    hears the newest version the region store holds after each pass (`fleetrl replicator` announces it)."""
     try:
         config.region(args.region)
     except KeyError as exc:
         raise HubError(str(exc.args[0])) from None
     replicator = Replicator(config, args.region)
+    replicator.on_holding = on_holding
     stop = threading.Event()
     bound_s = config.hub.lease_ttl_s
 

@@ -40,6 +40,9 @@ from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 Progress = Callable[[int], None]
+Holding = Callable[[int, str, int], None]
+"""Told (version, manifest sha256, anchor) of the newest version the region store holds, after each pass
+of the lease holder: the region agent's daemon announces it on the control plane (the hub knows no MQTT)."""
 
 
 class Replicator:
@@ -56,6 +59,7 @@ class Replicator:
         self.keys = keys or load_keys(config.hub.signing)
         self.lease = Lease(self.local, self.run, "replicator", config.hub.lease_ttl_s, holder)
         self.progress: Progress | None = None
+        self.on_holding: Holding | None = None
         self._renewed = 0.0
         self._manifests: dict[int, tuple[mf.Manifest, bytes]] = {}
         self._hub: Hub | None = None
@@ -94,7 +98,21 @@ class Replicator:
                 log.warning("replicator.version_gone", version=version, region=self.region, error=str(exc))
                 continue
             done.append(version)
+        self._tell_holding()
         return done
+
+    def _tell_holding(self) -> None:
+        """Pass the region store's `latest` pointer to `on_holding` (which publishes only changes)."""
+        if self.on_holding is None:
+            return
+        try:
+            pointer = json.loads(self.local.get(mf.latest_key(self.run)))
+        except ObjectNotFound:
+            return
+        except ValueError as exc:
+            log.warning("replicator.bad_latest", region=self.region, error=str(exc))
+            return
+        self.on_holding(int(pointer["version"]), str(pointer["sha256"]), int(pointer["anchor"]))
 
     def sources(self, version: int) -> list[ObjectStore]:
         """Stores holding `version`, nearest first by this region's link costs; home always last resort."""

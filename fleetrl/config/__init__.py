@@ -3,6 +3,7 @@
 from fleetrl.config.errors import ConfigError
 from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
 from fleetrl.config.models import (
+    AgentConfig,
     AlgorithmConfig,
     DatasetConfig,
     EngineConfig,
@@ -23,8 +24,10 @@ from fleetrl.config.models import (
     TrainerConfig,
     VllmEngineConfig,
 )
+from fleetrl.config.preemption import PreemptionConfig
 
 __all__ = [
+    "AgentConfig",
     "AlgorithmConfig",
     "ConfigError",
     "DatasetConfig",
@@ -36,6 +39,7 @@ __all__ = [
     "ModelConfig",
     "MqttConfig",
     "NodeConfig",
+    "PreemptionConfig",
     "RegionConfig",
     "RolloutConfig",
     "SigningConfig",

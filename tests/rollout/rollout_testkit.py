@@ -27,7 +27,7 @@ def fleet_dict(run_id: str, bootstrap: str, store: pathlib.Path, max_new_tokens:
         "hub": {"home_store": store.as_uri(), "threads": 2, "poll_interval_s": 0.1},
         "kafka": {"partitions": {"prompts": 2, "partials": 2, "trajectories": 2, "dead_letter": 1},
                   "max_message_bytes": 1024 * 1024, "request_timeout_s": 30.0, "retries": 2},
-        "rollout": {"weight_poll_s": 0.2, "idle_poll_s": 0.1, "handover_timeout_s": 15.0,
+        "rollout": {"weight_fallback_poll_s": 0.2, "idle_poll_s": 0.1, "handover_timeout_s": 15.0,
                     "min_version_wait_s": 60.0, "stats_interval_s": 0.05, **rollout},
         "regions": [{"name": REGION, "kafka": bootstrap, "store": store.as_uri(),
                      "engine": {"kind": "torch", "max_batch": 16}}],
