@@ -136,6 +136,18 @@ def _add_operations(sub: Any) -> None:
     _json(p)
 
 
+def _add_units(sub: Any) -> None:
+    units = _group(sub, "units", "the systemd units of a rollout node's daemons", "units_command")
+    p = _cmd(units, "install", "fleetrl.regions.units:run_units",
+             "write fleetrl-agent.service and fleetrl-replicator@.service (or print them)", config=False)
+    p.add_argument("--dest", default=None, metavar="DIR",
+                   help="unit folder to write into, e.g. /etc/systemd/system (default: print the units)")
+    p.add_argument("--prefix", default="/opt/fleetrl/venv", metavar="VENV",
+                   help="virtualenv whose bin/fleetrl the units start (default: %(default)s)")
+    p.add_argument("--config", dest="unit_config", default="/etc/fleetrl/fleet.yaml", metavar="PATH",
+                   help="fleet.yaml the units pass to the daemons (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleetrl", description="Cross-region, asynchronous RL post-training over message brokers."
@@ -152,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for stores, checkpoints and logs, WIPED at the start of each run "
                         "(default: .fleetrl/demo next to the config; a non-empty folder the demo did not make "
                         "is refused)")
-    for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations):
+    for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations, _add_units):
         add(sub)
     return parser
 
