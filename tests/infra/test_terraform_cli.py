@@ -95,10 +95,14 @@ def test_every_node_boots_with_that_fleet_yaml(mock_apply: dict[str, Any]) -> No
         files = _files(_cloud_config(lt["values"]["user_data"]))
         assert files["/etc/fleetrl/fleet.yaml"] == fleet_yaml
         region = "us-west-2" if "region_a" in lt["address"] else "eu-west-1"
-        agent = files["/etc/systemd/system/fleetrl-agent.service"]
-        assert (f"ExecStart=/opt/fleetrl/venv/bin/fleetrl agent --region {region} --node ${{FLEETRL_NODE}} "
-                "--config /etc/fleetrl/fleet.yaml --log-json") in agent
-        assert f"replicator --region {region} --config" in files["/etc/systemd/system/fleetrl-replicator.service"]
+        # The packaged units (fleetrl units install) run the region named in node.env: the agent with
+        # --region ${FLEETRL_REGION}, the replicator as the instance fleetrl-replicator@<region>.
+        assert files["/etc/fleetrl/node.env"] == f"FLEETRL_REGION={region}\n"
+        assert "fleetrl' units install --dest /etc/systemd/system" in files["/usr/local/lib/fleetrl/install.sh"]
+        cloud = _cloud_config(lt["values"]["user_data"])
+        assert cloud["runcmd"][-1][-2:] == ["fleetrl-agent.service", f"fleetrl-replicator@{region}.service"]
+        drop_in = files["/etc/systemd/system/fleetrl-agent.service.d/10-node-bootstrap.conf"]
+        assert "TimeoutStopSec=110" in drop_in and "Requires=fleetrl-secrets.service" in drop_in
         secrets = json.loads(files["/etc/fleetrl/secrets.json"])
         # Every *_env the node's config names is filled at boot, and nothing holds a value.
         needed = {config.mqtt.password_env, config.hub.signing.key_env, config.region(region).kafka.sasl_password_env}
