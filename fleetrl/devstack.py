@@ -95,6 +95,9 @@ class ServerProcess:
             assert self.proc is not None
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        if self._log is not None:  # a later start() opens it again
+            self._log.close()
+            self._log = None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate this process (only this one, by PID); kill it if it outlives `timeout_s`."""
