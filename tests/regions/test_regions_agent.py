@@ -102,7 +102,7 @@ async def test_two_workers_a_killed_one_is_restarted_and_its_groups_redone_and_s
     publish_tiny(config)
     await setup_topics(config)
     for node in ("n1", "n2"):
-        proc, log_path = start_agent(data, tmp_path, node)
+        proc, _ = start_agent(data, tmp_path, node)
         started["agents"].append(proc)
     n1, n2 = started["agents"]
     async with ControlPlane(config, f"{run_id}-watcher") as cp:

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fleet_testkit import read_stream, reverse_prompts
 from fleet_testkit import produce_prompts as produce
+from fleet_testkit import read_stream, reverse_prompts
 from metadata_servers import AwsImds, AzureImds, GcpMetadata, MetadataServer
 from regions_testkit import (
     HUB_KEY,
