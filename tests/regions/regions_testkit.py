@@ -101,3 +101,16 @@ def start_agent(data: dict[str, Any], tmp_path: pathlib.Path, node: str, *extra:
 def engines_of(beat: Heartbeat) -> list[Any]:
     assert isinstance(beat.engines, list), beat
     return beat.engines
+
+
+def metrics_port_from_log(log_path: pathlib.Path, timeout_s: float = 30.0) -> int:
+    """The port an agent process serves /metrics and /healthz on (it logs `agent.metrics`)."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if '"agent.metrics"' in line:
+                return int(json.loads(line)["port"])
+        time.sleep(0.1)
+    raise AssertionError(f"no agent.metrics event in {log_path}:\n{log_path.read_text()[-2000:]}")

@@ -33,6 +33,7 @@ from regions_testkit import (
     engines_of,
     fleet_dict,
     make_config,
+    metrics_port_from_log,
     publish_tiny,
     read_partials,
     send_prompts,
@@ -77,18 +78,6 @@ def started() -> Iterator[dict[str, Any]]:
             continue
         if b"fleetrl.rollout" in cmdline:
             os.kill(pid, signal.SIGKILL)
-
-
-def _port_from_log(log_path: pathlib.Path, timeout_s: float = 30.0) -> int:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log_path.read_text().splitlines():
-            if '"agent.metrics"' in line:
-                return int(json.loads(line)["port"])
-        time.sleep(0.1)
-    raise AssertionError(f"agent never logged its metrics port:\n{log_path.read_text()[-2000:]}")
 
 
 async def test_two_workers_a_killed_one_is_restarted_and_its_groups_redone_and_status_lists_the_agents(
@@ -159,7 +148,7 @@ async def test_a_worker_that_crashes_at_start_goes_crashloop_and_the_agent_stays
         engine = engines_of(beat)[0]
         assert beat.state == "up" and proc.poll() is None  # the agent itself is fine
         assert "no-such-device" in engine.last_error, engine.last_error
-        code, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{_port_from_log(log_path)}/healthz")
+        code, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics_port_from_log(log_path)}/healthz")
         assert code == 503 and json.loads(body)["engines"][0]["state"] == "crashloop"
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) == 0

@@ -18,7 +18,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +31,7 @@ from regions_testkit import (
     announce,
     fleet_dict,
     make_config,
+    metrics_port_from_log,
     publish_tiny,
     send_prompts,
     setup_topics,
@@ -60,16 +60,6 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
         if p.poll() is None:
             p.kill()
             p.wait(timeout=10)
-
-
-def _metrics_port(log_path: pathlib.Path, timeout_s: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in log_path.read_text().splitlines():
-            if '"agent.metrics"' in line:
-                return int(json.loads(line)["port"])
-        time.sleep(0.1)
-    raise AssertionError(f"no agent.metrics event in {log_path}")
 
 
 def _store_requests(port: int) -> dict[str, float]:
@@ -145,7 +135,7 @@ async def test_workers_pull_announced_versions_and_an_idle_worker_barely_touches
     async with ControlPlane(config, f"{run_id}-watcher", watch_replicas=True) as cp:
         await wait_for_beat(cp, "n1", lambda b: b.version == 2, timeout_s=90)
         assert cp.replicas[REGION].version == 2  # announced by the replicator, retained
-    port = _metrics_port(log_path)
+    port = metrics_port_from_log(log_path)
     pulled = _store_requests(port)
     await asyncio.sleep(60)
     idle = _store_requests(port)
