@@ -51,6 +51,7 @@ from fleetrl.demo_procs import (
     fleetrl_child,
     fresh_workdir,
     loopback_ports,
+    signing_keys,
     stop_all,
     write_config,
 )
@@ -116,10 +117,12 @@ class Demo:
         default = default_workdir(config_path)
         self.workdir = fresh_workdir(pathlib.Path(self.args.workdir) if self.args.workdir else default, default)
         self.config = effective_config(self.config, self.workdir)
+        trainer_keys = signing_keys(self.config)
         self.config_path = write_config(self.config, self.workdir / "fleet.yaml")
         self.progress = Progress(self.steps, {r.name: RegionView() for r in self.config.regions})
         with self._everything_stopped_at_exit():
             self.env = child_env()
+            self.trainer_env = child_env(trainer_keys)
             self._start(ports, self.env)
             assert self.trainer is not None
             self._watch_until_trainer_done()
@@ -148,7 +151,7 @@ class Demo:
             self._spawn(fleetrl_child(f"replicator-{r.name}", ["replicator", "--region", r.name], p, self.workdir,
                                       env, c.hub.lease_ttl_s + 5))
         self.trainer = self._spawn(fleetrl_child("trainer", ["trainer", "--steps", str(self.steps)], p, self.workdir,
-                                                 env, c.trainer.drain_timeout_s + 10))
+                                                 self.trainer_env, c.trainer.drain_timeout_s + 10))
         for r in c.regions:
             for n in r.nodes:
                 child = fleetrl_child(f"agent-{r.name}-{n.name}", ["agent", "--region", r.name, "--node", n.name], p,

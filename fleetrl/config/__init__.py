@@ -1,6 +1,6 @@
 """Configuration of a FleetRL run: the models of `fleet.yaml` and their loader (DESIGN.md §7)."""
 
-from fleetrl.config.errors import ConfigError
+from fleetrl.config.errors import ConfigError, SecretError
 from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
 from fleetrl.config.models import (
     AlgorithmConfig,
@@ -23,6 +23,7 @@ from fleetrl.config.models import (
     TrainerConfig,
     VllmEngineConfig,
 )
+from fleetrl.config.secrets import Secret, SecretField, register_all, secret_fields
 
 __all__ = [
     "AlgorithmConfig",
@@ -38,6 +39,9 @@ __all__ = [
     "NodeConfig",
     "RegionConfig",
     "RolloutConfig",
+    "Secret",
+    "SecretError",
+    "SecretField",
     "SigningConfig",
     "StoreConfig",
     "TinyModelConfig",
@@ -48,4 +52,6 @@ __all__ = [
     "apply_env_overrides",
     "load_config",
     "parse_config",
+    "register_all",
+    "secret_fields",
 ]

@@ -15,7 +15,7 @@ from fleet_testkit import publish_tiny as publish_tiny  # re-exported for the te
 from fleetrl.broker import ControlPlane, Heartbeat, PartialRecord, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
 
-HUB_KEY = "regions-test-hub-key-0123456789"
+HUB_KEY = "370914670d656bbd9a9f2ab7ccbd7fd90a2a1c55151520334b409cee29d7820f"  # Ed25519 private key (hex)
 REGION = "r1"
 
 
