@@ -71,16 +71,57 @@ def _ssl_context(c: KafkaClusterConfig, region: str) -> ssl.SSLContext:
         raise KafkaError(f"region {region!r}: cannot load kafka.ca_file {c.ca_file}: {exc}") from exc
 
 
-def auth_failure(exc: BaseException, region: str, config: FleetConfig) -> KafkaError | None:
-    """One line for a SASL or TLS failure that no retry can fix; None for any other error."""
+async def connect(start: Awaitable[None], config: FleetConfig, region: str, what: str) -> None:
+    """Start a client, bounded. A TLS or SASL failure that no retry can fix becomes one non-retriable
+    line naming the region, instead of a generic bootstrap failure retried until it times out."""
+    try:
+        await bounded(start, config.kafka.request_timeout_s, what)
+    except Exception as exc:
+        failure = _auth_failure(exc, region, config) or await _tls_probe(config, region)
+        if failure is not None:
+            raise failure from exc
+        raise
+
+
+def _auth_failure(exc: BaseException, region: str, config: FleetConfig) -> KafkaError | None:
     c = cluster(config, region)
-    text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
-        return KafkaError(f"region {region!r}: Kafka {c.bootstrap} presented a TLS certificate that is not "
-                          f"trusted (kafka.ca_file = {c.ca_file})")
-    if isinstance(exc, ak_errors.SaslAuthenticationFailed | ak_errors.IllegalSaslStateError) or "SASL" in text:
-        return KafkaError(f"region {region!r}: Kafka {c.bootstrap} refused {c.sasl_mechanism} login of user "
-                          f"{c.sasl_username!r}: wrong user name or password")
+    chain = [exc, exc.__cause__, exc.__context__]
+    if any(isinstance(e, ssl.SSLCertVerificationError) for e in chain):
+        return _untrusted(c, region)
+    # aiokafka's SCRAM client fails with KeyError('v') when the server answers "e=..." (refused) instead
+    # of its verifier; a real Kafka sends SaslAuthenticationFailed.
+    refused = any(isinstance(e, ak_errors.SaslAuthenticationFailed | ak_errors.IllegalSaslStateError) for e in chain)
+    scram_refused = c.sasl_mechanism is not None and isinstance(exc, KeyError)
+    unsupported = isinstance(exc, ak_errors.UnsupportedSaslMechanismError)
+    if unsupported:
+        return KafkaError(f"region {region!r}: Kafka {c.bootstrap} does not offer SASL mechanism {c.sasl_mechanism} "
+                          f"(kafka.sasl_mechanism)")
+    if refused or scram_refused:
+        return KafkaError(f"region {region!r}: Kafka {c.bootstrap} refused the {c.sasl_mechanism} login of user "
+                          f"{c.sasl_username!r}: wrong user name or password (kafka.sasl_password)")
+    return None
+
+
+def _untrusted(c: KafkaClusterConfig, region: str) -> KafkaError:
+    return KafkaError(f"region {region!r}: Kafka {c.bootstrap} presented a TLS certificate that is not trusted "
+                      f"(kafka.ca_file = {c.ca_file or 'system CAs'})")
+
+
+async def _tls_probe(config: FleetConfig, region: str) -> KafkaError | None:
+    """After a failed bootstrap over TLS, a handshake of our own says whether the certificate was the cause
+    (aiokafka only logs it and reports that it could not bootstrap)."""
+    c = cluster(config, region)
+    if c.security_protocol not in ("SSL", "SASL_SSL"):
+        return None
+    host, _, port = c.bootstrap.split(",")[0].strip().rpartition(":")
+    try:
+        async with asyncio.timeout(5.0):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=_ssl_context(c, region))
+        writer.close()
+    except ssl.SSLCertVerificationError:
+        return _untrusted(c, region)
+    except (OSError, TimeoutError, ssl.SSLError):
+        return None
     return None
 
 

@@ -140,13 +140,20 @@ def tansu_binary() -> str:
 
 
 def tansu(
-    port: int | None = None, storage: str = "memory://tansu/", env: Mapping[str, str] | None = None
+    port: int | None = None, storage: str = "memory://tansu/", env: Mapping[str, str] | None = None, *,
+    advertised_port: int | None = None, authentication: bool = False,
 ) -> ServerProcess:
-    """A tansu broker on 127.0.0.1:port. `storage` may be `s3://bucket/` (with AWS_* in `env`)."""
+    """A tansu broker on 127.0.0.1:port. `storage` may be `s3://bucket/` (with AWS_* in `env`).
+
+    `advertised_port` is the port clients are told to use (a TLS terminator in front of tansu, which
+    cannot serve TLS itself); `authentication` makes tansu require a SASL (SCRAM) login.
+    """
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
-    argv = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-            "--storage-engine", storage]
+    argv = [tansu_binary(), "broker", "--listener-url", url,
+            "--advertised-listener-url", f"tcp://127.0.0.1:{advertised_port or port}", "--storage-engine", storage]
+    if authentication:
+        argv.append("--authentication")
     return ServerProcess("tansu", argv, port, env=dict(env or {}))
 
 
