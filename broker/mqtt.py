@@ -245,7 +245,7 @@ class ControlPlane:
                                 qos=1, retain=True)
         kwargs: dict[str, Any] = {}
         if url.scheme == "mqtts":
-            kwargs["tls_params"] = aiomqtt.TLSParameters(ca_certs=m.ca_file)
+            kwargs["tls_context"] = _tls_context(m.ca_file)
         try:
             password = SecretField("mqtt.password", m, "password").value()
         except SecretError as exc:
@@ -305,3 +305,25 @@ def _refusal(exc: aiomqtt.MqttError, config: FleetConfig) -> str | None:
         return f"MQTT broker {m.url}: TLS certificate not trusted ({getattr(cause, 'verify_message', cause)}; " \
                f"mqtt.ca_file = {m.ca_file})"
     return None
+
+
+class _ClosingSSLSocket(ssl.SSLSocket):
+    """paho leaves a socket whose TLS handshake failed open (a ResourceWarning per attempt): close it."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        try:
+            super().do_handshake(block)
+        except BaseException:
+            self.close()
+            raise
+
+
+def _tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """A verifying client context (hostname checked): the system CAs, or only `mqtt.ca_file` when set."""
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ControlPlaneError(f"cannot load mqtt.ca_file {ca_file}: {exc}") from exc
+    context.sslsocket_class = _ClosingSSLSocket
+    return context
+
