@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.live import Live
 
 from fleetrl import devstack
-from fleetrl.config import FleetConfig
+from fleetrl.config import FleetConfig, SecretField
 from fleetrl.demo_procs import (
     Child,
     DemoError,
@@ -143,7 +143,11 @@ class Demo:
         self.console.print(f"fleetrl demo: {self.steps} steps; workdir {self.workdir} (logs in {logs})")
         for region, port in ports.kafka.items():
             self._start_server(devstack.tansu(port), f"tansu-{region}")
-        mqtt = devstack.mqtt_broker(ports.mqtt, workdir=self.workdir)
+        m = self.config.mqtt
+        password = SecretField("mqtt.password", m, "password").value() if m.username else None
+        # With mqtt.username set, the broker accepts that user and password only, as a fleet's would.
+        mqtt = devstack.mqtt_broker(ports.mqtt, workdir=self.workdir,
+                                    users={m.username: password or ""} if m.username else None)
         self._start_server(mqtt, mqtt.name)
         asyncio.run(self._create_topics())
         c, p = self.config, self.config_path
