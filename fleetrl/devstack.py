@@ -203,7 +203,7 @@ def _amqtt_config(port: int, workdir: pathlib.Path, users: Mapping[str, str] | N
         return listener + "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
     from pwdlib.hashers.argon2 import Argon2Hasher
 
-    hasher = Argon2Hasher()
+    hasher = Argon2Hasher(time_cost=1, memory_cost=8192)  # a loopback dev broker: cheap logins on shared cores
     password_file = workdir / "amqtt.passwd"
     password_file.touch(mode=0o600)
     password_file.write_text("".join(f"{name}:{hasher.hash(pw)}\n" for name, pw in users.items()))

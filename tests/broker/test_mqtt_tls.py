@@ -61,7 +61,7 @@ async def test_heartbeats_last_will_and_retained_policy_cross_tls_with_auth(
                         tmp_path / "fleet.yaml")
     policy = PolicyAnnouncement(version=5, manifest="r/versions/000000000005.json", anchor=0, sha256="cd" * 32,
                                 published_at=1.0)
-    async with ControlPlane(config, f"{run_id}-trainer") as trainer:
+    async with ControlPlane(config, f"{run_id}-trainer", connect_timeout_s=30) as trainer:
         await trainer.announce_policy(policy)
         with subprocess.Popen([sys.executable, str(HERE / "mqtt_node.py"), str(path), "r1", "n7"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as node:
@@ -74,7 +74,7 @@ async def test_heartbeats_last_will_and_retained_policy_cross_tls_with_auth(
                 os.kill(node.pid, signal.SIGKILL)
                 node.wait(timeout=10)
         assert await wait_for(lambda: trainer.nodes[("r1", "n7")].state == "offline", 10)  # the last will
-    async with ControlPlane(config, f"{run_id}-late") as late:  # retained state, over TLS
+    async with ControlPlane(config, f"{run_id}-late", connect_timeout_s=30) as late:  # retained state, over TLS
         assert await late.wait_for_policy(5, timeout_s=10) == policy
         assert await wait_for(lambda: ("r1", "n7") in late.nodes, 10)
         assert late.nodes[("r1", "n7")].state == "offline"
