@@ -76,6 +76,8 @@ def effective_config(config: FleetConfig, workdir: pathlib.Path) -> FleetConfig:
     c.trainer.checkpoint_dir = str(workdir / "checkpoints")
     if c.rollout.metrics_port:  # every agent runs on this machine: one fixed port cannot serve them all
         c.rollout.metrics_port = 0
+    if c.hub.replicator_metrics_port:  # likewise the replicators
+        c.hub.replicator_metrics_port = 0
     return c
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fleetrl.metrics import MetricsRegistry
 
@@ -27,12 +27,14 @@ class AgentMetrics(MetricsRegistry):
                                   registry=r)
         self.in_flight = Gauge("fleetrl_rollout_groups_in_flight", "Groups admitted and not yet handed to a record",
                                registry=r)
-        self.groups_done = Gauge("fleetrl_rollout_groups_done_total", "Finished groups produced by this agent",
-                                 registry=r)
-        self.handed_over = Gauge("fleetrl_rollout_groups_handed_over_total",
-                                 "Unfinished groups handed over as partials by this agent", registry=r)
-        self.workers = Gauge("fleetrl_agent_workers_started_total", "Rollout workers started (1 + resumes)",
-                             registry=r)
+        # Counters (names end _total): the agent knows their running totals and adds the difference.
+        self.groups_done = Counter("fleetrl_rollout_groups_done_total", "Finished groups produced by this agent",
+                                   registry=r)
+        self.handed_over = Counter("fleetrl_rollout_groups_handed_over_total",
+                                   "Unfinished groups handed over as partials by this agent", registry=r)
+        self.workers = Counter("fleetrl_agent_workers_started_total", "Rollout workers started (1 + resumes)",
+                               registry=r)
+        self._totals = {"done": 0, "handed_over": 0, "workers": 0}
 
     def update(self, state: str, version: int | None, stats: dict[str, Any], done: int, handed_over: int,
                workers: int) -> None:
@@ -41,6 +43,8 @@ class AgentMetrics(MetricsRegistry):
         self.version.set(-1 if version is None else version)
         self.tokens_per_s.set(float(stats.get("tokens_per_s", 0.0)) if state == "up" else 0.0)
         self.in_flight.set(float(stats.get("groups_in_flight", 0)))
-        self.groups_done.set(done)
-        self.handed_over.set(handed_over)
-        self.workers.set(workers)
+        for name, counter, total in (("done", self.groups_done, done), ("handed_over", self.handed_over, handed_over),
+                                     ("workers", self.workers, workers)):
+            if total > self._totals[name]:
+                counter.inc(total - self._totals[name])
+                self._totals[name] = total

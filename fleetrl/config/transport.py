@@ -105,6 +105,8 @@ class HubConfig(Model):
     """Replicator lease lifetime; the holder renews it at a third of that."""
     poll_interval_s: float = Field(1.0, gt=0)
     """How often replicators and readers look at `latest`."""
+    replicator_metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port (/metrics, /healthz) of the region replicators (0 picks a free port; None disables)."""
     gc_grace_s: float = Field(3600.0, ge=0)
     """gc leaves unreferenced objects younger than this alone: a publisher may be uploading them."""
 
