@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement, ReplicaAnnouncement
 from fleetrl.broker.errors import ControlPlaneError
 from fleetrl.broker.naming import control_topic, node_topic, policy_topic, replica_topic
-from fleetrl.config import FleetConfig
+from fleetrl.config import FleetConfig, SecretError, SecretField
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -258,6 +258,9 @@ class ControlPlane:
                     async for message in client.messages:
                         self._dispatch(str(message.topic), message.payload)
             except aiomqtt.MqttError as exc:
+                refusal = _refusal(exc, self.config)
+                if refusal is not None:  # retrying cannot help: fail once, with one line
+                    raise ControlPlaneError(refusal) from exc
                 log.warning("control.disconnected", client_id=self.client_id, error=str(exc), retry_in_s=delay)
             finally:
                 self._connected.clear()
@@ -275,11 +278,17 @@ class ControlPlane:
                                 qos=1, retain=True)
         kwargs: dict[str, Any] = {}
         if url.scheme == "mqtts":
-            kwargs["tls_params"] = aiomqtt.TLSParameters(ca_certs=m.ca_file)
+            kwargs["tls_context"] = _tls_context(m.ca_file)
+        try:
+            password = SecretField("mqtt.password", m, "password").value()
+        except SecretError as exc:
+            raise ControlPlaneError(str(exc)) from exc
+        if m.username is not None and password is None:
+            raise ControlPlaneError(f"mqtt.username is {m.username!r} but no password is set (mqtt.password_file, "
+                                    f"mqtt.password_env{f' = {m.password_env}' if m.password_env else ''})")
         return aiomqtt.Client(
             url.hostname or "127.0.0.1", url.port or (8883 if url.scheme == "mqtts" else 1883),
-            identifier=self.client_id, username=m.username,
-            password=os.environ.get(m.password_env) if m.password_env else None,
+            identifier=self.client_id, username=m.username, password=password,
             keepalive=m.keepalive_s, will=will, clean_session=True, timeout=float(m.keepalive_s), **kwargs,
         )
 
@@ -318,3 +327,45 @@ class ControlPlane:
                 queue.put_nowait(command)
             except asyncio.QueueFull:
                 log.error("control.command_dropped", region=region, cmd=command.cmd, reason="queue full")
+
+
+# CONNACK codes that mean "these credentials will never be accepted" (MQTT 3.1.1: 4, 5; MQTT 5: 134, 135).
+_AUTH_CODES = {4: "bad user name or password", 5: "not authorized", 134: "bad user name or password",
+               135: "not authorized"}
+
+
+def _refusal(exc: aiomqtt.MqttError, config: FleetConfig) -> str | None:
+    """One line for a connection failure no retry can fix (wrong credentials, untrusted certificate)."""
+    m = config.mqtt
+    rc = getattr(exc, "rc", None)
+    code = getattr(rc, "value", rc)
+    if isinstance(code, int) and code in _AUTH_CODES:
+        who = f"user {m.username!r}" if m.username else "anonymous clients"
+        return f"MQTT broker {m.url} refused {who}: {_AUTH_CODES[code]} (check mqtt.username and mqtt.password)"
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return f"MQTT broker {m.url}: TLS certificate not trusted ({getattr(cause, 'verify_message', cause)}; " \
+               f"mqtt.ca_file = {m.ca_file})"
+    return None
+
+
+class _ClosingSSLSocket(ssl.SSLSocket):
+    """paho leaves a socket whose TLS handshake failed open (a ResourceWarning per attempt): close it."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        try:
+            super().do_handshake(block)
+        except BaseException:
+            self.close()
+            raise
+
+
+def _tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """A verifying client context (hostname checked): the system CAs, or only `mqtt.ca_file` when set."""
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ControlPlaneError(f"cannot load mqtt.ca_file {ca_file}: {exc}") from exc
+    context.sslsocket_class = _ClosingSSLSocket
+    return context
+

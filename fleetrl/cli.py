@@ -187,24 +187,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
 
-    from fleetrl.config import ConfigError, load_config
-    from fleetrl.log import configure
+    from fleetrl.config import ConfigError, load_config, register_all
+    from fleetrl.log import configure, redact
 
     configure(json=True if args.log_json else None, level=args.log_level)
     try:
         config = None
         if args.needs_config:
             config = load_config(getattr(args, "file", None) or args.config)
+            register_all(config)  # from here on, no log event or error line shows a configured secret
         return _load_handler(args.handler)(args, config)
     except ConfigError as exc:
-        print(f"fleetrl: config error: {exc}", file=sys.stderr)
+        print(redact(f"fleetrl: config error: {exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         if args.debug:
             raise
-        print(f"fleetrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(redact(f"fleetrl: error: {type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
 
 

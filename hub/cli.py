@@ -136,6 +136,9 @@ def run_replicator(args: argparse.Namespace, config: FleetConfig, on_holding: Ho
         raise HubError(str(exc.args[0])) from None
     replicator = Replicator(config, args.region)
     replicator.on_holding = on_holding
+    if config.hub.replicator_metrics_port is not None:
+        port = replicator.metrics.serve(config.hub.replicator_metrics_port)
+        log.info("replicator.metrics", region=args.region, port=port)
     stop = threading.Event()
     bound_s = config.hub.lease_ttl_s
 
@@ -152,6 +155,9 @@ def run_replicator(args: argparse.Namespace, config: FleetConfig, on_holding: Ho
     log.info("replicator.started", region=args.region, holder=replicator.lease.holder)
     with _progress(f"replicate {args.region}", None) as progress:
         replicator.progress = progress
-        replicator.serve(stop, once=args.once)
+        try:
+            replicator.serve(stop, once=args.once)
+        finally:
+            replicator.metrics.close()
     log.info("replicator.stopped", region=args.region)
     return 0

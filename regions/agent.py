@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import pathlib
 import tempfile
 from collections.abc import Sequence
@@ -95,7 +96,8 @@ class RegionAgent:
                 pathlib.Path(self._config_path).write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
             self.engines = self._supervisors(self._config_path)
             if self.config.rollout.metrics_port is not None:
-                self.metrics_port = self.metrics.serve(self.config.rollout.metrics_port, health=self.health)
+                self.metrics.health = self._health_line
+                self.metrics_port = self.metrics.serve(self.config.rollout.metrics_port)
                 log.info("agent.metrics", region=self.region, node=self.node, port=self.metrics_port)
             async with ControlPlane(self.config, self.client_id, will=(self.region, self.node), watch_nodes=False,
                                     watch_replicas=True, wait_connected=False) as cp:
@@ -248,6 +250,10 @@ class RegionAgent:
         ok = self.state != "offline" and not any(e.state == "crashloop" for e in engines)
         return ok, {"state": self.state, "mqtt_connected": self._cp is not None and self._cp.connected,
                     "engines": [{"index": e.index, "state": e.state, "version": e.version} for e in engines]}
+
+    def _health_line(self) -> tuple[bool, str]:
+        ok, details = self.health()
+        return ok, json.dumps({"ok": ok, **details}, separators=(",", ":"))
 
     async def _heartbeats(self) -> None:
         interval_s = self.config.mqtt.heartbeat_interval_s

@@ -8,9 +8,9 @@ plus the store requests the node's workers made (what event-driven weight pulls 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fleetrl.broker import Heartbeat
 from fleetrl.metrics import MetricsRegistry
@@ -29,7 +29,7 @@ class AgentMetrics(MetricsRegistry):
         self.state = Gauge("fleetrl_agent_state", "1 for the node's current state, 0 for the others", ["state"],
                            registry=r)
         self.engines = Gauge("fleetrl_agent_engines", "The node's engines in each state", ["state"], registry=r)
-        self.restarts = Gauge("fleetrl_agent_worker_restarts_total", "Worker processes restarted after a crash "
+        self.restarts = Counter("fleetrl_agent_worker_restarts_total", "Worker processes restarted after a crash "
                               "or hang", registry=r)
         self.version = Gauge("fleetrl_rollout_policy_version", "Oldest policy version the node's engines hold "
                              "(-1: none yet)", registry=r)
@@ -37,23 +37,30 @@ class AgentMetrics(MetricsRegistry):
                                   registry=r)
         self.in_flight = Gauge("fleetrl_rollout_groups_in_flight", "Groups admitted and not yet handed to a record",
                                registry=r)
-        self.groups_done = Gauge("fleetrl_rollout_groups_done_total", "Finished groups produced by this agent's "
+        self.groups_done = Counter("fleetrl_rollout_groups_done_total", "Finished groups produced by this agent's "
                                  "workers", registry=r)
-        self.handed_over = Gauge("fleetrl_rollout_groups_handed_over_total",
+        self.handed_over = Counter("fleetrl_rollout_groups_handed_over_total",
                                  "Unfinished groups handed over as partials by this agent's workers", registry=r)
-        self.store_requests = Gauge("fleetrl_rollout_store_requests_total", "Requests the node's workers made to "
+        self.store_requests = Counter("fleetrl_rollout_store_requests_total", "Requests the node's workers made to "
                                     "the region store, by operation", ["op"], registry=r)
+        self._totals: dict[str, int] = {}
 
     def update(self, beat: Heartbeat, engines: Sequence[EngineSupervisor]) -> None:
         for s in STATES:
             self.state.labels(s).set(1.0 if s == beat.state else 0.0)
         for s in ENGINE_STATES:
             self.engines.labels(s).set(sum(1 for e in engines if e.state == s))
-        self.restarts.set(sum(e.restarts for e in engines))
+        self._advance(self.restarts, "restarts", sum(e.restarts for e in engines))
         self.version.set(-1 if beat.version is None else beat.version)
         self.tokens_per_s.set(beat.tokens_per_s)
         self.in_flight.set(beat.in_flight)
-        self.groups_done.set(sum(e.totals["groups_done"] for e in engines))
-        self.handed_over.set(sum(e.totals["handed_over"] for e in engines))
+        self._advance(self.groups_done, "groups_done", sum(e.totals["groups_done"] for e in engines))
+        self._advance(self.handed_over, "handed_over", sum(e.totals["handed_over"] for e in engines))
         for op in ("gets", "lists"):
-            self.store_requests.labels(op.rstrip("s")).set(sum(e.totals[op] for e in engines))
+            self._advance(self.store_requests.labels(op.rstrip("s")), op, sum(e.totals[op] for e in engines))
+
+    def _advance(self, counter: Any, name: str, total: int) -> None:
+        """Counters only go up: add what the running total (summed over the engines' workers) gained."""
+        if total > self._totals.get(name, 0):
+            counter.inc(total - self._totals.get(name, 0))
+            self._totals[name] = total

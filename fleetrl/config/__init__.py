@@ -1,6 +1,6 @@
 """Configuration of a FleetRL run: the models of `fleet.yaml` and their loader (DESIGN.md §7)."""
 
-from fleetrl.config.errors import ConfigError
+from fleetrl.config.errors import ConfigError, SecretError
 from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
 from fleetrl.config.models import (
     AgentConfig,
@@ -25,6 +25,7 @@ from fleetrl.config.models import (
     VllmEngineConfig,
 )
 from fleetrl.config.preemption import PreemptionConfig
+from fleetrl.config.secrets import Secret, SecretField, register_all, secret_fields
 
 __all__ = [
     "AgentConfig",
@@ -42,6 +43,9 @@ __all__ = [
     "PreemptionConfig",
     "RegionConfig",
     "RolloutConfig",
+    "Secret",
+    "SecretError",
+    "SecretField",
     "SigningConfig",
     "StoreConfig",
     "TinyModelConfig",
@@ -52,4 +56,6 @@ __all__ = [
     "apply_env_overrides",
     "load_config",
     "parse_config",
+    "register_all",
+    "secret_fields",
 ]

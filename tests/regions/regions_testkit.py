@@ -16,7 +16,7 @@ from fleetrl.broker import ControlPlane, Heartbeat, PartialRecord, PolicyAnnounc
 from fleetrl.config import FleetConfig, parse_config
 from fleetrl.hub import Hub
 
-HUB_KEY = "regions-test-hub-key-0123456789"
+HUB_KEY = "370914670d656bbd9a9f2ab7ccbd7fd90a2a1c55151520334b409cee29d7820f"  # Ed25519 private key (hex)
 REGION = "r1"
 
 

@@ -13,7 +13,7 @@ from fleet_testkit import publish_tiny as publish_tiny  # re-exported for the te
 from fleetrl.broker import Delivery, GroupRecord, PartialRecord, PromptRecord, Stream, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
 
-HUB_KEY = "rollout-test-hub-key-0123456789"
+HUB_KEY = "6680e5459cd0040518f9d6b4ec6f916984f5a12f538b6eea69e195dc1a06cc09"  # Ed25519 private key (hex)
 REGION = "r1"
 
 
