@@ -263,8 +263,11 @@ class RegionAgent:
                 await self._publish_heartbeat(timeout_s=max(interval_s, 1.0))
             except ControlPlaneError as exc:  # the client reconnects by itself; the next beat may land
                 log.warning("agent.heartbeat_failed", region=self.region, node=self.node, error=str(exc))
+            # asyncio.timeout, not wait_for: on 3.11, wait_for swallows a cancel that lands as the event
+            # fires, and this loop then outlives the agent's shutdown (seen as a hang after SIGTERM).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), timeout=interval_s)
+                async with asyncio.timeout(interval_s):
+                    await self._beat_now.wait()
 
     async def _publish_heartbeat(self, timeout_s: float | None = None) -> None:
         beat = self.heartbeat()

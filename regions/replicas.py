@@ -77,7 +77,8 @@ class ReplicaAnnouncer:
                         log.warning("replicator.announce_failed", region=self.region, error=str(exc))
                 self._poke.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._poke.wait(), timeout=_CHECK_S)
+                    async with asyncio.timeout(_CHECK_S):
+                        await self._poke.wait()
 
 
 def run_replicator(args: argparse.Namespace, config: FleetConfig) -> int:

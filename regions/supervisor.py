@@ -104,7 +104,8 @@ class EngineSupervisor:
         steps, reports = None, 0
         while proc.returncode is None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=_TICK_S)
+                async with asyncio.timeout(_TICK_S):
+                    await proc.wait()
             now = time.monotonic()
             if self.progress.get("_n", 0) != reports:
                 reports, last_report = self.progress["_n"], now
@@ -143,7 +144,8 @@ class EngineSupervisor:
                     in_s=round(delay, 2), failures=self.failures, state=self.state, last_error=self.last_error)
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            async with asyncio.timeout(delay):
+                await self._wake.wait()
         if self._stopping is None:
             self.restarts += 1
 

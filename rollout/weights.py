@@ -57,7 +57,8 @@ class WeightSync:
             if target is not None and await self.refresh(target):
                 return True
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=_STOP_CHECK_S)
+                async with asyncio.timeout(_STOP_CHECK_S):
+                    await self._wake.wait()
             polled = time.monotonic() >= next_poll
             if polled:
                 next_poll = time.monotonic() + self.fallback_poll_s
@@ -72,7 +73,8 @@ class WeightSync:
         while True:
             woke = True
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._wake.wait()
             except TimeoutError:
                 woke = False
             target = await self._target(read_latest=not woke and timeout_s == self.fallback_poll_s)

@@ -158,7 +158,8 @@ class RolloutWorker:
                 # Idle: wake on new work, or soon enough to see a stop or a min_version arrive.
                 self._work_arrived.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._work_arrived.wait(), timeout=_IDLE_WAKE_S)
+                    async with asyncio.timeout(_IDLE_WAKE_S):
+                        await self._work_arrived.wait()
             self._cut_long_tail()
             self._surface_task_errors()
             self._maybe_log_stats()
