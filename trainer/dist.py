@@ -102,17 +102,17 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers) if layers is not None else []
 
 
-def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: DistContext) -> tuple[
-    dict[str, Any], dict[str, Any] | None
-]:
-    """Full (unsharded) CPU state dicts; on ranks > 0 they are empty. Collective under FSDP."""
+def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: DistContext,
+              to_cpu: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Full (unsharded) state dicts, on the CPU unless `to_cpu` is False (one process only: then the
+    model's own tensors); on ranks > 0 they are empty. Collective under FSDP."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=ctx.distributed, cpu_offload=True)
+    opts = StateDictOptions(full_state_dict=ctx.distributed, cpu_offload=to_cpu or ctx.distributed)
     msd = get_model_state_dict(model, options=opts)
     osd = None if optimizer is None else get_optimizer_state_dict(model, optimizer, options=opts)
     return msd, osd

@@ -68,11 +68,15 @@ class Learner:
         return self._train(self.ctx.scatter(batch.shard(self.ctx.world_size)))
 
     def published_state(self) -> dict[str, torch.Tensor]:
-        """The weights as engines run them: publish dtype, CPU, every state-dict name (rank 0)."""
+        """A snapshot of the weights as engines run them: publish dtype, every state-dict name (rank 0).
+
+        Always private copies (the publisher keeps them while the next step trains). In one process
+        the cast is copied on the learner's device (the hub's thread moves it to the host, off the
+        step's path); under FSDP the full state is gathered to rank 0's CPU first."""
         self.ctx.command("state")
-        msd, _ = get_state(self.model, None, self.ctx)
+        msd, _ = get_state(self.model, None, self.ctx, to_cpu=self.ctx.distributed)
         # Tied weights (lm_head = embeddings) are passed as they are: the hub stores them once.
-        return {k: v.to(self.publish_dtype).contiguous() for k, v in msd.items()}
+        return {k: v.detach().to(self.publish_dtype, copy=True).contiguous() for k, v in msd.items()}
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """fp32 model and optimizer state, unsharded (rank 0)."""
