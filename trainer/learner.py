@@ -19,7 +19,7 @@ import torch
 from fleetrl.config import AlgorithmConfig, ModelConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
-from fleetrl.trainer.dist import DistContext, get_state, set_state
+from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss, token_logprobs
 
 log = get_logger(__name__)
@@ -89,6 +89,17 @@ class Learner:
         self.ctx.command("load")
         set_state(self.model, self.optimizer, msd, osd, self.ctx)
 
+    def save_shards(self, path: str) -> None:
+        """Every rank writes its shards of the model and optimizer under `path` (a checkpoint's
+        temporary folder: `checkpoint.commit` makes it durable); nothing is gathered to rank 0."""
+        self.ctx.command(("save_shards", path))
+        save_shards(self.model, self.optimizer, path)
+
+    def load_shards(self, path: str) -> None:
+        """Every rank reads its own shards back from `path`."""
+        self.ctx.command(("load_shards", path))
+        load_shards(self.model, self.optimizer, path)
+
     def stop_followers(self) -> None:
         self.ctx.command("stop")
 
@@ -98,6 +109,9 @@ class Learner:
             cmd = self.ctx.command()
             if cmd == "stop":
                 return
+            if isinstance(cmd, tuple) and cmd[0] in ("save_shards", "load_shards"):
+                (save_shards if cmd[0] == "save_shards" else load_shards)(self.model, self.optimizer, cmd[1])
+                continue
             if cmd == "train":
                 self._train(self.ctx.scatter(None))
             elif cmd == "state":

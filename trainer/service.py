@@ -5,7 +5,7 @@ write) runs in threads so the Kafka clients keep heartbeating. Per region it hol
 (prompts, and dead letters of that region) and one consumer of `trajectories` in the group
 `fleetrl.<run>.trainer`. The order within a step is what makes resume exact:
 
-    step -> snapshot (bf16 copy) -> checkpoint (atomic) -> commit the offsets it covers
+    step -> snapshot (bf16 copy) -> checkpoint (every rank its shards, then atomic) -> commit offsets
                  └─> in the background, while the next step trains: publish version -> announce
 
 Step N's weights are version v+N: `self.version` moves when the snapshot is taken, and prompts
@@ -120,8 +120,11 @@ class Trainer:
             self.version = pv.version
             log.info("trainer.started", version=self.version, resumed=False)
             return
-        msd, osd = await asyncio.to_thread(ckpt.weights)
-        await asyncio.to_thread(self.learner.load_state, msd, osd)
+        if ckpt.shards is not None:  # every rank reads its own shards
+            await asyncio.to_thread(self.learner.load_shards, str(ckpt.shards))
+        else:  # a checkpoint of full state dicts (written before checkpoints were sharded)
+            msd, osd = await asyncio.to_thread(ckpt.weights)
+            await asyncio.to_thread(self.learner.load_state, msd, osd)
         s = ckpt.state
         self.step, self.version, self._saved_step = int(s["step"]), int(s["version"]), int(s["step"])
         self.collector.restore(s["collector"])
@@ -280,9 +283,10 @@ class Trainer:
             "collector": self.collector.state(), "dispatcher": self.dispatcher.state(),
             "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
         }
-        msd, osd = await asyncio.to_thread(self.learner.checkpoint_state)
-        path = await asyncio.to_thread(checkpoint.save, self.config.trainer.checkpoint_dir, state, msd, osd,
-                                       self.config.trainer.keep_checkpoints)
+        directory = self.config.trainer.checkpoint_dir
+        tmp = await asyncio.to_thread(checkpoint.begin, directory, self.step)
+        await asyncio.to_thread(self.learner.save_shards, str(tmp / checkpoint.WEIGHTS_DIR))
+        path = await asyncio.to_thread(checkpoint.commit, directory, tmp, state, self.config.trainer.keep_checkpoints)
         self._saved_step = self.step
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
         log.info("checkpoint.saved", step=self.step, path=str(path))

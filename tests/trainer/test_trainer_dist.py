@@ -1,4 +1,5 @@
-"""Two ranks (FSDP2 over gloo, torchrun) train to the same parameters as one process."""
+"""Two ranks (FSDP2 over gloo, torchrun) train to the same parameters as one process; sharded
+checkpoints (each rank writes its own shards) resume exactly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from fleetrl.trainer.checkpoint import latest
 
 WORKER = Path(__file__).parent / "dist_equivalence_worker.py"
 PARAM_ATOL = 1e-4
@@ -44,6 +47,19 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     for k in p1:
         torch.testing.assert_close(p2[k], p1[k], atol=PARAM_ATOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
     torch.testing.assert_close(torch.tensor(two["stats"]), torch.tensor(one["stats"]), rtol=1e-4, atol=1e-6)
+    # Resumed from the sharded checkpoint, the second half's steps give the same bits again.
+    for run in (one, two):
+        resumed, params = run["resumed"], run["params"]
+        assert isinstance(resumed, dict) and isinstance(params, dict) and resumed.keys() == params.keys()
+        for k in params:
+            assert torch.equal(resumed[k], params[k]), k
+    # One shard file per rank, next to the metadata; the two-rank checkpoint reads back in one process.
+    assert [f for f in two["shard_files"] if f.endswith(".distcp")] == ["__0_0.distcp", "__1_0.distcp"]
+    assert [f for f in one["shard_files"] if f.endswith(".distcp")] == ["__0_0.distcp"]
+    sharded = latest(tmp_path / "two" / "ckpt")
+    assert sharded is not None and sharded.shards is not None
+    model, optimizer = sharded.weights()
+    assert model.keys() == p1.keys() and optimizer["state"]
 
 
 def _initial_params() -> dict[str, torch.Tensor]:
