@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import inplace
@@ -25,6 +25,7 @@ from fleetrl.hub.errors import HubError
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
 from fleetrl.hub.reader import Progress, Reader, Step, empty_words
 from fleetrl.hub.retention import GcReport, collect
+from fleetrl.hub.sharded import ShardPublisher
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
 from fleetrl.hub.tensors import from_words, to_words
@@ -32,6 +33,8 @@ from fleetrl.hub.tensors import from_words, to_words
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+P = TypeVar("P", bound=Publisher)
 
 
 class Hub:
@@ -87,11 +90,18 @@ class Hub:
         `owned`, the caller hands the tensors over (it will not modify them): they are not copied.
         """
         if self._publisher is None:
-            reader = self.reader if self.store is self.home else Reader(
-                self.home, self.run, self.keys, self.pool, self.cfg.anchor_interval, self.cfg.frame_bytes,
-                self.cfg.threads)
-            self._publisher = Publisher(self.home, self.run, self.cfg, self.keys, self.pool, reader)
+            self._publisher = self._new_publisher(Publisher)
         return self._publisher.publish(state_dict, version=version, owned=owned)
+
+    def shard_publisher(self) -> ShardPublisher:
+        """A publisher for one rank of a sharded trainer (see hub/sharded.py); keep it across versions."""
+        return self._new_publisher(ShardPublisher)
+
+    def _new_publisher(self, kind: type[P]) -> P:
+        reader = self.reader if self.store is self.home else Reader(
+            self.home, self.run, self.keys, self.pool, self.cfg.anchor_interval, self.cfg.frame_bytes,
+            self.cfg.threads)
+        return kind(self.home, self.run, self.cfg, self.keys, self.pool, reader)
 
     # --- reading ----------------------------------------------------------------------------
 

@@ -161,11 +161,15 @@ class Publisher:
                 parent = read_parent(self.reader, latest)
             except HubError as exc:
                 return f"newest version {latest} cannot be a parent: {type(exc).__name__}: {exc}"
-            entries = {t.name: t for t in parent.manifest.tensors}
+            entries = {t.name: t for t in parent.manifest.tensors if self._keeps(t.name, cur)}
             self._prev = {n: _Tensor(n, e.dtype, e.shape, parent.words[n], e.sha256) for n, e in entries.items()}
             self._prev_version, self._prev_anchor = latest, parent.manifest.anchor
             log.info("hub.parent_read", version=latest, anchor=parent.manifest.anchor, store=self.store.name)
         return self._difference(cur)
+
+    def _keeps(self, name: str, cur: Mapping[str, _Tensor]) -> bool:
+        """Whether a parent read back keeps this tensor's bits (all of them, for one process)."""
+        return True
 
     def publish(self, state: Mapping[str, torch.Tensor], *, version: int | None = None,
                 owned: bool = False) -> PublishedVersion:
@@ -188,12 +192,19 @@ class Publisher:
     def _write(self, cur: dict[str, _Tensor], version: int, parent: int | None, reason: str | None,
                can_delta: bool) -> PublishedVersion:
         """Encode, upload, then create the manifest (conditional) and move `latest`."""
-        anchor = reason is not None
-        entries, objects = self._encode(cur, anchor=anchor, with_delta=can_delta)
+        entries, objects = self._encode(cur, anchor=reason is not None, with_delta=can_delta)
         written = self._upload(objects)
+        pv = self._commit(entries, {sha: len(o) for sha, o in objects.items()}, version, parent, reason, written)
+        self._prev, self._prev_version, self._prev_anchor = cur, version, pv.anchor
+        return pv
+
+    def _commit(self, entries: list[mf.TensorEntry], objects: dict[str, int], version: int, parent: int | None,
+                reason: str | None, written: int) -> PublishedVersion:
+        """Create the signed manifest of uploaded parts (conditional write), then the holder marker
+        and `latest`. Raises VersionConflict when another publisher created version N first."""
         manifest = mf.Manifest(
-            run=self.run, version=version, parent=parent, anchor=version if anchor else self._prev_anchor,
-            published_at=time.time(), objects={mf_sha: len(o) for mf_sha, o in objects.items()}, tensors=entries,
+            run=self.run, version=version, parent=parent, anchor=version if reason is not None else self._prev_anchor,
+            published_at=time.time(), objects=objects, tensors=entries,
         )
         data = mf.dump_signed(manifest, self._keys())
         key = mf.version_key(self.run, version)
@@ -207,7 +218,6 @@ class Publisher:
                    "sha256": sha, "published_at": manifest.published_at}
         self.store.put(mf.holder_key(self.run, version, self.store.name), b"")
         self.store.put(mf.latest_key(self.run), json.dumps(pointer).encode())
-        self._prev, self._prev_version, self._prev_anchor = cur, version, manifest.anchor
         log.info("hub.published", version=version, anchor=manifest.anchor, bytes=written + len(data),
                  tensors=len(entries), store=self.store.name, anchor_reason=reason)
         return PublishedVersion(version, key, manifest.anchor, sha, manifest.published_at,

@@ -72,6 +72,22 @@ class DistContext:
         dist.scatter_object_list(out, parts if self.is_leader else None, src=0)
         return out[0]
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_leader else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         if self.distributed:
             dist.all_reduce(values, op=dist.ReduceOp.SUM)

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.hub import PublishedVersion, ShardPublisher
 from fleetrl.log import get_logger
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss, token_logprobs
+from fleetrl.trainer.sharded_publish import publish_sharded
 
 log = get_logger(__name__)
 
@@ -59,6 +61,7 @@ class Learner:
             self.model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay
         )
         self.clip = ClipConfig(algo.clip_low, algo.clip_high, algo.tis_cap)
+        self._shard_publisher: ShardPublisher | None = None
 
     # -- operations led by rank 0 -------------------------------------------------------------
 
@@ -89,6 +92,16 @@ class Learner:
         self.ctx.command("load")
         set_state(self.model, self.optimizer, msd, osd, self.ctx)
 
+    def publish_sharded(self, publisher: ShardPublisher, version: int | None = None) -> PublishedVersion | None:
+        """Every rank publishes the tensors it owns through its own `publisher` (set on followers
+        with `attach_publisher`); rank 0 writes the manifest and returns the version."""
+        self.ctx.command(("publish_sharded", version))
+        return publish_sharded(publisher, self.model, self.ctx, self.publish_dtype, version)
+
+    def attach_publisher(self, publisher: ShardPublisher) -> None:
+        """Ranks > 0: the publisher `follow()` uses when rank 0 names a sharded publish."""
+        self._shard_publisher = publisher
+
     def save_shards(self, path: str) -> None:
         """Every rank writes its shards of the model and optimizer under `path` (a checkpoint's
         temporary folder: `checkpoint.commit` makes it durable); nothing is gathered to rank 0."""
@@ -109,6 +122,11 @@ class Learner:
             cmd = self.ctx.command()
             if cmd == "stop":
                 return
+            if isinstance(cmd, tuple) and cmd[0] == "publish_sharded":
+                if self._shard_publisher is None:
+                    raise RuntimeError(f"rank {self.ctx.rank}: a sharded publish needs attach_publisher first")
+                publish_sharded(self._shard_publisher, self.model, self.ctx, self.publish_dtype, cmd[1])
+                continue
             if isinstance(cmd, tuple) and cmd[0] in ("save_shards", "load_shards"):
                 (save_shards if cmd[0] == "save_shards" else load_shards)(self.model, self.optimizer, cmd[1])
                 continue
