@@ -16,10 +16,11 @@ per thread. Per size and lr it prints:
 * the changed fraction of bf16 elements.
 
 Trainer stall per step (largest size, lr 1e-6): a loop of steps through the trainer's own
-`WeightPublisher`, inline (`publish`: snapshot, then the whole publish) vs background (`submit`:
-snapshot, then waiting only for the previous publish while this step trained). The stall is the
-time the loop is not stepping; `stall_ratio` = inline / background. On 2 shared cores the
-background publish also slows the step it overlaps; the loop's wall time per step is printed too.
+`WeightPublisher` and snapshot buffers (`SnapshotRing`, as `Learner.published_state`), inline
+(`publish`: snapshot, then the whole publish) vs background (`submit`: snapshot, then waiting only
+for the previous publish while this step trained). The stall is the time the loop is not stepping;
+`stall_ratio` = inline / background. On 2 shared cores the background publish also competes with
+the step it overlaps; the loop's wall time per step is printed too.
 
 CLI chain (smallest size): five consecutive versions published by five `fleetrl hub publish`
 processes from safetensors files, against the same five from one process into another store;
@@ -61,6 +62,7 @@ from fleetrl.hub import Hub
 from fleetrl.hub.tensors import to_words
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
+from fleetrl.trainer.snapshots import SnapshotRing
 
 LEVEL = 3
 LRS = (1e-6, 1e-5)
@@ -209,12 +211,13 @@ async def trainer_loop(masters: dict[str, torch.Tensor], hub: Hub, steps: int, b
     version = hub.latest()
     assert version is not None
     g = torch.Generator().manual_seed(2)
+    ring = SnapshotRing()  # what Learner.published_state casts into
     stalls, waits = [], []
     start = time.perf_counter()
     for _ in range(steps):
         await asyncio.to_thread(adamw_like_step, masters, LRS[0], g)
         t0 = time.perf_counter()
-        snap = await asyncio.to_thread(snapshot, masters)
+        snap = await asyncio.to_thread(ring.take, masters, torch.bfloat16)
         version += 1
         if background:
             waits.append(await publisher.submit(snap, version))
@@ -275,7 +278,7 @@ def main() -> None:
     torch.set_num_threads(1)
     log.configure(level="WARNING")
     sizes = ["quick"] if args.quick else args.sizes.split(",")
-    steps, stall_steps = (2, 6) if args.quick else (3, 4)
+    steps, stall_steps = (3, 6) if args.quick else (3, 4)  # medians of 3: one slow step (a kernel compiling)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="fleetrl-scale-") as tmp:
         root = pathlib.Path(tmp)

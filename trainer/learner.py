@@ -23,6 +23,7 @@ from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss, token_logprobs
 from fleetrl.trainer.sharded_publish import publish_sharded
+from fleetrl.trainer.snapshots import SnapshotRing
 
 log = get_logger(__name__)
 
@@ -62,6 +63,7 @@ class Learner:
         )
         self.clip = ClipConfig(algo.clip_low, algo.clip_high, algo.tis_cap)
         self._shard_publisher: ShardPublisher | None = None
+        self._snapshots = SnapshotRing()
 
     # -- operations led by rank 0 -------------------------------------------------------------
 
@@ -73,13 +75,15 @@ class Learner:
     def published_state(self) -> dict[str, torch.Tensor]:
         """A snapshot of the weights as engines run them: publish dtype, every state-dict name (rank 0).
 
-        Always private copies (the publisher keeps them while the next step trains). In one process
-        the cast is copied on the learner's device (the hub's thread moves it to the host, off the
-        step's path); under FSDP the full state is gathered to rank 0's CPU first."""
+        Private copies that stay unchanged until two more snapshots have been taken (the publisher
+        keeps one while the next step trains, and as the parent of the next version: see
+        snapshots.py). In one process the cast is copied on the learner's device (the hub's thread
+        moves it to the host, off the step's path); under FSDP the full state is gathered to rank
+        0's CPU first."""
         self.ctx.command("state")
         msd, _ = get_state(self.model, None, self.ctx, to_cpu=self.ctx.distributed)
         # Tied weights (lm_head = embeddings) are passed as they are: the hub stores them once.
-        return {k: v.detach().to(self.publish_dtype, copy=True).contiguous() for k, v in msd.items()}
+        return self._snapshots.take(msd, self.publish_dtype)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """fp32 model and optimizer state, unsharded (rank 0)."""

@@ -17,6 +17,7 @@ from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub, VersionConflict
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
+from fleetrl.trainer.snapshots import SnapshotRing
 
 
 class RecordingAnnouncer:
@@ -70,3 +71,18 @@ async def test_a_failed_background_publish_surfaces_at_the_next_submit(tmp_path:
             await asyncio.wait_for(publisher.submit(_weights(2), 8), 60)
         assert await publisher.flush() is None  # the refused publish is not retried or left pending
         assert announcer.versions == [0] and hub.latest() == 0
+
+
+def test_snapshots_stay_unchanged_until_the_ring_comes_round() -> None:
+    ring = SnapshotRing(depth=3)
+    weights = {"w": torch.randn(8, 8), "b": torch.zeros(8)}
+    taken = []
+    for _ in range(3):
+        weights["w"].add_(1.0)
+        taken.append(({k: v.to(torch.bfloat16) for k, v in weights.items()}, ring.take(weights, torch.bfloat16)))
+    weights["w"].add_(1.0)
+    fourth = ring.take(weights, torch.bfloat16)
+    assert fourth["w"].data_ptr() == taken[0][1]["w"].data_ptr()  # the oldest set is used again
+    for expected, snap in taken[1:]:  # the two before it are untouched
+        assert all(torch.equal(snap[k].view(torch.int16), expected[k].view(torch.int16)) for k in expected)
+    assert torch.equal(fourth["w"], weights["w"].to(torch.bfloat16)) and fourth["w"].dtype == torch.bfloat16
