@@ -48,7 +48,7 @@ def make_config(bootstrap: str, store: pathlib.Path, max_new_tokens: int) -> Fle
         "hub": {"home_store": store.as_uri(), "threads": 2},
         "kafka": {"partitions": {"prompts": 2, "partials": 2, "trajectories": 2, "dead_letter": 1},
                   "max_message_bytes": 1024 * 1024, "request_timeout_s": 30.0},
-        "rollout": {"weight_poll_s": 0.5, "idle_poll_s": 0.1, "stats_interval_s": 60.0},
+        "rollout": {"weight_fallback_poll_s": 0.5, "idle_poll_s": 0.1, "stats_interval_s": 60.0},
         "regions": [{"name": REGION, "kafka": bootstrap, "store": store.as_uri()}],
     })
 

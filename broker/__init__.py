@@ -5,7 +5,14 @@ Public surface; other packages import only these names.
 
 from fleetrl.broker.codec import decode_record, encode_record, expand_versions, rle_versions
 from fleetrl.broker.consumer import Consumer, Delivery
-from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement
+from fleetrl.broker.control import (
+    ControlCommand,
+    EngineState,
+    EngineStatus,
+    Heartbeat,
+    PolicyAnnouncement,
+    ReplicaAnnouncement,
+)
 from fleetrl.broker.deadletter import DeadLetter
 from fleetrl.broker.dlq import read_dead_letters, replay_dead_letters
 from fleetrl.broker.errors import (
@@ -26,6 +33,7 @@ from fleetrl.broker.naming import (
     control_topic,
     node_topic,
     policy_topic,
+    replica_topic,
     rollout_group,
     topic_name,
     trainer_group,
@@ -66,6 +74,8 @@ __all__ = [
     "ControlPlaneError",
     "DeadLetter",
     "Delivery",
+    "EngineState",
+    "EngineStatus",
     "GroupRecord",
     "HandedOverBy",
     "Heartbeat",
@@ -81,6 +91,7 @@ __all__ = [
     "RecordError",
     "RecordLimits",
     "RecordTooLarge",
+    "ReplicaAnnouncement",
     "Sample",
     "Sampling",
     "Stream",
@@ -103,6 +114,7 @@ __all__ = [
     "read_dead_letters",
     "read_log",
     "replay_dead_letters",
+    "replica_topic",
     "rle_versions",
     "rollout_group",
     "topic_name",

@@ -1,4 +1,4 @@
-"""`fleetrl topics ...` and `fleetrl status`: how operators see and repair the broker layer.
+"""`fleetrl topics ...` and `fleetrl control`: how operators see and repair the broker layer.
 
 Each handler takes `(args, config)` from `fleetrl.cli` and returns an exit code. Every topics command
 runs against each region cluster (or the one `--region` names); a region that cannot be reached is
@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -21,7 +20,6 @@ from typing import Any, TypeVar
 from rich.console import Console
 from rich.table import Table
 
-from fleetrl.broker.control import Heartbeat
 from fleetrl.broker.deadletter import DeadLetter
 from fleetrl.broker.dlq import read_dead_letters, replay_dead_letters, select
 from fleetrl.broker.errors import BrokerError
@@ -225,44 +223,6 @@ def dlq_replay(args: argparse.Namespace, config: FleetConfig) -> int:
         _print_json({"dry_run": args.dry_run, "replayed": letters})
     else:
         _letters_table(f"{verb} {len(letters)} dead letter(s) of region {region}", letters)
-    return 0
-
-
-# -- fleet status ---------------------------------------------------------------------------------
-
-
-def status(args: argparse.Namespace, config: FleetConfig) -> int:
-    """The fleet from the MQTT retained state: the announced policy and each node's heartbeat."""
-
-    async def collect() -> tuple[Any, dict[tuple[str, str], Heartbeat]]:
-        async with ControlPlane(config, f"fleetrl-status-{os.getpid()}") as cp:
-            await asyncio.sleep(args.wait_s)  # retained messages arrive right after subscribing
-            return cp.policy, dict(cp.nodes)
-
-    try:
-        policy, nodes = asyncio.run(collect())
-    except BrokerError as exc:
-        print(f"fleetrl: {exc}", file=sys.stderr)
-        return 1
-    now = time.time()
-    stale_after_s = 3 * config.mqtt.heartbeat_interval_s
-    rows = [
-        {"region": region, "node": node, **beat.model_dump(), "age_s": round(now - beat.ts, 1),
-         "stale": beat.state != "offline" and now - beat.ts > stale_after_s}
-        for (region, node), beat in sorted(nodes.items())
-    ]
-    if args.json:
-        _print_json({"run": config.run, "policy": policy.model_dump() if policy else None, "nodes": rows})
-        return 0
-    console = _console()
-    if policy is None:
-        console.print(f"run {config.run}: no policy announced yet")
-    else:
-        console.print(f"run {config.run}: policy version {policy.version} (anchor {policy.anchor}), "
-                      f"manifest {policy.manifest}, published {time.ctime(policy.published_at)}")
-    _table("nodes", ["region", "node", "state", "version", "tokens/s", "in flight", "engines", "age (s)"],
-           [[r["region"], r["node"], r["state"] + (" (stale)" if r["stale"] else ""), r["version"],
-             f"{r['tokens_per_s']:.1f}", r["in_flight"], r["engines"], r["age_s"]] for r in rows])
     return 0
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import ssl
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import aiokafka.errors as ak_errors
 
 from fleetrl.broker.errors import KafkaError
-from fleetrl.config import FleetConfig, KafkaClusterConfig
+from fleetrl.config import FleetConfig, KafkaClusterConfig, SecretError, SecretField
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -34,7 +34,8 @@ def cluster(config: FleetConfig, region: str) -> KafkaClusterConfig:
 
 
 def client_kwargs(config: FleetConfig, region: str, client_id: str) -> dict[str, Any]:
-    """aiokafka keyword arguments shared by producers, consumers and admin clients of a region."""
+    """aiokafka keyword arguments shared by every Kafka client of a region: producers, consumers, admin
+    clients, the topic tooling, lag, audit and dead-letter tools all connect through here (TLS, SASL)."""
     c = cluster(config, region)
     kwargs: dict[str, Any] = {
         "bootstrap_servers": c.bootstrap,
@@ -43,16 +44,85 @@ def client_kwargs(config: FleetConfig, region: str, client_id: str) -> dict[str,
         "security_protocol": c.security_protocol,
     }
     if c.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
-        kwargs["ssl_context"] = create_ssl_context(cafile=c.ca_file)
+        kwargs["ssl_context"] = _ssl_context(c, region)
     if c.sasl_mechanism is not None:
         if c.sasl_mechanism == "OAUTHBEARER":
             raise KafkaError(f"region {region!r}: OAUTHBEARER needs a token provider, which FleetRL lacks")
+        try:
+            password = SecretField(f"regions[{region}].kafka.sasl_password", c, "sasl_password").value()
+        except SecretError as exc:
+            raise KafkaError(f"region {region!r}: {exc}") from exc
+        if c.sasl_username is None or password is None:
+            raise KafkaError(f"region {region!r}: {c.sasl_mechanism} needs kafka.sasl_username and a password "
+                             f"(kafka.sasl_password_file or sasl_password_env)")
         kwargs["sasl_mechanism"] = c.sasl_mechanism
         kwargs["sasl_plain_username"] = c.sasl_username
-        kwargs["sasl_plain_password"] = os.environ.get(c.sasl_password_env or "", None)
+        kwargs["sasl_plain_password"] = password
     return kwargs
+
+
+def _ssl_context(c: KafkaClusterConfig, region: str) -> ssl.SSLContext:
+    """Verifying TLS context: the system CAs, or only `ca_file` when set; hostnames are checked."""
+    from aiokafka.helpers import create_ssl_context
+
+    try:
+        return create_ssl_context(cafile=c.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise KafkaError(f"region {region!r}: cannot load kafka.ca_file {c.ca_file}: {exc}") from exc
+
+
+async def connect(start: Awaitable[None], config: FleetConfig, region: str, what: str) -> None:
+    """Start a client, bounded. A TLS or SASL failure that no retry can fix becomes one non-retriable
+    line naming the region, instead of a generic bootstrap failure retried until it times out."""
+    try:
+        await bounded(start, config.kafka.request_timeout_s, what)
+    except Exception as exc:
+        failure = _auth_failure(exc, region, config) or await _tls_probe(config, region)
+        if failure is not None:
+            raise failure from exc
+        raise
+
+
+def _auth_failure(exc: BaseException, region: str, config: FleetConfig) -> KafkaError | None:
+    c = cluster(config, region)
+    chain = [exc, exc.__cause__, exc.__context__]
+    if any(isinstance(e, ssl.SSLCertVerificationError) for e in chain):
+        return _untrusted(c, region)
+    # aiokafka's SCRAM client fails with KeyError('v') when the server answers "e=..." (refused) instead
+    # of its verifier; a real Kafka sends SaslAuthenticationFailed.
+    refused = any(isinstance(e, ak_errors.SaslAuthenticationFailed | ak_errors.IllegalSaslStateError) for e in chain)
+    scram_refused = c.sasl_mechanism is not None and isinstance(exc, KeyError)
+    unsupported = isinstance(exc, ak_errors.UnsupportedSaslMechanismError)
+    if unsupported:
+        return KafkaError(f"region {region!r}: Kafka {c.bootstrap} does not offer SASL mechanism {c.sasl_mechanism} "
+                          f"(kafka.sasl_mechanism)")
+    if refused or scram_refused:
+        return KafkaError(f"region {region!r}: Kafka {c.bootstrap} refused the {c.sasl_mechanism} login of user "
+                          f"{c.sasl_username!r}: wrong user name or password (kafka.sasl_password)")
+    return None
+
+
+def _untrusted(c: KafkaClusterConfig, region: str) -> KafkaError:
+    return KafkaError(f"region {region!r}: Kafka {c.bootstrap} presented a TLS certificate that is not trusted "
+                      f"(kafka.ca_file = {c.ca_file or 'system CAs'})")
+
+
+async def _tls_probe(config: FleetConfig, region: str) -> KafkaError | None:
+    """After a failed bootstrap over TLS, a handshake of our own says whether the certificate was the cause
+    (aiokafka only logs it and reports that it could not bootstrap)."""
+    c = cluster(config, region)
+    if c.security_protocol not in ("SSL", "SASL_SSL"):
+        return None
+    host, _, port = c.bootstrap.split(",")[0].strip().rpartition(":")
+    try:
+        async with asyncio.timeout(5.0):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=_ssl_context(c, region))
+        writer.close()
+    except ssl.SSLCertVerificationError:
+        return _untrusted(c, region)
+    except (OSError, TimeoutError, ssl.SSLError):
+        return None
+    return None
 
 
 def to_kafka_error(exc: BaseException, what: str) -> KafkaError:

@@ -25,7 +25,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.protocol.group import LeaveGroupRequest
 
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, translated
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, translated
 from fleetrl.broker.codec import decode_record
 from fleetrl.broker.errors import KafkaError, RecordError
 from fleetrl.broker.naming import Stream, topic_name
@@ -113,7 +113,7 @@ class Consumer:
         )
         self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
         try:
-            await bounded(self._consumer.start(), self.config.kafka.request_timeout_s,
+            await connect(self._consumer.start(), self.config, self.region,
                           f"start consumer {self.client_id!r} of group {self.group!r} (region {self.region!r})")
         except BaseException:
             await self.close()

@@ -3,6 +3,7 @@
     fleetrl/<run>/policy                  PolicyAnnouncement   retained: the newest published version
     fleetrl/<run>/nodes/<region>/<node>   Heartbeat            retained; the last will says "offline"
     fleetrl/<run>/control/<region>        ControlCommand       not retained: drain / resume / stop
+    fleetrl/<run>/replicas/<region>       ReplicaAnnouncement  retained: the newest version the region store holds
 
 Nothing here is the only copy of anything: a node that missed a message recovers from the retained
 state and the object store.
@@ -37,6 +38,40 @@ class PolicyAnnouncement(_Payload):
     published_at: float
 
 
+class ReplicaAnnouncement(_Payload):
+    """The newest version a region's store holds, announced by its replicator after the holder reference
+    is written: the region's workers pull when it changes (and never read across the WAN themselves)."""
+
+    version: int = Field(ge=0)
+    manifest_sha256: str
+    """Hash of the manifest bytes (the same in every store)."""
+    anchor: int = Field(ge=0)
+    """Version of the anchor the delta chain starts from: a node too far behind starts there."""
+    ts: float = Field(default_factory=time.time)
+
+
+EngineState = Literal["starting", "up", "restarting", "crashloop", "stopped"]
+
+
+class EngineStatus(_Payload):
+    """One engine of a node: the supervised worker process that runs it."""
+
+    index: int = Field(ge=0)
+    device: str = ""
+    """The engine's device (`cpu`, `cuda:0`, or a CUDA_VISIBLE_DEVICES value)."""
+    state: EngineState
+    """`starting` (loading), `up`, `restarting` (after a crash or hang, in backoff), `crashloop` (it keeps
+    failing; still retried at the capped backoff), `stopped` (drained or leaving)."""
+    pid: int | None = None
+    restarts: int = 0
+    """Worker processes started after the first one."""
+    version: int | None = None
+    tokens_per_s: float = 0.0
+    in_flight: int = 0
+    last_error: str = ""
+    """Last error line of the worker that failed most recently."""
+
+
 class Heartbeat(_Payload):
     """A node's retained state; `ts` lets a reader tell a stale "up" from a live one."""
 
@@ -46,8 +81,8 @@ class Heartbeat(_Payload):
     tokens_per_s: float = 0.0
     in_flight: int = 0
     """Groups being decoded."""
-    engines: int | list[str] = 0
-    """Engines on the node: a count, or their names."""
+    engines: int | list[EngineStatus] = 0
+    """Engines on the node: a count, or each engine's status (what region agents send)."""
     ts: float = Field(default_factory=time.time)
 
 

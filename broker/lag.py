@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect
 from fleetrl.broker.errors import KafkaError
 from fleetrl.broker.naming import Stream, rollout_group, topic_name, trainer_group
 from fleetrl.broker.topics import admin_client, describe_topics
@@ -51,7 +51,7 @@ async def reader(
                                 max_partition_fetch_bytes=fetch, fetch_max_bytes=fetch)
     timeout = config.kafka.request_timeout_s
     try:
-        await bounded(consumer.start(), timeout, f"connect reader to region {region!r}")
+        await connect(consumer.start(), config, region, f"connect reader to region {region!r}")
         yield consumer
     finally:
         await bounded(consumer.stop(), timeout, f"stop reader of region {region!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -25,10 +25,10 @@ from typing import Any
 import aiomqtt
 from pydantic import ValidationError
 
-from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement
+from fleetrl.broker.control import ControlCommand, Heartbeat, PolicyAnnouncement, ReplicaAnnouncement
 from fleetrl.broker.errors import ControlPlaneError
-from fleetrl.broker.naming import control_topic, node_topic, policy_topic
-from fleetrl.config import FleetConfig
+from fleetrl.broker.naming import control_topic, node_topic, policy_topic, replica_topic
+from fleetrl.config import FleetConfig, SecretError, SecretField
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -46,16 +46,24 @@ class ControlPlane:
         will: tuple[str, str] | None = None,
         *,
         watch_nodes: bool = True,
+        watch_replicas: bool = False,
         connect_timeout_s: float = 10.0,
+        wait_connected: bool = True,
     ) -> None:
         self.config, self.client_id, self.will = config, client_id, will
         self.connect_timeout_s = connect_timeout_s
+        self.wait_connected = wait_connected
+        """False: entering does not wait for the broker (a daemon that must start while MQTT is down);
+        the client connects in the background and publishes wait for it."""
         self.policy: PolicyAnnouncement | None = None
         self.nodes: dict[tuple[str, str], Heartbeat] = {}
+        self.replicas: dict[str, ReplicaAnnouncement] = {}
+        """The newest retained replica announcement of each region (with `watch_replicas`)."""
         run = config.run
-        self._policy_topic, self._nodes_prefix, self._control_prefix = (
-            policy_topic(run), f"fleetrl/{run}/nodes/", f"fleetrl/{run}/control/")
-        self._filters = {self._policy_topic} | ({self._nodes_prefix + "+/+"} if watch_nodes else set())
+        self._policy_topic, self._nodes_prefix, self._control_prefix, self._replicas_prefix = (
+            policy_topic(run), f"fleetrl/{run}/nodes/", f"fleetrl/{run}/control/", f"fleetrl/{run}/replicas/")
+        self._filters = ({self._policy_topic} | ({self._nodes_prefix + "+/+"} if watch_nodes else set())
+                         | ({self._replicas_prefix + "+"} if watch_replicas else set()))
         self._queues: dict[str, list[asyncio.Queue[ControlCommand | BaseException]]] = {}
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
@@ -73,6 +81,8 @@ class ControlPlane:
             raise ControlPlaneError(f"control plane client {self.client_id!r} cannot be started twice")
         self._task = asyncio.create_task(self._run(), name=f"mqtt-{self.client_id}")
         self._task.add_done_callback(self._on_task_done)
+        if not self.wait_connected:
+            return self
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await self._wait_connected()
@@ -145,6 +155,12 @@ class ControlPlane:
         """Retained state of one node."""
         await self._publish(node_topic(self.config.run, region, node), beat.to_json(), retain=True, timeout_s=timeout_s)
 
+    async def announce_replica(self, region: str, announcement: ReplicaAnnouncement,
+                               timeout_s: float | None = None) -> None:
+        """Retained, QoS 1: the region's workers (and any that join later) learn what their store holds."""
+        await self._publish(replica_topic(self.config.run, region), announcement.to_json(), retain=True,
+                            timeout_s=timeout_s)
+
     async def send_control(self, region: str, command: ControlCommand) -> None:
         """A command to the region's nodes (not retained: only connected nodes act on it)."""
         await self._publish(control_topic(self.config.run, region), command.to_json(), retain=False)
@@ -183,6 +199,22 @@ class ControlPlane:
                                     f"within {timeout_s:.0f} s (latest: {have})") from exc
         return self.policy
 
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def changed(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the next change of the retained state (policy, replicas, nodes) or
+        of the connection; True if one came. Raises ControlPlaneError if the client died."""
+        self._check_alive()
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait()
+                self._check_alive()
+                return True
+        return False
+
     async def commands(self, region: str) -> AsyncIterator[ControlCommand]:
         """Commands sent to `region` from now on; ends with ControlPlaneError if the client dies."""
         self._check_alive()
@@ -219,12 +251,16 @@ class ControlPlane:
                     self._client = client
                     self.connections += 1
                     self._connected.set()
+                    self._changed.set()
                     delay = _FIRST_BACKOFF_S
                     log.info("control.connected", client_id=self.client_id, url=self.config.mqtt.url,
                              connections=self.connections)
                     async for message in client.messages:
                         self._dispatch(str(message.topic), message.payload)
             except aiomqtt.MqttError as exc:
+                refusal = _refusal(exc, self.config)
+                if refusal is not None:  # retrying cannot help: fail once, with one line
+                    raise ControlPlaneError(refusal) from exc
                 log.warning("control.disconnected", client_id=self.client_id, error=str(exc), retry_in_s=delay)
             finally:
                 self._connected.clear()
@@ -242,11 +278,17 @@ class ControlPlane:
                                 qos=1, retain=True)
         kwargs: dict[str, Any] = {}
         if url.scheme == "mqtts":
-            kwargs["tls_params"] = aiomqtt.TLSParameters(ca_certs=m.ca_file)
+            kwargs["tls_context"] = _tls_context(m.ca_file)
+        try:
+            password = SecretField("mqtt.password", m, "password").value()
+        except SecretError as exc:
+            raise ControlPlaneError(str(exc)) from exc
+        if m.username is not None and password is None:
+            raise ControlPlaneError(f"mqtt.username is {m.username!r} but no password is set (mqtt.password_file, "
+                                    f"mqtt.password_env{f' = {m.password_env}' if m.password_env else ''})")
         return aiomqtt.Client(
             url.hostname or "127.0.0.1", url.port or (8883 if url.scheme == "mqtts" else 1883),
-            identifier=self.client_id, username=m.username,
-            password=os.environ.get(m.password_env) if m.password_env else None,
+            identifier=self.client_id, username=m.username, password=password,
             keepalive=m.keepalive_s, will=will, clean_session=True, timeout=float(m.keepalive_s), **kwargs,
         )
 
@@ -260,6 +302,9 @@ class ControlPlane:
                 if len(parts) == 2:
                     self.nodes[(parts[0], parts[1])] = Heartbeat.model_validate(json.loads(raw))
                     self._changed.set()
+            elif topic.startswith(self._replicas_prefix):
+                region = topic[len(self._replicas_prefix):]
+                self._on_replica(region, ReplicaAnnouncement.model_validate(json.loads(raw)))
             elif topic.startswith(self._control_prefix):
                 self._on_command(topic[len(self._control_prefix):], ControlCommand.model_validate(json.loads(raw)))
         except (ValueError, ValidationError) as exc:  # JSONDecodeError is a ValueError
@@ -270,9 +315,57 @@ class ControlPlane:
             self.policy = announcement
             self._changed.set()
 
+    def _on_replica(self, region: str, announcement: ReplicaAnnouncement) -> None:
+        known = self.replicas.get(region)
+        if "/" not in region and (known is None or announcement.version >= known.version):
+            self.replicas[region] = announcement
+            self._changed.set()
+
     def _on_command(self, region: str, command: ControlCommand) -> None:
         for queue in self._queues.get(region, []):
             try:
                 queue.put_nowait(command)
             except asyncio.QueueFull:
                 log.error("control.command_dropped", region=region, cmd=command.cmd, reason="queue full")
+
+
+# CONNACK codes that mean "these credentials will never be accepted" (MQTT 3.1.1: 4, 5; MQTT 5: 134, 135).
+_AUTH_CODES = {4: "bad user name or password", 5: "not authorized", 134: "bad user name or password",
+               135: "not authorized"}
+
+
+def _refusal(exc: aiomqtt.MqttError, config: FleetConfig) -> str | None:
+    """One line for a connection failure no retry can fix (wrong credentials, untrusted certificate)."""
+    m = config.mqtt
+    rc = getattr(exc, "rc", None)
+    code = getattr(rc, "value", rc)
+    if isinstance(code, int) and code in _AUTH_CODES:
+        who = f"user {m.username!r}" if m.username else "anonymous clients"
+        return f"MQTT broker {m.url} refused {who}: {_AUTH_CODES[code]} (check mqtt.username and mqtt.password)"
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return f"MQTT broker {m.url}: TLS certificate not trusted ({getattr(cause, 'verify_message', cause)}; " \
+               f"mqtt.ca_file = {m.ca_file})"
+    return None
+
+
+class _ClosingSSLSocket(ssl.SSLSocket):
+    """paho leaves a socket whose TLS handshake failed open (a ResourceWarning per attempt): close it."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        try:
+            super().do_handshake(block)
+        except BaseException:
+            self.close()
+            raise
+
+
+def _tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """A verifying client context (hostname checked): the system CAs, or only `mqtt.ca_file` when set."""
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ControlPlaneError(f"cannot load mqtt.ca_file {ca_file}: {exc}") from exc
+    context.sslsocket_class = _ClosingSSLSocket
+    return context
+

@@ -39,3 +39,8 @@ def node_topic(run: str, region: str, node: str) -> str:
 def control_topic(run: str, region: str) -> str:
     """Commands to a region's nodes (not retained)."""
     return f"fleetrl/{run}/control/{region}"
+
+
+def replica_topic(run: str, region: str) -> str:
+    """Retained: the newest version a region's store holds, written by the region's replicator."""
+    return f"fleetrl/{run}/replicas/{region}"

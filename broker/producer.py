@@ -15,7 +15,7 @@ from types import TracebackType
 from aiokafka import AIOKafkaProducer
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, translated, with_retries
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, translated, with_retries
 from fleetrl.broker.codec import encode_record
 from fleetrl.broker.deadletter import dead_letter_headers
 from fleetrl.broker.errors import KafkaError, RecordError, RecordTooLarge
@@ -60,7 +60,8 @@ class Producer:
             retry_backoff_ms=int(k.retry_backoff_s * 1000),
         )
         try:
-            await bounded(self._producer.start(), k.request_timeout_s, f"start producer for region {self.region!r}")
+            await connect(self._producer.start(), self.config, self.region,
+                          f"start producer for region {self.region!r}")
         except BaseException:
             await self.close()
             raise

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect
 from fleetrl.broker.errors import TopicError
 from fleetrl.broker.naming import STREAMS, Stream, topic_name
 from fleetrl.config import FleetConfig
@@ -80,7 +80,7 @@ async def admin_client(config: FleetConfig, region: str, client_id: str = "fleet
     admin = AIOKafkaAdminClient(**client_kwargs(config, region, client_id))
     timeout = config.kafka.request_timeout_s
     try:
-        await bounded(admin.start(), timeout, f"connect admin client to region {region!r}")
+        await connect(admin.start(), config, region, f"connect admin client to region {region!r}")
         yield admin
     finally:
         await bounded(admin.close(), timeout, f"close admin client of region {region!r}")

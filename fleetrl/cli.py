@@ -108,15 +108,18 @@ def _add_daemons(sub: Any) -> None:
                    help="node name ([a-z0-9-], need not be listed in the config: auto-scaled nodes use instance ids)")
     p.add_argument("--notice-file", default=None, metavar="PATH",
                    help="preemption notice: when this file appears, hand over, go offline and exit 0")
-    p = _cmd(sub, "replicator", "fleetrl.hub.cli:run_replicator", "replicate versions into a region store (daemon)")
+    p = _cmd(sub, "replicator", "fleetrl.regions.replicas:run_replicator",
+             "replicate versions into a region store and announce them (daemon)")
     _region(p, required=True)
     p.add_argument("--once", action="store_true", help="replicate what is missing, then exit")
 
 
 def _add_operations(sub: Any) -> None:
-    p = _cmd(sub, "status", "fleetrl.broker.cli:status", "fleet view from the MQTT retained state")
+    p = _cmd(sub, "status", "fleetrl.broker.fleet_status:status", "fleet view from the MQTT retained state")
     _json(p)
     p.add_argument("--wait-s", type=float, default=2.0, help="how long to collect retained messages")
+    p.add_argument("--watch", type=float, default=None, metavar="S",
+                   help="stay connected and redraw every S seconds (Ctrl-C ends it)")
     ctl = sub.add_parser("control", help="send a command to every node of a region").add_subparsers(
         dest="command_name", metavar="COMMAND", required=True
     )
@@ -131,6 +134,18 @@ def _add_operations(sub: Any) -> None:
     p = _cmd(sub, "audit", "fleetrl.trainer.cli:audit",
              "prove every dispatched group was trained once, counted stale or dead-lettered")
     _json(p)
+
+
+def _add_units(sub: Any) -> None:
+    units = _group(sub, "units", "the systemd units of a rollout node's daemons", "units_command")
+    p = _cmd(units, "install", "fleetrl.regions.units:run_units",
+             "write fleetrl-agent.service and fleetrl-replicator@.service (or print them)", config=False)
+    p.add_argument("--dest", default=None, metavar="DIR",
+                   help="unit folder to write into, e.g. /etc/systemd/system (default: print the units)")
+    p.add_argument("--prefix", default="/opt/fleetrl/venv", metavar="VENV",
+                   help="virtualenv whose bin/fleetrl the units start (default: %(default)s)")
+    p.add_argument("--config", dest="unit_config", default="/etc/fleetrl/fleet.yaml", metavar="PATH",
+                   help="fleet.yaml the units pass to the daemons (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for stores, checkpoints and logs, WIPED at the start of each run "
                         "(default: .fleetrl/demo next to the config; a non-empty folder the demo did not make "
                         "is refused)")
-    for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations):
+    for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations, _add_units):
         add(sub)
     return parser
 
@@ -172,24 +187,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
 
-    from fleetrl.config import ConfigError, load_config
-    from fleetrl.log import configure
+    from fleetrl.config import ConfigError, load_config, register_all
+    from fleetrl.log import configure, redact
 
     configure(json=True if args.log_json else None, level=args.log_level)
     try:
         config = None
         if args.needs_config:
             config = load_config(getattr(args, "file", None) or args.config)
+            register_all(config)  # from here on, no log event or error line shows a configured secret
         return _load_handler(args.handler)(args, config)
     except ConfigError as exc:
-        print(f"fleetrl: config error: {exc}", file=sys.stderr)
+        print(redact(f"fleetrl: config error: {exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         if args.debug:
             raise
-        print(f"fleetrl: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(redact(f"fleetrl: error: {type(exc).__name__}: {exc}"), file=sys.stderr)
         return 1
 
 

@@ -9,7 +9,7 @@ import types
 import typing
 from typing import Any, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 from fleetrl.config import FleetConfig
@@ -119,6 +119,8 @@ def _type_name(annotation: Any) -> str:
         return _type_name(get_args(annotation)[0])
     if origin is not None:
         return f"{getattr(origin, '__name__', origin)}[{', '.join(_type_name(a) for a in get_args(annotation))}]"
+    if annotation is SecretStr:
+        return "secret"
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.live import Live
 
 from fleetrl import devstack
-from fleetrl.config import FleetConfig
+from fleetrl.config import FleetConfig, SecretField
 from fleetrl.demo_procs import (
     Child,
     DemoError,
@@ -51,6 +51,7 @@ from fleetrl.demo_procs import (
     fleetrl_child,
     fresh_workdir,
     loopback_ports,
+    signing_keys,
     stop_all,
     write_config,
 )
@@ -116,10 +117,12 @@ class Demo:
         default = default_workdir(config_path)
         self.workdir = fresh_workdir(pathlib.Path(self.args.workdir) if self.args.workdir else default, default)
         self.config = effective_config(self.config, self.workdir)
+        trainer_keys = signing_keys(self.config)
         self.config_path = write_config(self.config, self.workdir / "fleet.yaml")
         self.progress = Progress(self.steps, {r.name: RegionView() for r in self.config.regions})
         with self._everything_stopped_at_exit():
             self.env = child_env()
+            self.trainer_env = child_env(trainer_keys)
             self._start(ports, self.env)
             assert self.trainer is not None
             self._watch_until_trainer_done()
@@ -140,7 +143,11 @@ class Demo:
         self.console.print(f"fleetrl demo: {self.steps} steps; workdir {self.workdir} (logs in {logs})")
         for region, port in ports.kafka.items():
             self._start_server(devstack.tansu(port), f"tansu-{region}")
-        mqtt = devstack.mqtt_broker(ports.mqtt, workdir=self.workdir)
+        m = self.config.mqtt
+        password = SecretField("mqtt.password", m, "password").value() if m.username else None
+        # With mqtt.username set, the broker accepts that user and password only, as a fleet's would.
+        mqtt = devstack.mqtt_broker(ports.mqtt, workdir=self.workdir,
+                                    users={m.username: password or ""} if m.username else None)
         self._start_server(mqtt, mqtt.name)
         asyncio.run(self._create_topics())
         c, p = self.config, self.config_path
@@ -148,7 +155,7 @@ class Demo:
             self._spawn(fleetrl_child(f"replicator-{r.name}", ["replicator", "--region", r.name], p, self.workdir,
                                       env, c.hub.lease_ttl_s + 5))
         self.trainer = self._spawn(fleetrl_child("trainer", ["trainer", "--steps", str(self.steps)], p, self.workdir,
-                                                 env, c.trainer.drain_timeout_s + 10))
+                                                 self.trainer_env, c.trainer.drain_timeout_s + 10))
         for r in c.regions:
             for n in r.nodes:
                 child = fleetrl_child(f"agent-{r.name}-{n.name}", ["agent", "--region", r.name, "--node", n.name], p,

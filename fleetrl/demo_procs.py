@@ -26,7 +26,8 @@ from typing import IO
 
 import yaml
 
-from fleetrl.config import FleetConfig, StoreConfig
+from fleetrl.config import FleetConfig, SecretField, StoreConfig, secret_fields
+from fleetrl.log import register_secret
 
 MARKER = ".fleetrl-demo"
 """A work directory holding this file was made by the demo: it may be wiped."""
@@ -75,14 +76,57 @@ def effective_config(config: FleetConfig, workdir: pathlib.Path) -> FleetConfig:
     c.trainer.checkpoint_dir = str(workdir / "checkpoints")
     if c.rollout.metrics_port:  # every agent runs on this machine: one fixed port cannot serve them all
         c.rollout.metrics_port = 0
+    if c.hub.replicator_metrics_port:  # likewise the replicators
+        c.hub.replicator_metrics_port = 0
     return c
 
 
 def write_config(config: FleetConfig, path: pathlib.Path) -> pathlib.Path:
-    doc = config.model_dump(mode="json")
+    """The children's fleet.yaml. A secret given inline goes to a file beside it (mode 0600), named by
+    its `*_file` field: no secret value is ever written into the YAML (it would read `**********`)."""
+    c = config.model_copy(deep=True)
+    for i, secret in enumerate(secret_fields(c)):
+        inline = getattr(secret.owner, secret.name)
+        if inline is not None:
+            secret_file = path.parent / f"secret-{i}"
+            secret_file.touch(mode=0o600)
+            secret_file.write_text(inline.get_secret_value())
+            setattr(secret.owner, secret.name, None)
+            setattr(secret.owner, f"{secret.name}_file", str(secret_file))
     path.write_text("# written by `fleetrl demo` for its processes; edit the source config instead\n"
-                    + yaml.safe_dump(doc, sort_keys=False))
+                    + yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False))
     return path
+
+
+def signing_keys(config: FleetConfig) -> dict[str, str]:
+    """Prepare manifest signing for the demo; returns the variables only the trainer's environment gets.
+
+    Ed25519 (the default): the trainer alone receives the private key (the configured one, or a pair
+    made for this run), and the config the children share names only the public key, so agents and
+    replicators run exactly as on a fleet, unable to sign. HMAC: every process shares one key.
+    """
+    s = config.hub.signing
+    key_env = s.key_env or "FLEETRL_HUB_KEY"
+    configured = SecretField("hub.signing.key", s, "key").value()
+    if s.scheme == "hmac-sha256":
+        s.key, s.key_file, s.key_env = None, None, key_env
+        os.environ.setdefault(key_env, configured or f"fleetrl-demo-{secrets.token_hex(16)}")
+        return {}
+    from cryptography.hazmat.primitives import serialization
+
+    from fleetrl.hub.signing import generate_ed25519, load_keys
+
+    if configured is not None:
+        keys = load_keys(s)
+        private = keys.signing_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                                 serialization.NoEncryption()).hex()
+        public = keys.verify_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+    else:
+        private, public = generate_ed25519()
+    register_secret(private)
+    s.key, s.key_file, s.key_env, s.public_key, s.public_key_file = None, None, key_env, public, None
+    os.environ.pop(key_env, None)  # children inherit os.environ: only the trainer gets the private key
+    return {key_env: private}
 
 
 # -- ports ----------------------------------------------------------------------------------------
@@ -128,10 +172,8 @@ def check_free(ports: Ports, source: str) -> None:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of every child: one torch thread each (2 shared cores), no hub downloads, a hub key."""
+    """Environment of every child: one torch thread each (2 shared cores), no hub downloads."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    # The demo signs its manifests with a key of its own unless the user brought one.
-    env.setdefault("FLEETRL_HUB_KEY", f"fleetrl-demo-{secrets.token_hex(16)}")
     return {**env, **(extra or {})}
 
 

@@ -95,6 +95,9 @@ class ServerProcess:
             assert self.proc is not None
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        if self._log is not None:  # a later start() opens it again
+            self._log.close()
+            self._log = None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate this process (only this one, by PID); kill it if it outlives `timeout_s`."""
@@ -140,13 +143,20 @@ def tansu_binary() -> str:
 
 
 def tansu(
-    port: int | None = None, storage: str = "memory://tansu/", env: Mapping[str, str] | None = None
+    port: int | None = None, storage: str = "memory://tansu/", env: Mapping[str, str] | None = None, *,
+    advertised_port: int | None = None, authentication: bool = False,
 ) -> ServerProcess:
-    """A tansu broker on 127.0.0.1:port. `storage` may be `s3://bucket/` (with AWS_* in `env`)."""
+    """A tansu broker on 127.0.0.1:port. `storage` may be `s3://bucket/` (with AWS_* in `env`).
+
+    `advertised_port` is the port clients are told to use (a TLS terminator in front of tansu, which
+    cannot serve TLS itself); `authentication` makes tansu require a SASL (SCRAM) login.
+    """
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
-    argv = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-            "--storage-engine", storage]
+    argv = [tansu_binary(), "broker", "--listener-url", url,
+            "--advertised-listener-url", f"tcp://127.0.0.1:{advertised_port or port}", "--storage-engine", storage]
+    if authentication:
+        argv.append("--authentication")
     return ServerProcess("tansu", argv, port, env=dict(env or {}))
 
 
@@ -162,10 +172,18 @@ def tansu_s3_env(endpoint: str, bucket_region: str = "us-east-1") -> dict[str, s
 
 
 def mqtt_broker(port: int | None = None, workdir: pathlib.Path | None = None,
-                prefer: Sequence[str] = ("mosquitto", "amqtt")) -> ServerProcess:
-    """An MQTT broker on 127.0.0.1:port: mosquitto if on PATH, else amqtt (pip)."""
+                prefer: Sequence[str] = ("mosquitto", "amqtt"), *, users: Mapping[str, str] | None = None,
+                tls: tuple[pathlib.Path, pathlib.Path] | None = None) -> ServerProcess:
+    """An MQTT broker on 127.0.0.1:port: mosquitto if on PATH, else amqtt (pip).
+
+    `users` (name -> password) makes the broker refuse every other login, and `tls` (certificate,
+    key) makes the listener TLS only; both are served by amqtt (its password file holds Argon2
+    hashes, nothing in clear).
+    """
     port = port or free_port()
     workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="fleetrl-mqtt-"))
+    if users is not None or tls is not None:
+        prefer = ("amqtt",)
     for kind in prefer:
         if kind == "mosquitto" and shutil.which("mosquitto"):
             conf = workdir / "mosquitto.conf"
@@ -174,13 +192,25 @@ def mqtt_broker(port: int | None = None, workdir: pathlib.Path | None = None,
         if kind == "amqtt":
             amqtt = shutil.which("amqtt") or str(pathlib.Path(sys.executable).parent / "amqtt")
             conf = workdir / "amqtt.yaml"
-            conf.write_text(
-                "listeners:\n  default:\n    type: tcp\n"
-                f"    bind: 127.0.0.1:{port}\n"
-                "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
-            )
+            conf.write_text(_amqtt_config(port, workdir, users, tls))
             return ServerProcess("amqtt", [amqtt, "-c", str(conf)], port)
     raise DevStackError(f"no MQTT broker among {list(prefer)} is available")
+
+
+def _amqtt_config(port: int, workdir: pathlib.Path, users: Mapping[str, str] | None,
+                  tls: tuple[pathlib.Path, pathlib.Path] | None) -> str:
+    listener = f"listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:{port}\n"
+    if tls is not None:
+        listener += f"    ssl: true\n    certfile: {tls[0]}\n    keyfile: {tls[1]}\n"
+    if users is None:
+        return listener + "plugins:\n  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: true\n"
+    from pwdlib.hashers.argon2 import Argon2Hasher
+
+    hasher = Argon2Hasher(time_cost=1, memory_cost=8192)  # a loopback dev broker: cheap logins on shared cores
+    password_file = workdir / "amqtt.passwd"
+    password_file.touch(mode=0o600)
+    password_file.write_text("".join(f"{name}:{hasher.hash(pw)}\n" for name, pw in users.items()))
+    return listener + f"plugins:\n  amqtt.plugins.authentication.FileAuthPlugin:\n    password_file: {password_file}\n"
 
 
 def moto_s3(port: int | None = None) -> ServerProcess:

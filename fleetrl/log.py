@@ -3,17 +3,59 @@
     from fleetrl.log import get_logger
     log = get_logger(__name__)
     log.info("version.published", version=n, bytes=b)
+
+Every secret the config resolves is registered here (`register_secret`); a processor replaces it by
+`[REDACTED]` in every event, exception text included, and `redact` does the same for lines printed
+outside the logger (fatal errors, status).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 
 _configured = False
+_secrets: set[str] = set()
+REDACTED = "[REDACTED]"
+_MIN_SECRET_CHARS = 4  # shorter values would blank ordinary words in every event
+
+
+def register_secret(value: str) -> None:
+    """Redact `value` from every later log event and `redact()` call of this process."""
+    value = value.strip()
+    if len(value) >= _MIN_SECRET_CHARS:
+        _secrets.add(value)
+
+
+def redact(text: str) -> str:
+    """`text` with every registered secret replaced by `[REDACTED]` (longest first)."""
+    for secret in sorted(_secrets, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redact_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_redact_value(v) for v in value)
+    if isinstance(value, BaseException | bytes):
+        return redact(str(value))
+    return value
+
+
+def redact_processor(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: registered secrets never reach the renderer (runs after exceptions are formatted)."""
+    if not _secrets:
+        return event_dict
+    return {k: _redact_value(v) for k, v in event_dict.items()}
 
 
 class _StderrLogger:
@@ -45,6 +87,7 @@ def configure(json: bool | None = None, level: str | int = "INFO") -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            redact_processor,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),

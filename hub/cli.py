@@ -23,7 +23,7 @@ from fleetrl.config import FleetConfig
 from fleetrl.hub.errors import HubError
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.reader import Progress
-from fleetrl.hub.replicator import Replicator
+from fleetrl.hub.replicator import Holding, Replicator
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -127,13 +127,18 @@ def gc(args: argparse.Namespace, config: FleetConfig) -> int:
     return 0
 
 
-def run_replicator(args: argparse.Namespace, config: FleetConfig) -> int:
-    """The region's replicator daemon: contend for the lease, replicate, drain on SIGTERM."""
+def run_replicator(args: argparse.Namespace, config: FleetConfig, on_holding: Holding | None = None) -> int:
+    """The region's replicator daemon: contend for the lease, replicate, drain on SIGTERM. `on_holding`
+    hears the newest version the region store holds after each pass (`fleetrl replicator` announces it)."""
     try:
         config.region(args.region)
     except KeyError as exc:
         raise HubError(str(exc.args[0])) from None
     replicator = Replicator(config, args.region)
+    replicator.on_holding = on_holding
+    if config.hub.replicator_metrics_port is not None:
+        port = replicator.metrics.serve(config.hub.replicator_metrics_port)
+        log.info("replicator.metrics", region=args.region, port=port)
     stop = threading.Event()
     bound_s = config.hub.lease_ttl_s
 
@@ -150,6 +155,9 @@ def run_replicator(args: argparse.Namespace, config: FleetConfig) -> int:
     log.info("replicator.started", region=args.region, holder=replicator.lease.holder)
     with _progress(f"replicate {args.region}", None) as progress:
         replicator.progress = progress
-        replicator.serve(stop, once=args.once)
+        try:
+            replicator.serve(stop, once=args.once)
+        finally:
+            replicator.metrics.close()
     log.info("replicator.stopped", region=args.region)
     return 0

@@ -31,6 +31,7 @@ from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError, IntegrityError, LeaseLost, ObjectExists, ObjectNotFound
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.lease import Lease
+from fleetrl.hub.metrics import ReplicatorMetrics
 from fleetrl.hub.publisher import read_latest
 from fleetrl.hub.rebuild import dense_objects, follows_chain
 from fleetrl.hub.signing import Keys, load_keys
@@ -40,13 +41,17 @@ from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 Progress = Callable[[int], None]
+Holding = Callable[[int, str, int], None]
+"""Told (version, manifest sha256, anchor) of the newest version the region store holds, after each pass
+of the lease holder: the region agent's daemon announces it on the control plane (the hub knows no MQTT)."""
 
 
 class Replicator:
     """Keeps the store of `region` up to date with the home store."""
 
     def __init__(self, config: FleetConfig, region: str, stores: Mapping[str, ObjectStore] | None = None,
-                 holder: str | None = None, keys: Keys | None = None) -> None:
+                 holder: str | None = None, keys: Keys | None = None,
+                 metrics: ReplicatorMetrics | None = None) -> None:
         self.config, self.run, self.region = config, config.run, region
         self.costs = config.region(region).link_costs
         given = dict(stores or {})
@@ -56,10 +61,12 @@ class Replicator:
         self.keys = keys or load_keys(config.hub.signing)
         self.lease = Lease(self.local, self.run, "replicator", config.hub.lease_ttl_s, holder)
         self.progress: Progress | None = None
+        self.on_holding: Holding | None = None
         self._renewed = 0.0
         self._manifests: dict[int, tuple[mf.Manifest, bytes]] = {}
         self._hub: Hub | None = None
         self.rebuilt_bytes = 0
+        self.metrics = metrics or ReplicatorMetrics()
         """Bytes of dense anchor objects rebuilt in the region instead of copied (see rebuild.py)."""
 
     # --- one pass ---------------------------------------------------------------------------
@@ -94,7 +101,21 @@ class Replicator:
                 log.warning("replicator.version_gone", version=version, region=self.region, error=str(exc))
                 continue
             done.append(version)
+        self._tell_holding()
         return done
+
+    def _tell_holding(self) -> None:
+        """Pass the region store's `latest` pointer to `on_holding` (which publishes only changes)."""
+        if self.on_holding is None:
+            return
+        try:
+            pointer = json.loads(self.local.get(mf.latest_key(self.run)))
+        except ObjectNotFound:
+            return
+        except ValueError as exc:
+            log.warning("replicator.bad_latest", region=self.region, error=str(exc))
+            return
+        self.on_holding(int(pointer["version"]), str(pointer["sha256"]), int(pointer["anchor"]))
 
     def sources(self, version: int) -> list[ObjectStore]:
         """Stores holding `version`, nearest first by this region's link costs; home always last resort."""
@@ -107,6 +128,7 @@ class Replicator:
     def copy_version(self, version: int) -> int:
         """Copy one version's manifest and missing objects; returns the object bytes copied."""
         errors: list[str] = []
+        started = time.monotonic()
         for source in self.sources(version):
             try:
                 copied = self._copy_from(source, version)
@@ -114,6 +136,10 @@ class Replicator:
                 errors.append(f"{source.name}: {exc}")
                 continue
             log.info("replicator.copied", version=version, region=self.region, source=source.name, bytes=copied)
+            self.metrics.versions_copied.labels(self.region).inc()
+            self.metrics.copied_bytes.labels(self.region).inc(copied)
+            self.metrics.copy_seconds.labels(self.region).observe(time.monotonic() - started)
+            self.metrics.version.labels(self.region).set(max(version, read_latest(self.local, self.run) or -1))
             return copied
         raise ObjectNotFound(f"no store could supply version {version} to {self.region}: {'; '.join(errors)}")
 
@@ -187,6 +213,7 @@ class Replicator:
             with contextlib.suppress(ObjectExists):
                 self.local.create(mf.object_key(self.run, obj), data)
             self.rebuilt_bytes += len(data)
+            self.metrics.rebuilt_bytes.labels(self.region).inc(len(data))
             built.add(obj)
             self._keep_lease()
         log.info("replicator.rebuilt", version=version, region=self.region, objects=len(built),
@@ -249,7 +276,12 @@ class Replicator:
             self._hub = None
 
     def _hold(self) -> bool:
-        """Renew the lease we hold (at a third of its TTL), or try to take it."""
+        """Renew the lease we hold (at a third of its TTL), or try to take it; the gauge follows."""
+        held = self._hold_lease()
+        self.metrics.lease_held.labels(self.region).set(1.0 if held else 0.0)
+        return held
+
+    def _hold_lease(self) -> bool:
         if self.lease.held:
             try:
                 self._keep_lease()

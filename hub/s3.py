@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetrl.config import StoreConfig
+from fleetrl.config import SecretError, SecretField, StoreConfig
 from fleetrl.hub.errors import ObjectExists, ObjectNotFound, StoreError
 from fleetrl.hub.stores import ObjectInfo, ObjectStore
 
@@ -31,6 +31,7 @@ class S3Store(ObjectStore):
             endpoint_url=config.endpoint_url,
             region_name=config.region_name,
             config=Config(max_pool_connections=max_connections, retries={"max_attempts": 3, "mode": "standard"}),
+            **_credentials(name, config),
         )
 
     def _key(self, key: str) -> str:
@@ -105,3 +106,16 @@ class S3Store(ObjectStore):
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
         except (ClientError, BotoCoreError) as exc:
             raise self._fail(exc, key, "DELETE") from exc
+
+
+def _credentials(name: str, config: StoreConfig) -> dict[str, str]:
+    """Explicit keys from the store's secret fields; none set leaves boto3's own chain (instance role)."""
+    try:
+        key_id = SecretField(f"store {name}: access_key_id", config, "access_key_id").value()
+        secret = SecretField(f"store {name}: secret_access_key", config, "secret_access_key").value()
+    except SecretError as exc:
+        raise StoreError(str(exc)) from exc
+    if (key_id is None) != (secret is None):
+        raise StoreError(f"store {name} ({config.url}): set both access_key_id and secret_access_key, or neither")
+    return {} if key_id is None or secret is None else {"aws_access_key_id": key_id, "aws_secret_access_key": secret}
+

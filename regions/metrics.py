@@ -1,18 +1,25 @@
 """Prometheus metrics of a region agent (units in the names) on their own registry.
 
-Served on `rollout.metrics_port` (0 picks a free port, logged as `agent.metrics`; None disables).
-They are refreshed with every heartbeat, from the same figures the heartbeat carries.
+Served with `/healthz` on `rollout.metrics_port` (0 picks a free port, logged as `agent.metrics`;
+None disables). They are refreshed with every heartbeat, from the same figures the heartbeat carries,
+plus the store requests the node's workers made (what event-driven weight pulls keep small).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from fleetrl.broker import Heartbeat
 from fleetrl.metrics import MetricsRegistry
 
+if TYPE_CHECKING:
+    from fleetrl.regions.supervisor import EngineSupervisor
+
 STATES = ("up", "draining", "offline")
+ENGINE_STATES = ("starting", "up", "restarting", "crashloop", "stopped")
 
 
 class AgentMetrics(MetricsRegistry):
@@ -21,26 +28,39 @@ class AgentMetrics(MetricsRegistry):
         r = self.registry
         self.state = Gauge("fleetrl_agent_state", "1 for the node's current state, 0 for the others", ["state"],
                            registry=r)
-        self.version = Gauge("fleetrl_rollout_policy_version", "Policy version the engine holds (-1: none yet)",
-                             registry=r)
-        self.tokens_per_s = Gauge("fleetrl_rollout_tokens_per_second", "Decoding rate of the current worker",
+        self.engines = Gauge("fleetrl_agent_engines", "The node's engines in each state", ["state"], registry=r)
+        self.restarts = Counter("fleetrl_agent_worker_restarts_total", "Worker processes restarted after a crash "
+                              "or hang", registry=r)
+        self.version = Gauge("fleetrl_rollout_policy_version", "Oldest policy version the node's engines hold "
+                             "(-1: none yet)", registry=r)
+        self.tokens_per_s = Gauge("fleetrl_rollout_tokens_per_second", "Decoding rate of the node's engines",
                                   registry=r)
         self.in_flight = Gauge("fleetrl_rollout_groups_in_flight", "Groups admitted and not yet handed to a record",
                                registry=r)
-        self.groups_done = Gauge("fleetrl_rollout_groups_done_total", "Finished groups produced by this agent",
-                                 registry=r)
-        self.handed_over = Gauge("fleetrl_rollout_groups_handed_over_total",
-                                 "Unfinished groups handed over as partials by this agent", registry=r)
-        self.workers = Gauge("fleetrl_agent_workers_started_total", "Rollout workers started (1 + resumes)",
-                             registry=r)
+        self.groups_done = Counter("fleetrl_rollout_groups_done_total", "Finished groups produced by this agent's "
+                                 "workers", registry=r)
+        self.handed_over = Counter("fleetrl_rollout_groups_handed_over_total",
+                                 "Unfinished groups handed over as partials by this agent's workers", registry=r)
+        self.store_requests = Counter("fleetrl_rollout_store_requests_total", "Requests the node's workers made to "
+                                    "the region store, by operation", ["op"], registry=r)
+        self._totals: dict[str, int] = {}
 
-    def update(self, state: str, version: int | None, stats: dict[str, Any], done: int, handed_over: int,
-               workers: int) -> None:
+    def update(self, beat: Heartbeat, engines: Sequence[EngineSupervisor]) -> None:
         for s in STATES:
-            self.state.labels(s).set(1.0 if s == state else 0.0)
-        self.version.set(-1 if version is None else version)
-        self.tokens_per_s.set(float(stats.get("tokens_per_s", 0.0)) if state == "up" else 0.0)
-        self.in_flight.set(float(stats.get("groups_in_flight", 0)))
-        self.groups_done.set(done)
-        self.handed_over.set(handed_over)
-        self.workers.set(workers)
+            self.state.labels(s).set(1.0 if s == beat.state else 0.0)
+        for s in ENGINE_STATES:
+            self.engines.labels(s).set(sum(1 for e in engines if e.state == s))
+        self._advance(self.restarts, "restarts", sum(e.restarts for e in engines))
+        self.version.set(-1 if beat.version is None else beat.version)
+        self.tokens_per_s.set(beat.tokens_per_s)
+        self.in_flight.set(beat.in_flight)
+        self._advance(self.groups_done, "groups_done", sum(e.totals["groups_done"] for e in engines))
+        self._advance(self.handed_over, "handed_over", sum(e.totals["handed_over"] for e in engines))
+        for op in ("gets", "lists"):
+            self._advance(self.store_requests.labels(op.rstrip("s")), op, sum(e.totals[op] for e in engines))
+
+    def _advance(self, counter: Any, name: str, total: int) -> None:
+        """Counters only go up: add what the running total (summed over the engines' workers) gained."""
+        if total > self._totals.get(name, 0):
+            counter.inc(total - self._totals.get(name, 0))
+            self._totals[name] = total

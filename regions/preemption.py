@@ -6,8 +6,10 @@ groups (`fleetrl.partial/1`), publish `offline` and exit 0. Two implementations 
 
 * `SignalWatcher`: SIGTERM / SIGINT, what systemd, Kubernetes and an operator send (reason `sigterm`);
 * `NoticeFileWatcher`: a file that appears at a configured path (reason `preempted`). A sidecar, a
-  cron job or a cloud metadata poller writes it on a spot interruption notice; the cloud-specific
-  pollers (AWS instance-action, GCP preempted) are later implementations of the same protocol.
+  cron job or a cloud metadata poller writes it on a spot interruption notice.
+
+The cloud metadata pollers (AWS instance-action, GCP preempted, Azure Scheduled Events) implement the
+same protocol in `fleetrl.regions.cloud_notices`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ _NOTICE_BYTES = 200  # how much of a notice file is quoted in logs
 
 @dataclass(frozen=True, slots=True)
 class Notice:
-    """Why the node must go: `reason` becomes the worker's handover reason."""
+    """Why the node must go: `reason` becomes the worker's handover reason; `window_s` is the seconds
+    the node has left when the notice says so (None: the agent's own handover bound applies)."""
 
     reason: Literal["sigterm", "preempted"]
     detail: str
+    window_s: float | None = None
 
 
 class PreemptionWatcher(Protocol):
@@ -73,11 +77,13 @@ class SignalWatcher:
 
 
 class NoticeFileWatcher:
-    """A preemption notice: the file at `path` exists (polled every `poll_s`)."""
+    """A preemption notice: the file at `path` exists (polled every `poll_s`); `window_s` is the time
+    the node is told it has once the file appears (None: the agent's own handover bound)."""
 
-    def __init__(self, path: str | pathlib.Path, poll_s: float = 1.0) -> None:
+    def __init__(self, path: str | pathlib.Path, poll_s: float = 1.0, window_s: float | None = None) -> None:
         self.path = pathlib.Path(path)
         self.poll_s = poll_s
+        self.window_s = window_s
 
     async def wait(self) -> Notice:
         while not self.path.exists():
@@ -86,7 +92,7 @@ class NoticeFileWatcher:
             text = self.path.read_text(errors="replace")[:_NOTICE_BYTES].strip()
         except OSError as exc:  # it appeared: that alone is the notice
             text = f"unreadable: {exc.strerror}"
-        return Notice("preempted", f"notice file {self.path}" + (f": {text}" if text else ""))
+        return Notice("preempted", f"notice file {self.path}" + (f": {text}" if text else ""), self.window_s)
 
     def close(self) -> None:
         pass

@@ -1,14 +1,23 @@
-"""Keeps an engine's weights current from the region's hub store (DESIGN.md §5).
+"""Keeps an engine's weights current from the region's hub store (DESIGN.md §4, §5).
 
-`WeightSync` polls the store's `latest` every `rollout.weight_poll_s`, materializes a newer version
-in a thread (in place over the previous one, so only the delta chain is read), and stages it on the
-engine, which switches between two decoding steps. Nothing waits for it: generation goes on with
-the old weights meanwhile. A version that fails verification is logged and skipped, never loaded.
+Pulls are driven by the control plane, not by polling the store: the region's replicator announces
+each version its store holds (retained, `fleetrl/<run>/replicas/<region>`; where a region reads the
+home store, the trainer's policy announcement plays that part), and whoever hears it (the region
+agent, over its worker's command pipe, or the worker's own control-plane client) calls
+`notify(version)`. `WeightSync` then materializes that version in a thread (in place over the
+previous one, so only the delta chain is read; a node more than an anchor interval behind starts
+from the newest anchor) and stages it on the engine, which switches between two decoding steps.
+
+The store's `latest` is read only once at start and then every `rollout.weight_fallback_poll_s`
+(minutes) without an announcement: at 10,000 nodes a 0.2 s poll would be 50,000 requests a second.
+Nothing waits for a pull: generation goes on with the old weights meanwhile. A version that fails
+verification is logged and skipped, never loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,51 +28,94 @@ from fleetrl.rollout.engine import Engine
 
 log = get_logger(__name__)
 _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights notices a stop
+_RETRY_S = 5.0  # retry of a pull that failed on a transient store error
 
 
 class WeightSync:
-    def __init__(self, hub: Hub, engine: Engine, poll_s: float) -> None:
-        self.hub, self.engine, self.poll_s = hub, engine, poll_s
+    def __init__(self, hub: Hub, engine: Engine, fallback_poll_s: float) -> None:
+        self.hub, self.engine, self.fallback_poll_s = hub, engine, fallback_poll_s
         self.have: int | None = None
+        self.announced: int | None = None
+        """Newest version announced as held by the region store (None: nothing heard yet)."""
         self._state: dict[str, Any] | None = None
         self._refused: set[int] = set()
+        self._wake = asyncio.Event()
+
+    def notify(self, version: int) -> None:
+        """The region store holds `version` (an announcement): pull it if it is newer than ours."""
+        if self.announced is None or version > self.announced:
+            self.announced = version
+        if self.have is None or version > self.have:
+            self._wake.set()
 
     async def load_first(self, stopped: Callable[[], bool]) -> bool:
-        """Load the newest published version, waiting for one; False if `stopped()` turns true first."""
+        """Load the newest version, waiting for one to be announced (or found by the fallback poll);
+        False if `stopped()` turns true first."""
+        target = await self._target(read_latest=True)
+        next_poll = time.monotonic() + self.fallback_poll_s
         while not stopped():
-            if await self.refresh():
+            if target is not None and await self.refresh(target):
                 return True
-            await asyncio.sleep(min(self.poll_s, _STOP_CHECK_S))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=_STOP_CHECK_S)
+            polled = time.monotonic() >= next_poll
+            if polled:
+                next_poll = time.monotonic() + self.fallback_poll_s
+            if self._wake.is_set() or polled:
+                target = await self._target(read_latest=polled and not self._wake.is_set())
         return False
 
     async def run(self) -> None:
-        """Background task: poll and stage newer versions until cancelled."""
+        """Background task: pull each announced version; read `latest` only when nothing was announced
+        for `fallback_poll_s`; retry a pull that failed on a transient error. Runs until cancelled."""
+        timeout_s = self.fallback_poll_s
         while True:
-            await asyncio.sleep(self.poll_s)
-            await self.refresh()
+            woke = True
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout_s)
+            except TimeoutError:
+                woke = False
+            target = await self._target(read_latest=not woke and timeout_s == self.fallback_poll_s)
+            failed = target is not None and not await self.refresh(target) and self._behind(target)
+            timeout_s = min(self.fallback_poll_s, _RETRY_S) if failed else self.fallback_poll_s
 
-    async def refresh(self) -> bool:
-        """Stage the newest version if it is newer than what the engine has; True if one was staged."""
+    def _behind(self, version: int) -> bool:
+        return version not in self._refused and (self.have is None or version > self.have)
+
+    async def _target(self, read_latest: bool) -> int | None:
+        """The version to pull: the announced one, or the store's `latest` (fallback)."""
+        self._wake.clear()
+        if not read_latest:
+            return self.announced
         try:
             latest = await asyncio.to_thread(self.hub.latest)
         except HubError as exc:
             log.warning("weights.latest_failed", error=str(exc), retriable=exc.retriable)
-            return False
-        if latest is None or (self.have is not None and latest <= self.have) or latest in self._refused:
+            return self.announced
+        log.info("weights.fallback_poll", latest=latest, have=self.have)
+        known = [v for v in (latest, self.announced) if v is not None]
+        return max(known) if known else None
+
+    async def refresh(self, version: int | None = None) -> bool:
+        """Stage `version` (default: the store's `latest`) if it is newer than what the engine has;
+        True if one was staged."""
+        if version is None:
+            version = await self._target(read_latest=True)
+        if version is None or (self.have is not None and version <= self.have) or version in self._refused:
             return False
         started = time.monotonic()
         try:
-            state = await asyncio.to_thread(self._materialize, latest)
+            state = await asyncio.to_thread(self._materialize, version)
         except HubError as exc:
-            log.warning("weights.materialize_failed", version=latest, error=str(exc), retriable=exc.retriable)
+            log.warning("weights.materialize_failed", version=version, error=str(exc), retriable=exc.retriable)
             if not exc.retriable:
-                self._refused.add(latest)
+                self._refused.add(version)
             return False
         # The engine copies from its own snapshot: the next materialize updates `_state` in place.
-        self.engine.stage_weights({k: v.clone() for k, v in state.items()}, latest)
-        log.info("weights.staged", version=latest, previous=self.have,
+        self.engine.stage_weights({k: v.clone() for k, v in state.items()}, version)
+        log.info("weights.staged", version=version, previous=self.have,
                  seconds=round(time.monotonic() - started, 3))
-        self.have = latest
+        self.have = version
         return True
 
     def _materialize(self, version: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from fleetrl.broker import (
     encode_record,
     rollout_group,
 )
-from fleetrl.config import FleetConfig
+from fleetrl.config import EngineConfig, FleetConfig
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
 from fleetrl.rollout.commits import CommitQueue
@@ -50,17 +50,33 @@ RATE_WINDOW_S = 30.0
 _IDLE_WAKE_S = 0.05  # an idle loop's longest nap: bounds how late it sees a stop or new weights
 
 
-def build_engine(config: FleetConfig, region: str, node: str) -> Engine:
-    """The engine a node runs: the node's own engine config, else its region's."""
+def engine_config(config: FleetConfig, region: str, node: str) -> EngineConfig:
+    """The engine config of a node: the node's own, else its region's."""
     r = config.region(region)
-    engine_cfg = next((n.engine for n in r.nodes if n.name == node and n.engine is not None), r.engine)
+    return next((n.engine for n in r.nodes if n.name == node and n.engine is not None), r.engine)
+
+
+def engine_devices(config: FleetConfig, region: str, node: str) -> list[str]:
+    """One entry per engine the node runs (its supervised worker processes): `engine.devices`, else one
+    engine on the torch `device` (or, for vLLM, on every visible GPU: an empty entry)."""
+    cfg = engine_config(config, region, node)
+    if cfg.devices:
+        return list(cfg.devices)
+    return [cfg.device] if cfg.kind == "torch" else [""]
+
+
+def build_engine(config: FleetConfig, region: str, node: str, engine_index: int = 0) -> Engine:
+    """Engine `engine_index` of a node. A torch engine runs on its entry of `engine.devices`; a vLLM
+    engine sees its GPUs through CUDA_VISIBLE_DEVICES, which the region agent sets per engine."""
+    engine_cfg = engine_config(config, region, node)
     if engine_cfg.kind == "vllm":
         from fleetrl.rollout.vllm_engine import VllmEngine
 
         return VllmEngine.from_config(config.model, engine_cfg)
     from fleetrl.rollout.torch_engine import TorchEngine
 
-    return TorchEngine.from_config(config.model, engine_cfg)
+    device = engine_devices(config, region, node)[engine_index]
+    return TorchEngine.from_config(config.model, engine_cfg.model_copy(update={"device": device}))
 
 
 class RolloutWorker:
@@ -73,7 +89,11 @@ class RolloutWorker:
         self.engine = engine if engine is not None else build_engine(config, region, node)
         self.hub = hub if hub is not None else Hub.from_config(config, store=region)
         self.codec = codec if codec is not None else load_codec(config.model, sorted(self.engine.eos_ids))
-        self.weights = WeightSync(self.hub, self.engine, self.cfg.weight_poll_s)
+        self.weights = WeightSync(self.hub, self.engine, self.cfg.weight_fallback_poll_s)
+        self.handover_timeout_s = self.cfg.handover_timeout_s
+        """Bound of the handover on stop (a preemption notice with a short window lowers it)."""
+        self.engine_steps = 0
+        """Decoding steps taken: the region agent's hang check watches it move while there is work."""
         self.client_id = f"fleetrl-rollout-{region}-{node}"
         self._jobs: dict[str, Job] = {}  # admitted, not yet handed to a record
         self._waiting: list[Job] = []  # admitted, waiting for min_version
@@ -133,6 +153,7 @@ class RolloutWorker:
             if self.engine.has_work() or self.engine.has_staged():
                 for group in await asyncio.to_thread(self.engine.step):
                     self._spawn(self._finish(group))
+                self.engine_steps += 1
             else:
                 # Idle: wake on new work, or soon enough to see a stop or a min_version arrive.
                 self._work_arrived.clear()
@@ -167,7 +188,7 @@ class RolloutWorker:
     async def _stop_intake(self, intake: asyncio.Task[None]) -> None:
         """Let a poll in progress finish (its records join the handover); cancel one that hangs."""
         try:
-            await asyncio.wait_for(intake, timeout=self.cfg.handover_timeout_s / 2)
+            await asyncio.wait_for(intake, timeout=self.handover_timeout_s / 2)
         except TimeoutError:
             log.warning("worker.intake_cancelled")
 
@@ -207,7 +228,9 @@ class RolloutWorker:
         in_flight = sum(self.engine.tokens_so_far(g) for g in self.engine.group_ids())
         return {"groups_done": self.groups_done, "handed_over": self.groups_handed_over,
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
-                "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version}
+                "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version,
+                "weights": self.weights.have,
+                "engine_steps": self.engine_steps, "busy": self.engine.has_work()}
 
     def _recent_tokens_per_s(self) -> float:
         """Tokens sampled per second over about the last RATE_WINDOW_S seconds."""
@@ -279,9 +302,9 @@ class RolloutWorker:
     async def _bounded_handover(self, reason: str) -> None:
         started = time.monotonic()
         try:
-            await asyncio.wait_for(self._handover(reason), timeout=self.cfg.handover_timeout_s)
+            await asyncio.wait_for(self._handover(reason), timeout=self.handover_timeout_s)
         except TimeoutError:
-            log.error("worker.handover_timeout", timeout_s=self.cfg.handover_timeout_s,
+            log.error("worker.handover_timeout", timeout_s=self.handover_timeout_s,
                       uncommitted=self._commits.outstanding())
             return
         log.info("worker.stopped", reason=reason, seconds=round(time.monotonic() - started, 3),

@@ -96,7 +96,8 @@ class WeightPublisher:
                 published_at=pv.published_at,
             ))
         except ControlPlaneError as exc:
-            # Never the only copy: nodes also poll the store's `latest`; the next step announces again.
+            # Never the only copy: the next step announces again (retained), and nodes fall back to a
+            # slow poll of the store's `latest` (rollout.weight_fallback_poll_s).
             log.warning("weights.announce_failed", version=pv.version, error=str(exc))
 
     def latest_version(self) -> int | None:

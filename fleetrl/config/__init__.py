@@ -1,8 +1,9 @@
 """Configuration of a FleetRL run: the models of `fleet.yaml` and their loader (DESIGN.md §7)."""
 
-from fleetrl.config.errors import ConfigError
+from fleetrl.config.errors import ConfigError, SecretError
 from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
 from fleetrl.config.models import (
+    AgentConfig,
     AlgorithmConfig,
     DatasetConfig,
     EngineConfig,
@@ -23,8 +24,11 @@ from fleetrl.config.models import (
     TrainerConfig,
     VllmEngineConfig,
 )
+from fleetrl.config.preemption import PreemptionConfig
+from fleetrl.config.secrets import Secret, SecretField, register_all, secret_fields
 
 __all__ = [
+    "AgentConfig",
     "AlgorithmConfig",
     "ConfigError",
     "DatasetConfig",
@@ -36,8 +40,12 @@ __all__ = [
     "ModelConfig",
     "MqttConfig",
     "NodeConfig",
+    "PreemptionConfig",
     "RegionConfig",
     "RolloutConfig",
+    "Secret",
+    "SecretError",
+    "SecretField",
     "SigningConfig",
     "StoreConfig",
     "TinyModelConfig",
@@ -48,4 +56,6 @@ __all__ = [
     "apply_env_overrides",
     "load_config",
     "parse_config",
+    "register_all",
+    "secret_fields",
 ]

@@ -10,3 +10,7 @@ class ConfigError(ValueError):
         self.file, self.field, self.line, self.message = file, field, line, message
         where = f"{file}:{line}" if line else file
         super().__init__(f"{where}: {field}: {message}" if field else f"{where}: {message}")
+
+
+class SecretError(ValueError):
+    """A secret that cannot be read. The one-line message names the field and the source, never the value."""

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from fleetrl.config.base import MIB, NAME_RE, Model, ReferenceProblem
+from fleetrl.config.preemption import NoPreemptionConfig, PreemptionConfig
 from fleetrl.config.transport import (
     HubConfig,
     KafkaClusterConfig,
@@ -145,6 +146,9 @@ class TorchEngineConfig(Model):
     """Dtype the engine runs in (published weights are cast to it)."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads (1 avoids 100x slow-downs on shared cores)."""
+    devices: list[str] = Field(default_factory=list)
+    """One engine (a supervised worker process) per entry, on that torch device (`["cuda:0", "cuda:1"]`).
+    Empty: one engine on `device`."""
     refill_fraction: float = Field(0.125, gt=0, le=1)
     """Admit waiting samples once this fraction of the slots is free (at least one): admitting has a fixed
     cost per step, so batching admissions trades a little occupancy for fewer of them."""
@@ -165,6 +169,9 @@ class VllmEngineConfig(Model):
     """Dtype vLLM runs in."""
     enforce_eager: bool = False
     """Disable CUDA graphs (slower, starts faster)."""
+    devices: list[str] = Field(default_factory=list)
+    """One engine (a supervised worker process) per entry; each entry is the `CUDA_VISIBLE_DEVICES` of
+    that engine (`"0"`, or `"0,1"` with tensor_parallel_size 2). Empty: one engine on every visible GPU."""
 
 
 EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]
@@ -190,16 +197,39 @@ class RolloutConfig(Model):
     """How long a worker waits for a prompt's `min_version` before handing it back."""
     max_groups_in_flight: int = Field(4, ge=1)
     """Groups a worker decodes concurrently (their samples share the engine's batch)."""
-    weight_poll_s: float = Field(1.0, gt=0)
-    """How often a worker looks for a new policy version."""
+    weight_fallback_poll_s: float = Field(120.0, gt=0)
+    """Fallback only: how often a worker reads its region store's `latest` by itself. Workers pull a new
+    version when the region's replica announcement (`fleetrl/<run>/replicas/<region>`, or the policy
+    announcement where the region reads the home store) changes; this poll covers a silent control plane."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    """Prometheus port of the worker (0 picks a free port; None disables)."""
+    """Port of the region agent's `/metrics` and `/healthz` (0 picks a free port; None disables)."""
     seed: int = 0
     """Base seed of sampling; a sample's randomness depends only on it, the group and position."""
     idle_poll_s: float = Field(0.5, gt=0)
     """How long an idle worker waits on Kafka per poll (a busy one only takes what is already there)."""
     stats_interval_s: float = Field(10.0, gt=0)
     """How often a worker logs `worker.stats` (groups and tokens done and in flight, tokens/s)."""
+
+
+class AgentConfig(Model):
+    """How the region agent supervises its node's rollout workers (one child process per engine)."""
+
+    progress_interval_s: float = Field(2.0, gt=0)
+    """How often a worker reports its progress (engine steps, groups, version) to its agent."""
+    hang_timeout_s: float = Field(120.0, gt=0)
+    """A worker that reports nothing this long, or has work and takes no engine step this long, is hung:
+    it is killed and restarted (its uncommitted groups go back to the region's consumer group)."""
+    start_timeout_s: float = Field(600.0, gt=0)
+    """Bound on a worker's start (engine build, first weights) before its first progress report."""
+    restart_backoff_s: float = Field(1.0, gt=0)
+    """First delay before restarting a crashed or hung worker; doubles on each quick failure."""
+    restart_backoff_max_s: float = Field(60.0, gt=0)
+    """Cap of the restart backoff."""
+    crashloop_after: int = Field(3, ge=1)
+    """Consecutive quick failures after which the engine is reported `crashloop` (it keeps being
+    restarted at the capped backoff, and turns `up` again once a worker stays up)."""
+    healthy_after_s: float = Field(60.0, gt=0)
+    """A worker that ran this long before failing was healthy: its failure resets the backoff."""
 
 
 class RegionConfig(Model):
@@ -218,6 +248,10 @@ class RegionConfig(Model):
     """Default engine of the region's nodes."""
     weight: float = Field(1.0, gt=0)
     """Initial share of admission credits before throughput is measured."""
+    preemption: PreemptionConfig = Field(default_factory=NoPreemptionConfig)
+    """Where the region's nodes learn they are about to be preempted: `{source: none | file | aws | gcp |
+    azure, ...}`. On a notice the agent hands its unfinished groups over, goes offline and exits 0 inside
+    the notice window."""
 
     @field_validator("name")
     @classmethod
@@ -266,6 +300,7 @@ class FleetConfig(Model):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     regions: list[RegionConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from fleetrl.config.base import MIB, Model
+from fleetrl.config.secrets import Secret
 
 
 class StoreConfig(Model):
@@ -23,6 +24,18 @@ class StoreConfig(Model):
     """S3 endpoint for non-AWS stores (MinIO, R2, moto). None means AWS's own endpoint."""
     region_name: str | None = None
     """S3 region (AWS_DEFAULT_REGION applies when unset)."""
+    access_key_id: Secret | None = None
+    """S3 access key id; with none of its sources set, boto3's own chain applies (instance role, AWS_*)."""
+    access_key_id_env: str | None = None
+    """Environment variable holding the access key id."""
+    access_key_id_file: str | None = None
+    """File holding the access key id (systemd credential, Kubernetes secret)."""
+    secret_access_key: Secret | None = None
+    """S3 secret access key (prefer `secret_access_key_file` or `_env`); shown as `**********`."""
+    secret_access_key_env: str | None = None
+    """Environment variable holding the secret access key."""
+    secret_access_key_file: str | None = None
+    """File holding the secret access key (systemd credential, Kubernetes secret)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -48,17 +61,28 @@ class StoreConfig(Model):
 
 
 class SigningConfig(Model):
-    """How manifests are signed and verified."""
+    """How manifests are signed and verified.
 
-    scheme: Literal["hmac-sha256", "ed25519"] = "hmac-sha256"
-    """HMAC-SHA256 with a shared secret, or Ed25519 (only the trainer holds the private key)."""
+    Ed25519 is the default: only the trainer holds the private key; rollout nodes and replicators
+    get the public key alone and so cannot publish a version any reader accepts. HMAC-SHA256 shares
+    one key between signers and readers: choose it explicitly, and only where every reader is trusted
+    to publish (a single-tenant setup).
+    """
+
+    scheme: Literal["ed25519", "hmac-sha256"] = "ed25519"
+    """Ed25519 (only the trainer can sign), or HMAC-SHA256 with a shared secret (every reader can sign)."""
+    key: Secret | None = None
+    """The signing key itself (Ed25519 private key as PEM or 64 hex digits, or the HMAC secret). Prefer
+    `key_file` or `key_env`; shown as `**********` everywhere."""
     key_env: str | None = "FLEETRL_HUB_KEY"
-    """Environment variable holding the key (HMAC secret, or Ed25519 PEM / raw hex)."""
+    """Environment variable holding the signing key; readers of an Ed25519 hub leave it unset."""
     key_file: str | None = None
-    """File holding the key; used when set, else `key_env`."""
+    """File holding the signing key (a systemd credential `$CREDENTIALS_DIRECTORY/...` or a mounted
+    Kubernetes secret); read when set, before `key_env`."""
+    public_key: str | None = None
+    """Ed25519 only: the public key readers verify with (PEM or 64 hex digits); not a secret."""
     public_key_file: str | None = None
-    """Ed25519 only: readers that must not sign verify with this public key."""
-
+    """Ed25519 only: file holding the public key readers verify with (used when `public_key` is unset)."""
 
 class HubConfig(Model):
     """The tensor hub (DESIGN.md §5)."""
@@ -81,6 +105,8 @@ class HubConfig(Model):
     """Replicator lease lifetime; the holder renews it at a third of that."""
     poll_interval_s: float = Field(1.0, gt=0)
     """How often replicators and readers look at `latest`."""
+    replicator_metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Prometheus port (/metrics, /healthz) of the region replicators (0 picks a free port; None disables)."""
     gc_grace_s: float = Field(3600.0, ge=0)
     """gc leaves unreferenced objects younger than this alone: a publisher may be uploading them."""
 
@@ -92,8 +118,12 @@ class MqttConfig(Model):
     """`mqtt://host:port` or `mqtts://host:port`."""
     username: str | None = None
     """MQTT user name; None connects anonymously."""
+    password: Secret | None = None
+    """MQTT password (prefer `password_file` or `password_env`); shown as `**********`."""
     password_env: str | None = None
     """Environment variable holding the password."""
+    password_file: str | None = None
+    """File holding the password (systemd credential, Kubernetes secret); read before `password_env`."""
     ca_file: str | None = None
     """CA bundle for mqtts:// (system CAs when unset)."""
     keepalive_s: int = Field(10, ge=1)
@@ -156,8 +186,12 @@ class KafkaClusterConfig(Model):
     """SASL mechanism when security_protocol is SASL_*."""
     sasl_username: str | None = None
     """SASL user name."""
+    sasl_password: Secret | None = None
+    """SASL password (prefer `sasl_password_file` or `sasl_password_env`); shown as `**********`."""
     sasl_password_env: str | None = None
     """Environment variable holding the SASL password."""
+    sasl_password_file: str | None = None
+    """File holding the SASL password (systemd credential, Kubernetes secret); read before the variable."""
     ca_file: str | None = None
     """CA bundle for SSL (system CAs when unset)."""
 

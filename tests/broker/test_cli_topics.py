@@ -17,6 +17,7 @@ from fleetrl.broker import (
     SCHEMA_HEADER,
     Consumer,
     ControlPlane,
+    EngineStatus,
     Heartbeat,
     PolicyAnnouncement,
     Producer,
@@ -187,7 +188,9 @@ def test_status_shows_policy_and_nodes(
         async with ControlPlane(make_config(data), f"{run_id}-trainer") as cp:
             await cp.announce_policy(PolicyAnnouncement(version=7, manifest="m", anchor=0, sha256="00",
                                                         published_at=1.0))
-            await cp.heartbeat("r1", "n1", Heartbeat(state="up", version=7, tokens_per_s=99.0, engines=["torch"]))
+            engines = [EngineStatus(index=0, device="cpu", state="up", version=7),
+                       EngineStatus(index=1, device="cpu", state="crashloop", restarts=3, last_error="boom")]
+            await cp.heartbeat("r1", "n1", Heartbeat(state="up", version=7, tokens_per_s=99.0, engines=engines))
             await cp.heartbeat("r1", "n2", Heartbeat(state="offline", version=6))
 
     asyncio.run(publish())
@@ -196,10 +199,12 @@ def test_status_shows_policy_and_nodes(
     assert code == 0
     assert fleet["policy"]["version"] == 7
     assert [(n["node"], n["state"], n["version"]) for n in fleet["nodes"]] == [("n1", "up", 7), ("n2", "offline", 6)]
+    assert [e["state"] for e in fleet["nodes"][0]["engines"]] == ["up", "crashloop"]
     table = Run("status", "--config", str(path), "--wait-s", "0.5")
     assert table.code == 0
     out = table.out
     assert "policy version 7" in out and "n1" in out and "offline" in out
+    assert "0:up" in out and "1:crashloop r3 (boom)" in out
 
 
 def test_control_drain_reaches_the_regions_nodes(

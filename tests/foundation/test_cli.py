@@ -15,7 +15,7 @@ COMMANDS = [
     ["topics", "describe"], ["topics", "lag"], ["topics", "dlq", "show"], ["topics", "dlq", "replay"],
     ["hub", "publish"], ["hub", "pull"], ["hub", "verify"], ["hub", "ls"], ["hub", "gc"], ["trainer"],
     ["agent"], ["replicator"], ["status"], ["audit"], ["control", "drain"], ["control", "resume"],
-    ["control", "stop"],
+    ["control", "stop"], ["units", "install"],
 ]
 
 

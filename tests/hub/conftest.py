@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from hub_helpers import HMAC_KEY, make_config
+from hub_helpers import HUB_KEY, make_config
 
 from fleetrl.config import FleetConfig
 
 
 @pytest.fixture(autouse=True)
 def _hub_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEETRL_HUB_KEY", HMAC_KEY)
+    monkeypatch.setenv("FLEETRL_HUB_KEY", HUB_KEY)
     torch.set_num_threads(1)
 
 

@@ -9,7 +9,8 @@ import torch
 
 from fleetrl.config import FleetConfig
 
-HMAC_KEY = "test-hub-key-0123456789"
+HUB_KEY = "91f33291cf53510db43db8cc986edda4d4f927324729f2e6c7cc2e114eec40c9"
+"""Ed25519 private key (hex) of the hub tests (the default scheme); also a valid HMAC secret."""
 
 
 def make_config(run: str, stores: dict[str, str], *, anchor_interval: int = 5, s3_endpoint: str | None = None,
@@ -71,5 +72,5 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def hmac_env() -> dict[str, str]:
-    return {**os.environ, "FLEETRL_HUB_KEY": HMAC_KEY}
+def hub_env() -> dict[str, str]:
+    return {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY}

@@ -93,7 +93,7 @@ def test_a_tampered_or_unsigned_manifest_is_refused(dir_config: Callable[..., Fl
 
 
 def test_a_wrong_hmac_key_is_refused(dir_config: Callable[..., FleetConfig], monkeypatch: pytest.MonkeyPatch) -> None:
-    hub, _ = published(dir_config())
+    hub, _ = published(dir_config(signing={"scheme": "hmac-sha256"}))
     hub.close()
     monkeypatch.setenv("FLEETRL_HUB_KEY", "another key")
     with Hub.from_config(hub.config) as reader, pytest.raises(SignatureError) as err:

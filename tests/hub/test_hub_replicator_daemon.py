@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import yaml
-from hub_helpers import HMAC_KEY, step, tiny_state
+from hub_helpers import HUB_KEY, step, tiny_state
 
 from fleetrl.config import load_config
 from fleetrl.hub import Hub, Lease
@@ -46,7 +46,7 @@ def config_file(tmp_path: pathlib.Path, run_id: str) -> pathlib.Path:
 
 @pytest.fixture
 def daemons(config_file: pathlib.Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    env = {**os.environ, "FLEETRL_HUB_KEY": HMAC_KEY, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "fleetrl.cli", "replicator", "--config", str(config_file), "--region", "west",
             "--log-json"]
     procs = [subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]

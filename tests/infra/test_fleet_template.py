@@ -152,3 +152,46 @@ def test_node_cloud_config(terraform: Terraform, tmp_path: pathlib.Path) -> None
     assert "pip' install --quiet 'fleetrl[gpu]==0.1.0'" in install and "mkfs.ext4" in install
     assert json.loads(files["/etc/fleetrl/secrets.json"]["content"])["env"]["FLEETRL_HUB_KEY"]["json_key"] is None
     assert cloud["runcmd"][-1] == ["systemctl", "enable", "--now", "fleetrl-secrets.service", "fleetrl-agent.service"]
+
+
+def test_rollout_node_runs_the_packaged_units(terraform: Terraform, tmp_path: pathlib.Path) -> None:
+    """With `region`, the units come from the package (`fleetrl units install`); Terraform writes only
+    node.env and drop-ins, and the packaged units read what those hold."""
+    from fleetrl.regions.units import unit_text
+
+    args = {"fleet_yaml": "run: r1\n", "fleetrl_package": "fleetrl==0.1.0", "region": "eu-west-1",
+            "agent_stop_timeout_s": 100}
+    outputs = terraform.apply_outputs(_harness(tmp_path, args, module="node-bootstrap"))
+    cloud = yaml.safe_load(outputs["cloud_config"])
+    files = {f["path"]: f["content"] for f in cloud["write_files"]}
+    assert not [p for p in files if p.endswith((".service", ".tftpl")) and "secrets" not in p]  # none rendered here
+    assert files["/etc/fleetrl/node.env"] == "FLEETRL_REGION=eu-west-1\n"
+    install = files["/usr/local/lib/fleetrl/install.sh"]
+    assert install.index("pip' install") < install.index(
+        "'/opt/fleetrl/venv/bin/fleetrl' units install --dest /etc/systemd/system --prefix '/opt/fleetrl/venv'")
+    assert "install -d -m 0700 /etc/fleetrl/credentials" in install  # the units' LoadCredential= folder
+    agent_drop_in = files["/etc/systemd/system/fleetrl-agent.service.d/10-node-bootstrap.conf"]
+    assert "After=fleetrl-secrets.service" in agent_drop_in and "TimeoutStopSec=100" in agent_drop_in
+    assert "After=fleetrl-secrets.service" in files[
+        "/etc/systemd/system/fleetrl-replicator@.service.d/10-node-bootstrap.conf"]
+    enabled = ["fleetrl-secrets.service", "fleetrl-agent.service", "fleetrl-replicator@eu-west-1.service"]
+    assert cloud["runcmd"][-1] == ["systemctl", "enable", "--now", *enabled]
+    assert outputs["enabled_units"] == enabled and outputs["units"] == {}
+    # What the package's agent unit reads: node.env for the region, /run/fleetrl/env (written by
+    # fleetrl-secrets.service) for FLEETRL_NODE and the secrets.
+    agent = unit_text("fleetrl-agent.service")
+    assert "EnvironmentFile=/etc/fleetrl/node.env\n" in agent and "EnvironmentFile=-/run/fleetrl/env\n" in agent
+    assert "--region ${FLEETRL_REGION} --node ${FLEETRL_NODE}" in agent
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({}, "Give a region"),
+    ({"region": "eu-west-1", "services": [{"name": "fleetrl-agent", "description": "a", "args": ["agent"]}]},
+     "come from the package"),
+    ({"region": "EU"}, "region must be a FleetRL name"),
+])
+def test_node_bootstrap_refuses(terraform: Terraform, tmp_path: pathlib.Path, extra: dict[str, Any],
+                                message: str) -> None:
+    args = {"fleet_yaml": "run: r1\n", "fleetrl_package": "fleetrl==0.1.0", **extra}
+    with pytest.raises(Exception, match=message):
+        terraform.apply_outputs(_harness(tmp_path, args, module="node-bootstrap"))

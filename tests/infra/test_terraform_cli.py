@@ -95,21 +95,27 @@ def test_every_node_boots_with_that_fleet_yaml(mock_apply: dict[str, Any]) -> No
         files = _files(_cloud_config(lt["values"]["user_data"]))
         assert files["/etc/fleetrl/fleet.yaml"] == fleet_yaml
         region = "us-west-2" if "region_a" in lt["address"] else "eu-west-1"
-        agent = files["/etc/systemd/system/fleetrl-agent.service"]
-        assert (f"ExecStart=/opt/fleetrl/venv/bin/fleetrl agent --region {region} --node ${{FLEETRL_NODE}} "
-                "--config /etc/fleetrl/fleet.yaml --log-json") in agent
-        assert f"replicator --region {region} --config" in files["/etc/systemd/system/fleetrl-replicator.service"]
+        # The packaged units (fleetrl units install) run the region named in node.env: the agent with
+        # --region ${FLEETRL_REGION}, the replicator as the instance fleetrl-replicator@<region>.
+        assert files["/etc/fleetrl/node.env"] == f"FLEETRL_REGION={region}\n"
+        assert "fleetrl' units install --dest /etc/systemd/system" in files["/usr/local/lib/fleetrl/install.sh"]
+        cloud = _cloud_config(lt["values"]["user_data"])
+        assert cloud["runcmd"][-1][-2:] == ["fleetrl-agent.service", f"fleetrl-replicator@{region}.service"]
+        drop_in = files["/etc/systemd/system/fleetrl-agent.service.d/10-node-bootstrap.conf"]
+        assert "TimeoutStopSec=110" in drop_in and "Requires=fleetrl-secrets.service" in drop_in
         secrets = json.loads(files["/etc/fleetrl/secrets.json"])
-        # Every *_env the node's config names is filled at boot, and nothing holds a value.
-        needed = {config.mqtt.password_env, config.hub.signing.key_env, config.region(region).kafka.sasl_password_env}
-        assert needed == set(secrets["env"])
+        # Every *_env the node's config names is filled at boot, and nothing holds a value. With Ed25519
+        # (the default) a node gets the public key file and never the signing key.
+        assert config.hub.signing.scheme == "ed25519" and config.hub.signing.public_key_file in secrets["files"]
+        needed = {config.mqtt.password_env, config.region(region).kafka.sasl_password_env}
+        assert needed == set(secrets["env"]) and config.hub.signing.key_env not in secrets["env"]
         assert all(set(src) == {"arn", "json_key"} for src in secrets["env"].values())
     files = _files(_cloud_config(trainers[0]["values"]["user_data_base64"]))
     assert files["/etc/fleetrl/fleet.yaml"] == fleet_yaml
     unit = files["/etc/systemd/system/fleetrl-trainer.service"]
     assert "ExecStartPre=/opt/fleetrl/venv/bin/fleetrl topics create --config /etc/fleetrl/fleet.yaml" in unit
     env_names = set(json.loads(files["/etc/fleetrl/secrets.json"])["env"])
-    assert {r.kafka.sasl_password_env for r in config.regions} <= env_names
+    assert {r.kafka.sasl_password_env for r in config.regions} | {config.hub.signing.key_env} <= env_names
 
 
 def test_security_groups_open_only_design_ports(mock_apply: dict[str, Any]) -> None:

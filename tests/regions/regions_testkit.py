@@ -12,10 +12,11 @@ import yaml
 from fleet_testkit import produce_prompts, read_stream, reverse_prompts
 from fleet_testkit import publish_tiny as publish_tiny  # re-exported for the tests
 
-from fleetrl.broker import ControlPlane, Heartbeat, PartialRecord, ensure_topics
+from fleetrl.broker import ControlPlane, Heartbeat, PartialRecord, PolicyAnnouncement, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
+from fleetrl.hub import Hub
 
-HUB_KEY = "regions-test-hub-key-0123456789"
+HUB_KEY = "370914670d656bbd9a9f2ab7ccbd7fd90a2a1c55151520334b409cee29d7820f"  # Ed25519 private key (hex)
 REGION = "r1"
 
 
@@ -29,8 +30,10 @@ def fleet_dict(run_id: str, bootstrap: str, mqtt_port: int, store: pathlib.Path)
         "mqtt": {"url": f"mqtt://127.0.0.1:{mqtt_port}", "heartbeat_interval_s": 0.2, "keepalive_s": 5},
         "kafka": {"partitions": {"prompts": 1, "partials": 1, "trajectories": 1, "dead_letter": 1},
                   "max_message_bytes": 1024 * 1024, "retries": 2},
-        "rollout": {"weight_poll_s": 0.2, "idle_poll_s": 0.1, "handover_timeout_s": 10.0,
+        "rollout": {"weight_fallback_poll_s": 30.0, "idle_poll_s": 0.1, "handover_timeout_s": 10.0,
                     "min_version_wait_s": 60.0},
+        "agent": {"progress_interval_s": 0.5, "restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0,
+                  "crashloop_after": 2, "hang_timeout_s": 30.0, "start_timeout_s": 60.0},
         "regions": [{"name": REGION, "kafka": bootstrap, "store": store.as_uri(),
                      "engine": {"kind": "torch", "max_batch": 8}}],
     }
@@ -38,6 +41,14 @@ def fleet_dict(run_id: str, bootstrap: str, mqtt_port: int, store: pathlib.Path)
 
 def make_config(data: dict[str, Any]) -> FleetConfig:
     return parse_config(yaml.safe_dump(data), source="regions-test.yaml", env={})
+
+
+async def announce(config: FleetConfig, cp: ControlPlane, version: int) -> None:
+    """Announce a published version as the trainer does (retained policy): the agents pull it."""
+    with Hub.from_config(config) as hub:
+        m = hub.manifest(version)
+    await cp.announce_policy(PolicyAnnouncement(version=version, manifest=f"{config.run}/versions/{version:012d}.json",
+                                                anchor=m.anchor, sha256="-", published_at=m.published_at))
 
 
 async def setup_topics(config: FleetConfig) -> None:
@@ -67,3 +78,39 @@ async def wait_for_beat(cp: ControlPlane, node: str, pred: Callable[[Heartbeat],
         await asyncio.sleep(0.05)
     raise AssertionError(f"heartbeat of {REGION}/{node} never matched within {timeout_s} s; last: "
                          f"{cp.nodes.get((REGION, node))}")
+
+
+def start_agent(data: dict[str, Any], tmp_path: pathlib.Path, node: str, *extra: str) -> tuple[Any, pathlib.Path]:
+    """`fleetrl agent` as a process on a config file made from `data`; returns (Popen, its log path)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config_path = tmp_path / f"fleet-{node}.yaml"
+    config_path.write_text(json.dumps(data))
+    env = {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    log_path = tmp_path / f"agent-{node}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "agent", "--config", str(config_path),
+                                 "--region", REGION, "--node", node, "--log-json", *extra],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, log_path
+
+
+def engines_of(beat: Heartbeat) -> list[Any]:
+    assert isinstance(beat.engines, list), beat
+    return beat.engines
+
+
+def metrics_port_from_log(log_path: pathlib.Path, timeout_s: float = 30.0) -> int:
+    """The port an agent process serves /metrics and /healthz on (it logs `agent.metrics`)."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if '"agent.metrics"' in line:
+                return int(json.loads(line)["port"])
+        time.sleep(0.1)
+    raise AssertionError(f"no agent.metrics event in {log_path}:\n{log_path.read_text()[-2000:]}")

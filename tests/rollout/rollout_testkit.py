@@ -13,7 +13,7 @@ from fleet_testkit import publish_tiny as publish_tiny  # re-exported for the te
 from fleetrl.broker import Delivery, GroupRecord, PartialRecord, PromptRecord, Stream, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
 
-HUB_KEY = "rollout-test-hub-key-0123456789"
+HUB_KEY = "6680e5459cd0040518f9d6b4ec6f916984f5a12f538b6eea69e195dc1a06cc09"  # Ed25519 private key (hex)
 REGION = "r1"
 
 
@@ -27,7 +27,7 @@ def fleet_dict(run_id: str, bootstrap: str, store: pathlib.Path, max_new_tokens:
         "hub": {"home_store": store.as_uri(), "threads": 2, "poll_interval_s": 0.1},
         "kafka": {"partitions": {"prompts": 2, "partials": 2, "trajectories": 2, "dead_letter": 1},
                   "max_message_bytes": 1024 * 1024, "request_timeout_s": 30.0, "retries": 2},
-        "rollout": {"weight_poll_s": 0.2, "idle_poll_s": 0.1, "handover_timeout_s": 15.0,
+        "rollout": {"weight_fallback_poll_s": 0.2, "idle_poll_s": 0.1, "handover_timeout_s": 15.0,
                     "min_version_wait_s": 60.0, "stats_interval_s": 0.05, **rollout},
         "regions": [{"name": REGION, "kafka": bootstrap, "store": store.as_uri(),
                      "engine": {"kind": "torch", "max_batch": 16}}],

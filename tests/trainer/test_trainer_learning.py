@@ -54,7 +54,7 @@ def _config(run: str, bootstrap: str, mqtt_port: int, tmp: pathlib.Path) -> Flee
         "hub": {"home_store": store, "threads": 2, "poll_interval_s": 0.1, "anchor_interval": 16},
         "mqtt": {"url": f"mqtt://127.0.0.1:{mqtt_port}"},
         "kafka": {"partitions": {"prompts": 2, "partials": 1, "trajectories": 2, "dead_letter": 1}},
-        "rollout": {"weight_poll_s": 0.1, "max_groups_in_flight": 8},
+        "rollout": {"weight_fallback_poll_s": 0.1, "max_groups_in_flight": 8},
         "trainer": {"checkpoint_dir": str(tmp / "ckpt"), "checkpoint_every": 5},
         "regions": [{"name": REGION, "kafka": bootstrap, "store": store, "nodes": [{"name": "node-1"}],
                      "engine": {"kind": "torch", "max_batch": 64}}],

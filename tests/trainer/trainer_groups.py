@@ -9,8 +9,8 @@ import numpy as np
 
 from fleetrl.broker import GroupRecord, Sample, floats, ids
 
-HUB_KEY = "trainer-tests-hmac-key"
-"""HMAC key of the trainer tests' hub (set as FLEETRL_HUB_KEY for in-process and child processes)."""
+HUB_KEY = "521fe9e362612bb16b959e190a5079326a4a26fe4e1b751b2ed22b8d0a5c94c8"
+"""Ed25519 private key (hex) of the trainer tests' hub (FLEETRL_HUB_KEY of in-process and child processes)."""
 
 
 def make_group(gid: str, run: str, *, version: int = 0, n: int = 4, seed: int = 0, task: str = "reverse",

@@ -106,8 +106,8 @@ variable "metrics_cidrs" {
 
 variable "signing_scheme" {
   type        = string
-  default     = "hmac-sha256"
-  description = "Manifest signatures: hmac-sha256 (generated) or ed25519 (key pair stored by the operator after the first apply)."
+  default     = "ed25519"
+  description = "Manifest signatures: ed25519 (default; key pair stored by the operator after the first apply, nodes get only the public key) or hmac-sha256 (generated, shared by every node: any node can sign)."
   validation {
     condition     = contains(["hmac-sha256", "ed25519"], var.signing_scheme)
     error_message = "signing_scheme must be hmac-sha256 or ed25519."

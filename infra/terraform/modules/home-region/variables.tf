@@ -107,8 +107,8 @@ variable "mqtt_password_version" {
 
 variable "signing_scheme" {
   type        = string
-  default     = "hmac-sha256"
-  description = "Manifest signatures: hmac-sha256 (a key generated here, shared by all nodes) or ed25519 (a key pair you store after apply; nodes get only the public key)."
+  default     = "ed25519"
+  description = "Manifest signatures: ed25519 (default: a key pair you store after apply; only the trainer reads the private key, nodes get the public key and cannot sign) or hmac-sha256 (a key generated here and shared by every node, so any node can sign: single-tenant setups only)."
   validation {
     condition     = contains(["hmac-sha256", "ed25519"], var.signing_scheme)
     error_message = "signing_scheme must be hmac-sha256 or ed25519."

@@ -1,26 +1,16 @@
 # Spot GPU nodes by default, with capacity rebalancing and a mixed-instances policy. Every node
-# runs the region agent and a replicator (a lease in the region store picks the active one).
+# runs the region agent and a replicator (a lease in the region store picks the active one), from
+# the systemd units shipped in the FleetRL package.
 
 module "bootstrap" {
   source          = "../node-bootstrap"
   fleet_yaml      = var.fleet_yaml
   fleetrl_package = var.fleetrl_package
-  services = [
-    {
-      name           = "fleetrl-agent"
-      description    = "FleetRL region agent (${var.name})"
-      args           = ["agent", "--region", var.name, "--node", "$${FLEETRL_NODE}"]
-      stop_timeout_s = var.node.termination_grace_s
-    },
-    {
-      name           = "fleetrl-replicator"
-      description    = "FleetRL hub replicator (${var.name})"
-      args           = ["replicator", "--region", var.name]
-      stop_timeout_s = 30
-    },
-  ]
-  secret_env   = merge(var.node_secret_env, local.kafka_password_secret)
-  secret_files = var.node_secret_files
+  # The package's own units: fleetrl-agent.service and fleetrl-replicator@<region>.service.
+  region               = var.name
+  agent_stop_timeout_s = var.node.termination_grace_s
+  secret_env           = merge(var.node_secret_env, local.kafka_password_secret)
+  secret_files         = var.node_secret_files
 }
 
 resource "aws_launch_template" "node" {

@@ -1,0 +1,108 @@
+"""The systemd units shipped in the package: their directives, the drain bound, `fleetrl units install`."""
+
+from __future__ import annotations
+
+import configparser
+import pathlib
+import shutil
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+
+from fleetrl.config.models import RolloutConfig
+from fleetrl.regions.units import UNIT_NAMES, install, unit_text
+
+COMMON = {
+    "Restart": "on-failure", "User": "fleetrl", "Group": "fleetrl", "NoNewPrivileges": "yes",
+    "ProtectSystem": "strict", "ReadWritePaths": "/var/lib/fleetrl", "StateDirectory": "fleetrl",
+    "PrivateTmp": "yes", "ProtectHome": "yes", "KillMode": "mixed", "KillSignal": "SIGTERM",
+    "StandardOutput": "journal", "StandardError": "journal", "LoadCredential": "fleetrl:/etc/fleetrl/credentials",
+}
+
+
+def _parse(text: str) -> configparser.RawConfigParser:
+    # systemd repeats keys (EnvironmentFile=, Environment=): keep the last, as strict=False does.
+    parser = configparser.RawConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # directives are case-sensitive
+    parser.read_string(text)
+    return parser
+
+
+def _seconds(value: str) -> float:
+    return float(value.removesuffix("s"))
+
+
+@pytest.mark.parametrize("name", UNIT_NAMES)
+def test_unit_holds_every_required_directive(name: str) -> None:
+    unit = _parse(unit_text(name))
+    service = dict(unit["Service"])
+    assert {k: service.get(k) for k in COMMON} == COMMON
+    assert _seconds(service["RestartSec"]) > 0
+    assert service["ExecStart"].startswith("/opt/fleetrl/venv/bin/fleetrl ")
+    assert service["ExecStart"].endswith(" --log-json")
+    assert " --config /etc/fleetrl/fleet.yaml " in service["ExecStart"]
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+    assert "network-online.target" in unit["Unit"]["After"]
+
+
+def test_agent_unit_identity_and_stop_timeout_above_the_drain_bound() -> None:
+    text = unit_text("fleetrl-agent.service")
+    service = _parse(text)["Service"]
+    assert service["ExecStart"] == ("/opt/fleetrl/venv/bin/fleetrl agent --config /etc/fleetrl/fleet.yaml "
+                                    "--region ${FLEETRL_REGION} --node ${FLEETRL_NODE} --log-json")
+    assert "EnvironmentFile=/etc/fleetrl/node.env\n" in text  # required: no identity, no agent
+    # The agent's bound: workers get 1.5 x handover_timeout_s + 5 s, then 5 s to exit, 2 s for the
+    # last heartbeat (regions/agent.py); systemd must not SIGKILL before that.
+    drain_bound_s = 1.5 * RolloutConfig().handover_timeout_s + 5 + 5 + 2
+    assert _seconds(service["TimeoutStopSec"]) >= max(60.0, drain_bound_s)
+
+
+def test_replicator_template_takes_the_region_from_its_instance() -> None:
+    service = _parse(unit_text("fleetrl-replicator@.service"))["Service"]
+    assert service["ExecStart"] == ("/opt/fleetrl/venv/bin/fleetrl replicator --config /etc/fleetrl/fleet.yaml "
+                                    "--region %i --log-json")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+@pytest.mark.parametrize("name", UNIT_NAMES)
+def test_systemd_accepts_the_units(name: str, tmp_path: pathlib.Path) -> None:
+    (path,) = [p for p in install(tmp_path) if p.name == name]
+    if name.endswith("@.service"):  # a template is verified through an instance
+        path = path.rename(tmp_path / name.replace("@", "@eu-west-1"))
+    done = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    # The venv does not exist here; anything else systemd says is a fault of the unit.
+    complaints = [line for line in done.stderr.splitlines() if line and "is not executable" not in line]
+    assert complaints == []
+
+
+def test_cli_install_writes_both_units(tmp_path: pathlib.Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "fleetrl.cli", "units", "install", "--dest", str(tmp_path),
+                           "--prefix", "/srv/fleetrl/venv", "--config", "/srv/fleetrl/fleet.yaml"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(UNIT_NAMES)  # no temp files left
+    assert done.stdout.split() == [str(tmp_path / n) for n in UNIT_NAMES]
+    agent = (tmp_path / "fleetrl-agent.service").read_text()
+    assert "ExecStart=/srv/fleetrl/venv/bin/fleetrl agent --config /srv/fleetrl/fleet.yaml " in agent
+    assert (tmp_path / "fleetrl-agent.service").stat().st_mode & 0o777 == 0o644
+
+
+def test_cli_prints_the_units_without_dest_and_refuses_bad_paths(tmp_path: pathlib.Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "fleetrl.cli", "units", "install"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout.count("[Service]") == 2
+    for bad in (["--prefix", "relative/venv"], ["--prefix", "/opt/my venv"], ["--dest", str(tmp_path / "no")]):
+        done = subprocess.run([sys.executable, "-m", "fleetrl.cli", "units", "install", *bad],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2 and done.stderr.startswith("fleetrl units: "), done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_package_ships_the_units() -> None:
+    folder = resources.files("fleetrl.regions").joinpath("systemd")
+    assert sorted(p.name for p in folder.iterdir() if p.name.endswith(".service")) == sorted(UNIT_NAMES)
+    with pytest.raises(ValueError, match="no packaged unit"):
+        unit_text("fleetrl-trainer.service")

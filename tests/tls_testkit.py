@@ -1,0 +1,141 @@
+"""TLS for the integration tests: a test CA made at run time and a TLS terminator in front of a server.
+
+tansu cannot serve TLS itself (FACTS.md), so `TlsRelay` accepts TLS on a loopback port and relays the
+plain bytes to the server behind it, as stunnel or a load balancer would in production. The relay
+runs its own event loop in a thread, so in-process clients and CLI subprocesses reach it alike; it
+is stopped, with every connection it holds, by `stop()` (bounded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import pathlib
+import ssl
+import threading
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+
+@dataclass(frozen=True)
+class Pki:
+    """PEM files: a CA, a server certificate it signed for 127.0.0.1/localhost, and an unrelated CA."""
+
+    ca_file: pathlib.Path
+    cert_file: pathlib.Path
+    key_file: pathlib.Path
+    other_ca_file: pathlib.Path
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def make_pki(folder: pathlib.Path) -> Pki:
+    """A fresh CA and server certificate in `folder` (ECDSA P-256, valid for a day)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = _ca("fleetrl test CA")
+    _, other_cert = _ca("fleetrl untrusted CA")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = (x509.CertificateBuilder().subject_name(_name("localhost")).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(san, critical=False).sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    pki = Pki(folder / "ca.pem", folder / "server.pem", folder / "server.key", folder / "other-ca.pem")
+    pki.ca_file.write_bytes(ca_cert.public_bytes(pem))
+    pki.other_ca_file.write_bytes(other_cert.public_bytes(pem))
+    pki.cert_file.write_bytes(cert.public_bytes(pem))
+    pki.key_file.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    pki.key_file.chmod(0o600)
+    return pki
+
+
+class TlsRelay:
+    """TLS on 127.0.0.1:`port` (0 picks one), plain TCP to 127.0.0.1:`target_port`."""
+
+    def __init__(self, pki: Pki, target_port: int, port: int = 0) -> None:
+        self.target_port, self.port = target_port, port
+        self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._context.load_cert_chain(pki.cert_file, pki.key_file)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tls-relay", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self.connections = 0
+        """TLS connections accepted (each relayed to the target)."""
+
+    def start(self) -> TlsRelay:
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _listen(self) -> asyncio.Server:
+        return await asyncio.start_server(self._relay, "127.0.0.1", self.port, ssl=self._context,
+                                          ssl_handshake_timeout=10)
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            server_r, server_w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.target_port), 5)
+        except (OSError, TimeoutError):
+            client_w.close()
+            return
+        pipes = [asyncio.ensure_future(self._pipe(client_r, server_w)),
+                 asyncio.ensure_future(self._pipe(server_r, client_w))]
+        self._pipes.update(pipes)
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in pipes:
+                task.cancel()
+                self._pipes.discard(task)
+            for writer in (client_w, server_w):
+                writer.close()
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, ssl.SSLError, ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            for task in list(self._pipes):
+                task.cancel()
+            await asyncio.sleep(0)
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> TlsRelay:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
