@@ -22,6 +22,7 @@ from fleetrl.hub.lease import Lease
 from fleetrl.hub.manifest import Manifest, TensorEntry
 from fleetrl.hub.publisher import PublishedVersion
 from fleetrl.hub.replicator import Replicator
+from fleetrl.hub.sharded import ShardParts, ShardPlan, ShardPublisher, ShardReport
 from fleetrl.hub.stores import DirStore, ObjectStore, open_store
 
 __all__ = [
@@ -38,6 +39,10 @@ __all__ = [
     "ObjectStore",
     "PublishedVersion",
     "Replicator",
+    "ShardParts",
+    "ShardPlan",
+    "ShardPublisher",
+    "ShardReport",
     "SignatureError",
     "StoreError",
     "TensorEntry",

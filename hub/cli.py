@@ -68,7 +68,7 @@ def publish(args: argparse.Namespace, config: FleetConfig) -> int:
     with Hub.from_config(config) as hub:
         pv = hub.publish(_load_safetensors(pathlib.Path(args.path)))
     print(json.dumps({"version": pv.version, "anchor": pv.anchor, "manifest": pv.manifest_key,
-                      "sha256": pv.sha256, "bytes_written": pv.bytes_written}))
+                      "sha256": pv.sha256, "bytes_written": pv.bytes_written, "anchor_reason": pv.anchor_reason}))
     return 0
 
 

@@ -1,7 +1,7 @@
 """`Hub`: the public face of the tensor hub for the trainer, the rollout engines and the CLI.
 
     hub = Hub.from_config(config, store="eu-west-1")   # reads go to that store only
-    pv = hub.publish(state_dict)                          # trainer: always into the home store
+    pv = hub.publish(state_dict)                          # into the home store, a delta when it can be
     sd = hub.materialize(pv.version, into=sd, have_version=pv.version - 1)
 
 One thread pool (`hub.threads`) serves hashing, compression, decoding and parallel GETs.
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import inplace
@@ -25,6 +25,7 @@ from fleetrl.hub.errors import HubError
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
 from fleetrl.hub.reader import Progress, Reader, Step, empty_words
 from fleetrl.hub.retention import GcReport, collect
+from fleetrl.hub.sharded import ShardPublisher
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
 from fleetrl.hub.tensors import from_words, to_words
@@ -32,6 +33,8 @@ from fleetrl.hub.tensors import from_words, to_words
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+P = TypeVar("P", bound=Publisher)
 
 
 class Hub:
@@ -76,11 +79,29 @@ class Hub:
 
     # --- publishing -------------------------------------------------------------------------
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor]) -> PublishedVersion:
-        """Publish the next version (tensors already in publish dtype, on CPU) into the home store."""
+    def publish(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None,
+                owned: bool = False) -> PublishedVersion:
+        """Publish the next version of `state_dict` (tensors in publish dtype) into the home store.
+
+        Deltas against the version this hub published last or, when it holds none (a new process),
+        against the store's newest version, read back and verified first; an anchor when that is
+        impossible (`PublishedVersion.anchor_reason` says why) or every `hub.anchor_interval`
+        versions. With `version`, raises VersionConflict unless that is the next version. With
+        `owned`, the caller hands the tensors over (it will not modify them): they are not copied.
+        """
         if self._publisher is None:
-            self._publisher = Publisher(self.home, self.run, self.cfg, self.keys, self.pool)
-        return self._publisher.publish(state_dict)
+            self._publisher = self._new_publisher(Publisher)
+        return self._publisher.publish(state_dict, version=version, owned=owned)
+
+    def shard_publisher(self) -> ShardPublisher:
+        """A publisher for one rank of a sharded trainer (see hub/sharded.py); keep it across versions."""
+        return self._new_publisher(ShardPublisher)
+
+    def _new_publisher(self, kind: type[P]) -> P:
+        reader = self.reader if self.store is self.home else Reader(
+            self.home, self.run, self.keys, self.pool, self.cfg.anchor_interval, self.cfg.frame_bytes,
+            self.cfg.threads)
+        return kind(self.home, self.run, self.cfg, self.keys, self.pool, reader)
 
     # --- reading ----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Publisher: turns a state dict into a new version in the home store (trainer side of DESIGN.md §5).
 
-It keeps the bit patterns of the version it published last, so each call encodes only what changed:
+It keeps the bit patterns of the version it published last (or, when it holds none, reads the
+store's newest version back: `parent.py`), so each call encodes only what changed:
 a `delta` part per frame-sized range that has changes, `same` for unchanged tensors, and a dense
 `anchor` every K versions (plus, on an anchor, the delta from the parent, so readers one step behind
 never download the dense copy). Parts are encoded in parallel threads and packed into
@@ -22,8 +23,10 @@ import numpy as np
 
 from fleetrl.config import HubConfig
 from fleetrl.hub import manifest as mf
-from fleetrl.hub.errors import ObjectExists, VersionConflict
+from fleetrl.hub.errors import HubError, ObjectExists, VersionConflict
+from fleetrl.hub.parent import newest, read_parent
 from fleetrl.hub.parts import encode_delta_part, encode_dense_part
+from fleetrl.hub.reader import Reader
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
 from fleetrl.hub.tensors import dtype_name, sha256_words, to_words
@@ -47,6 +50,9 @@ class PublishedVersion:
     published_at: float
     bytes_written: int
     """Bytes of new objects plus the manifest."""
+    anchor_reason: str | None = None
+    """Why this version is an anchor (None for a delta): first version, `anchor_interval`, a change
+    of tensor names, shapes or dtypes, or a newest stored version that could not be a parent."""
 
 
 @dataclass
@@ -98,18 +104,24 @@ class _ObjectPacker:
 
 
 class Publisher:
-    """Publishes versions of one run into `store` (the home store)."""
+    """Publishes versions of one run into `store` (the home store), reading parents through `reader`
+    (a reader of that same store) when it does not hold them in memory."""
 
-    def __init__(self, store: ObjectStore, run: str, cfg: HubConfig, keys: Callable[[], Keys], pool: Executor):
+    def __init__(self, store: ObjectStore, run: str, cfg: HubConfig, keys: Callable[[], Keys], pool: Executor,
+                 reader: Reader) -> None:
         self.store, self.run, self.cfg, self._keys, self.pool = store, run, cfg, keys, pool
+        self.reader = reader
         self._prev: dict[str, _Tensor] | None = None
         self._prev_version: int | None = None
         self._prev_anchor = 0
 
-    def _snapshot(self, state: Mapping[str, torch.Tensor]) -> dict[str, _Tensor]:
-        """Bit patterns and hashes of every tensor; tied tensors (same storage or same bytes) once."""
+    def _snapshot(self, state: Mapping[str, torch.Tensor], owned: bool) -> dict[str, _Tensor]:
+        """Bit patterns and hashes of every tensor; tied tensors (same storage or same bytes) once.
+
+        Unless the caller hands the tensors over (`owned`), the words are copied: a trainer keeps
+        mutating its weights, and they are the next version's parent."""
         names = list(state)
-        words = [np.array(to_words(state[n]), copy=True) for n in names]  # the trainer keeps mutating
+        words = [to_words(state[n]) if owned else np.array(to_words(state[n]), copy=True) for n in names]
         shas = list(self.pool.map(sha256_words, words))
         out: dict[str, _Tensor] = {}
         seen: dict[tuple[str, str, tuple[int, ...]], str] = {}
@@ -124,23 +136,75 @@ class Publisher:
         step = max(1, self.cfg.frame_bytes // t.words.dtype.itemsize)
         return [(s, min(s + step, t.words.size)) for s in range(0, max(t.words.size, 1), step)]
 
-    def _compatible(self, cur: dict[str, _Tensor]) -> bool:
+    def _difference(self, cur: dict[str, _Tensor]) -> str | None:
+        """What makes `cur` unable to be a delta of the parent in memory (None when it can)."""
         prev = self._prev
-        return prev is not None and prev.keys() == cur.keys() and all(
-            (prev[n].dtype, prev[n].shape) == (t.dtype, t.shape) for n, t in cur.items()
-        )  # ties may come and go (equal norm weights diverge): readers copy tied tensors after each step
+        assert prev is not None
+        if prev.keys() != cur.keys():
+            extra, missing = sorted(cur.keys() - prev.keys()), sorted(prev.keys() - cur.keys())
+            return f"tensor names differ from version {self._prev_version} (new: {extra[:3]}, gone: {missing[:3]})"
+        for n, t in cur.items():  # ties may come and go (equal norm weights diverge): readers copy them
+            if (prev[n].dtype, prev[n].shape) != (t.dtype, t.shape):
+                return (f"tensor {n} is {t.dtype}{t.shape}, was {prev[n].dtype}{prev[n].shape} in version "
+                        f"{self._prev_version}")
+        return None
 
-    def publish(self, state: Mapping[str, torch.Tensor]) -> PublishedVersion:
-        cur = self._snapshot(state)
-        latest = read_latest(self.store, self.run)
-        version = 0 if latest is None else latest + 1
-        can_delta = self._compatible(cur) and self._prev_version == latest
-        anchor = not can_delta or version - self._prev_anchor >= self.cfg.anchor_interval
-        entries, objects = self._encode(cur, anchor=anchor, with_delta=can_delta)
+    def _parent_problem(self, latest: int | None, cur: dict[str, _Tensor]) -> str | None:
+        """Make the store's newest version the parent in memory (reading it back when another process
+        published it); returns why the next version cannot be a delta of it, or None."""
+        if latest is None:
+            self._prev, self._prev_version = None, None
+            return "first version"
+        if self._prev is None or self._prev_version != latest:
+            self._prev, self._prev_version = None, None
+            try:
+                parent = read_parent(self.reader, latest)
+            except HubError as exc:
+                return f"newest version {latest} cannot be a parent: {type(exc).__name__}: {exc}"
+            entries = {t.name: t for t in parent.manifest.tensors if self._keeps(t.name, cur)}
+            self._prev = {n: _Tensor(n, e.dtype, e.shape, parent.words[n], e.sha256) for n, e in entries.items()}
+            self._prev_version, self._prev_anchor = latest, parent.manifest.anchor
+            log.info("hub.parent_read", version=latest, anchor=parent.manifest.anchor, store=self.store.name)
+        return self._difference(cur)
+
+    def _keeps(self, name: str, cur: Mapping[str, _Tensor]) -> bool:
+        """Whether a parent read back keeps this tensor's bits (all of them, for one process)."""
+        return True
+
+    def publish(self, state: Mapping[str, torch.Tensor], *, version: int | None = None,
+                owned: bool = False) -> PublishedVersion:
+        """Publish the next version; with `version`, refuse (VersionConflict) unless it is that one."""
+        cur = self._snapshot(state, owned)
+        latest = newest(self.reader, read_latest(self.store, self.run))
+        nxt = 0 if latest is None else latest + 1
+        if version is not None and version != nxt:
+            raise VersionConflict(f"{self.store.where(mf.latest_key(self.run))}: asked to publish version "
+                                  f"{version} but the next version of run {self.run!r} is {nxt} (another "
+                                  f"publisher is writing into this run?)")
+        reason = self._parent_problem(latest, cur)
+        can_delta = reason is None
+        if can_delta and nxt - self._prev_anchor >= self.cfg.anchor_interval:
+            reason = f"anchor_interval: {nxt - self._prev_anchor} versions since anchor {self._prev_anchor}"
+        if reason is not None and not reason.startswith(("first version", "anchor_interval")):
+            log.warning("hub.anchor_instead_of_delta", version=nxt, reason=reason, store=self.store.name)
+        return self._write(cur, nxt, latest, reason, can_delta)
+
+    def _write(self, cur: dict[str, _Tensor], version: int, parent: int | None, reason: str | None,
+               can_delta: bool) -> PublishedVersion:
+        """Encode, upload, then create the manifest (conditional) and move `latest`."""
+        entries, objects = self._encode(cur, anchor=reason is not None, with_delta=can_delta)
         written = self._upload(objects)
+        pv = self._commit(entries, {sha: len(o) for sha, o in objects.items()}, version, parent, reason, written)
+        self._prev, self._prev_version, self._prev_anchor = cur, version, pv.anchor
+        return pv
+
+    def _commit(self, entries: list[mf.TensorEntry], objects: dict[str, int], version: int, parent: int | None,
+                reason: str | None, written: int) -> PublishedVersion:
+        """Create the signed manifest of uploaded parts (conditional write), then the holder marker
+        and `latest`. Raises VersionConflict when another publisher created version N first."""
         manifest = mf.Manifest(
-            run=self.run, version=version, parent=latest, anchor=version if anchor else self._prev_anchor,
-            published_at=time.time(), objects={mf_sha: len(o) for mf_sha, o in objects.items()}, tensors=entries,
+            run=self.run, version=version, parent=parent, anchor=version if reason is not None else self._prev_anchor,
+            published_at=time.time(), objects=objects, tensors=entries,
         )
         data = mf.dump_signed(manifest, self._keys())
         key = mf.version_key(self.run, version)
@@ -154,11 +218,10 @@ class Publisher:
                    "sha256": sha, "published_at": manifest.published_at}
         self.store.put(mf.holder_key(self.run, version, self.store.name), b"")
         self.store.put(mf.latest_key(self.run), json.dumps(pointer).encode())
-        self._prev, self._prev_version, self._prev_anchor = cur, version, manifest.anchor
         log.info("hub.published", version=version, anchor=manifest.anchor, bytes=written + len(data),
-                 tensors=len(entries), store=self.store.name)
+                 tensors=len(entries), store=self.store.name, anchor_reason=reason)
         return PublishedVersion(version, key, manifest.anchor, sha, manifest.published_at,
-                                written + len(data))
+                                written + len(data), reason)
 
     def _encode(self, cur: dict[str, _Tensor], *, anchor: bool, with_delta: bool
                 ) -> tuple[list[mf.TensorEntry], dict[str, bytes]]:

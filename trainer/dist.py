@@ -9,8 +9,11 @@ do next with `command`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +72,22 @@ class DistContext:
         dist.scatter_object_list(out, parts if self.is_leader else None, src=0)
         return out[0]
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_leader else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         if self.distributed:
             dist.all_reduce(values, op=dist.ReduceOp.SUM)
@@ -102,17 +121,17 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers) if layers is not None else []
 
 
-def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: DistContext) -> tuple[
-    dict[str, Any], dict[str, Any] | None
-]:
-    """Full (unsharded) CPU state dicts; on ranks > 0 they are empty. Collective under FSDP."""
+def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, ctx: DistContext,
+              to_cpu: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Full (unsharded) state dicts, on the CPU unless `to_cpu` is False (one process only: then the
+    model's own tensors); on ranks > 0 they are empty. Collective under FSDP."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=ctx.distributed, cpu_offload=True)
+    opts = StateDictOptions(full_state_dict=ctx.distributed, cpu_offload=to_cpu or ctx.distributed)
     msd = get_model_state_dict(model, options=opts)
     osd = None if optimizer is None else get_optimizer_state_dict(model, optimizer, options=opts)
     return msd, osd
@@ -136,3 +155,53 @@ def set_state(
     set_model_state_dict(model, msd, options=opts)
     if optimizer is not None and osd is not None:
         set_optimizer_state_dict(model, optimizer, osd, options=opts)
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Each rank's own shards (DTensors under FSDP; whole tensors in one process), by FQN; the
+    optimizer's lazily created state is initialized so that a load has every key to fill."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=False)
+    return {"model": get_model_state_dict(model, options=opts),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=opts)}
+
+
+def save_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """torch.distributed.checkpoint: every rank writes (and fsyncs) its own shards under `path`,
+    rank 0 the metadata; collective under FSDP, returns once all ranks' files are written."""
+    import torch.distributed.checkpoint as dcp
+
+    with single_process_dcp():
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=path)
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Read back what `save_shards` wrote: each rank loads its own shards (resharded by DCP if the
+    world size changed). Collective under FSDP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = _sharded_state(model, optimizer)
+    with single_process_dcp():
+        dcp.load(state, checkpoint_id=path)
+    opts = StateDictOptions(full_state_dict=False)
+    set_model_state_dict(model, state["model"], options=opts)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
+
+
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """torch.distributed.checkpoint warns on every save and load without a process group that it
+    assumes one process: in one process that is exactly what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        yield

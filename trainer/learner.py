@@ -17,10 +17,13 @@ from typing import Any
 import torch
 
 from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.hub import PublishedVersion, ShardPublisher
 from fleetrl.log import get_logger
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
-from fleetrl.trainer.dist import DistContext, get_state, set_state
+from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss, token_logprobs
+from fleetrl.trainer.sharded_publish import publish_sharded
+from fleetrl.trainer.snapshots import SnapshotRing
 
 log = get_logger(__name__)
 
@@ -59,6 +62,8 @@ class Learner:
             self.model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay
         )
         self.clip = ClipConfig(algo.clip_low, algo.clip_high, algo.tis_cap)
+        self._shard_publisher: ShardPublisher | None = None
+        self._snapshots = SnapshotRing()
 
     # -- operations led by rank 0 -------------------------------------------------------------
 
@@ -68,11 +73,17 @@ class Learner:
         return self._train(self.ctx.scatter(batch.shard(self.ctx.world_size)))
 
     def published_state(self) -> dict[str, torch.Tensor]:
-        """The weights as engines run them: publish dtype, CPU, every state-dict name (rank 0)."""
+        """A snapshot of the weights as engines run them: publish dtype, every state-dict name (rank 0).
+
+        Private copies that stay unchanged until two more snapshots have been taken (the publisher
+        keeps one while the next step trains, and as the parent of the next version: see
+        snapshots.py). In one process the cast is copied on the learner's device (the hub's thread
+        moves it to the host, off the step's path); under FSDP the full state is gathered to rank
+        0's CPU first."""
         self.ctx.command("state")
-        msd, _ = get_state(self.model, None, self.ctx)
+        msd, _ = get_state(self.model, None, self.ctx, to_cpu=self.ctx.distributed)
         # Tied weights (lm_head = embeddings) are passed as they are: the hub stores them once.
-        return {k: v.to(self.publish_dtype).contiguous() for k, v in msd.items()}
+        return self._snapshots.take(msd, self.publish_dtype)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """fp32 model and optimizer state, unsharded (rank 0)."""
@@ -85,6 +96,27 @@ class Learner:
         self.ctx.command("load")
         set_state(self.model, self.optimizer, msd, osd, self.ctx)
 
+    def publish_sharded(self, publisher: ShardPublisher, version: int | None = None) -> PublishedVersion | None:
+        """Every rank publishes the tensors it owns through its own `publisher` (set on followers
+        with `attach_publisher`); rank 0 writes the manifest and returns the version."""
+        self.ctx.command(("publish_sharded", version))
+        return publish_sharded(publisher, self.model, self.ctx, self.publish_dtype, version)
+
+    def attach_publisher(self, publisher: ShardPublisher) -> None:
+        """Ranks > 0: the publisher `follow()` uses when rank 0 names a sharded publish."""
+        self._shard_publisher = publisher
+
+    def save_shards(self, path: str) -> None:
+        """Every rank writes its shards of the model and optimizer under `path` (a checkpoint's
+        temporary folder: `checkpoint.commit` makes it durable); nothing is gathered to rank 0."""
+        self.ctx.command(("save_shards", path))
+        save_shards(self.model, self.optimizer, path)
+
+    def load_shards(self, path: str) -> None:
+        """Every rank reads its own shards back from `path`."""
+        self.ctx.command(("load_shards", path))
+        load_shards(self.model, self.optimizer, path)
+
     def stop_followers(self) -> None:
         self.ctx.command("stop")
 
@@ -94,6 +126,14 @@ class Learner:
             cmd = self.ctx.command()
             if cmd == "stop":
                 return
+            if isinstance(cmd, tuple) and cmd[0] == "publish_sharded":
+                if self._shard_publisher is None:
+                    raise RuntimeError(f"rank {self.ctx.rank}: a sharded publish needs attach_publisher first")
+                publish_sharded(self._shard_publisher, self.model, self.ctx, self.publish_dtype, cmd[1])
+                continue
+            if isinstance(cmd, tuple) and cmd[0] in ("save_shards", "load_shards"):
+                (save_shards if cmd[0] == "save_shards" else load_shards)(self.model, self.optimizer, cmd[1])
+                continue
             if cmd == "train":
                 self._train(self.ctx.scatter(None))
             elif cmd == "state":

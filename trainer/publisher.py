@@ -1,10 +1,14 @@
 """The publisher: every step's weights into the hub, then the version announced on MQTT.
 
-The learner keeps fp32 master weights; engines run the publish dtype (bf16 by default). The hub
-writes the cast as a delta against the previous version into the home store (blocking work: it
-runs in a thread), and only after the manifest and the `latest` pointer are written is the
-version announced on the retained `fleetrl/<run>/policy` topic. A node that misses the message
-finds the same version through the store's `latest`.
+The learner keeps fp32 master weights; engines run the publish dtype (bf16 by default). After a
+step the trainer takes a snapshot of the cast (a private copy, on the learner's device) and hands
+it to `submit`: the hub encodes it as a delta against the previous version, uploads it into the
+home store and moves `latest` in a thread, while the next step trains. Only after the manifest and
+the `latest` pointer are written is the version announced on the retained `fleetrl/<run>/policy`
+topic. One publish is in flight at a time, so versions land and are announced strictly in order:
+`submit` first waits for the previous one (that wait, plus the snapshot, is the trainer's stall),
+and a publish that failed raises there, or in `flush`. A node that misses the message finds the
+same version through the store's `latest`.
 """
 
 from __future__ import annotations
@@ -32,10 +36,44 @@ class WeightPublisher:
     def __init__(self, hub: Hub, announcer: Announcer | None, metrics: TrainerMetrics) -> None:
         self.hub, self.announcer, self.metrics = hub, announcer, metrics
         self.last: PublishedVersion | None = None
+        self._pending: asyncio.Task[PublishedVersion] | None = None
 
-    async def publish(self, state_dict: Mapping[str, torch.Tensor]) -> PublishedVersion:
+    async def publish(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> PublishedVersion:
+        """Publish a snapshot now (after any publish in flight) and announce; returns when both are done."""
+        await self.flush()
+        return await self._publish(state_dict, version)
+
+    async def submit(self, snapshot: Mapping[str, torch.Tensor], version: int) -> float:
+        """Publish `snapshot` (handed over: it must not change) as `version` in the background.
+
+        Waits for the publish before it first (strict order, one in flight) and raises its error if
+        it failed. Returns the seconds spent waiting for it."""
         t0 = time.monotonic()
-        pv = await asyncio.to_thread(self.hub.publish, state_dict)
+        await self.flush()
+        waited = time.monotonic() - t0
+        self._pending = asyncio.create_task(self._publish(snapshot, version), name=f"publish-v{version}")
+        return waited
+
+    async def flush(self) -> PublishedVersion | None:
+        """Wait for the publish in flight, if any; raises its error."""
+        task, self._pending = self._pending, None
+        return None if task is None else await task
+
+    async def close(self, timeout_s: float) -> None:
+        """Bounded wait for a publish still in flight when the trainer stops on an error; its own
+        failure is logged (the error that stopped the trainer is the one that propagates)."""
+        task, self._pending = self._pending, None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(task, timeout_s)
+        except Exception as exc:  # reported here: the error that stopped the trainer propagates
+            log.error("weights.publish_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _publish(self, state_dict: Mapping[str, torch.Tensor], version: int | None) -> PublishedVersion:
+        t0 = time.monotonic()
+        # The trainer's state dicts are snapshots (Learner.published_state): the hub may keep them.
+        pv = await asyncio.to_thread(self.hub.publish, state_dict, version=version, owned=True)
         seconds = time.monotonic() - t0
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.publish_bytes.inc(pv.bytes_written)
@@ -44,7 +82,7 @@ class WeightPublisher:
         self.last = pv
         await self.announce()
         log.info("weights.published", version=pv.version, anchor=pv.anchor, bytes=pv.bytes_written,
-                 seconds=round(seconds, 3))
+                 seconds=round(seconds, 3), anchor_reason=pv.anchor_reason)
         return pv
 
     async def announce(self) -> None:

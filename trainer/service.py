@@ -5,12 +5,20 @@ write) runs in threads so the Kafka clients keep heartbeating. Per region it hol
 (prompts, and dead letters of that region) and one consumer of `trajectories` in the group
 `fleetrl.<run>.trainer`. The order within a step is what makes resume exact:
 
-    step -> publish version -> announce -> checkpoint (atomic) -> commit the offsets it covers
+    step -> snapshot (bf16 copy) -> checkpoint (every rank its shards, then atomic) -> commit offsets
+                 └─> in the background, while the next step trains: publish version -> announce
+
+Step N's weights are version v+N: `self.version` moves when the snapshot is taken, and prompts
+dispatched from then on ask for it (engines wait for it to land). One publish is in flight at a
+time (`WeightPublisher.submit` waits for the previous one), so versions land in order; with
+`trainer.publish_in_background: false` the publish runs inline, before the checkpoint.
 
 A SIGKILL anywhere leaves the newest checkpoint consistent with itself: restart loads it, seeks
 every consumer to the offsets it recorded and re-reads what came after, and the collector's ledger
-makes anything it already trained a duplicate. Weights published after that checkpoint are
-superseded: on resume the checkpoint's weights are published again as a newer version.
+makes anything it already trained a duplicate. If the store's newest version is not the
+checkpoint's (a version published after it from weights now lost, or the checkpoint's own version
+still in flight when the process died), the checkpoint's weights are published again as the next
+version, a delta against the store's newest.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ class Trainer:
             if self.use_mqtt:
                 announcer = await stack.enter_async_context(ControlPlane(self.config, f"{self.config.run}-trainer"))
             self.publisher = WeightPublisher(hub, announcer, self.metrics)
+            stack.push_async_callback(self.publisher.close, self.config.trainer.drain_timeout_s)
             self.announcer = announcer
             await self._restore_or_start()
             limits = RecordLimits.from_config(self.config)
@@ -111,8 +120,11 @@ class Trainer:
             self.version = pv.version
             log.info("trainer.started", version=self.version, resumed=False)
             return
-        msd, osd = await asyncio.to_thread(ckpt.weights)
-        await asyncio.to_thread(self.learner.load_state, msd, osd)
+        if ckpt.shards is not None:  # every rank reads its own shards
+            await asyncio.to_thread(self.learner.load_shards, str(ckpt.shards))
+        else:  # a checkpoint of full state dicts (written before checkpoints were sharded)
+            msd, osd = await asyncio.to_thread(ckpt.weights)
+            await asyncio.to_thread(self.learner.load_state, msd, osd)
         s = ckpt.state
         self.step, self.version, self._saved_step = int(s["step"]), int(s["version"]), int(s["step"])
         self.collector.restore(s["collector"])
@@ -229,8 +241,7 @@ class Trainer:
         for g in groups:
             self.metrics.staleness.observe(self.version - g.min_version)
         self.step += 1
-        pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
-        self.version = pv.version
+        self.version = await self._publish_step(self.version + 1)
         seconds = time.monotonic() - t0
         self.metrics.step_seconds.observe(seconds)
         self.metrics.steps.inc()
@@ -243,6 +254,17 @@ class Trainer:
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True
+
+    async def _publish_step(self, version: int) -> int:
+        """Snapshot the weights and publish them as `version`, in the background or inline."""
+        t0 = time.monotonic()
+        snapshot = await asyncio.to_thread(self.learner.published_state)
+        if self.config.trainer.publish_in_background:
+            await self.publisher.submit(snapshot, version)
+        else:
+            await self.publisher.publish(snapshot, version)
+        self.metrics.publish_stall_seconds.observe(time.monotonic() - t0)
+        return version
 
     # -- checkpoint and commit ----------------------------------------------------------------
 
@@ -261,16 +283,18 @@ class Trainer:
             "collector": self.collector.state(), "dispatcher": self.dispatcher.state(),
             "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
         }
-        msd, osd = await asyncio.to_thread(self.learner.checkpoint_state)
-        path = await asyncio.to_thread(checkpoint.save, self.config.trainer.checkpoint_dir, state, msd, osd,
-                                       self.config.trainer.keep_checkpoints)
+        directory = self.config.trainer.checkpoint_dir
+        tmp = await asyncio.to_thread(checkpoint.begin, directory, self.step)
+        await asyncio.to_thread(self.learner.save_shards, str(tmp / checkpoint.WEIGHTS_DIR))
+        path = await asyncio.to_thread(checkpoint.commit, directory, tmp, state, self.config.trainer.keep_checkpoints)
         self._saved_step = self.step
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
         log.info("checkpoint.saved", step=self.step, path=str(path))
         await self.clients.commit(covered)
 
     async def _drain(self) -> None:
-        """Bounded shutdown: what was trained is checkpointed and committed; nothing else waits."""
+        """Bounded shutdown: what was trained is published, checkpointed and committed."""
+        await self.publisher.flush()
         if self.step != self._saved_step and self.step > 0:
             await self._checkpoint()
         log.info("trainer.drained", step=self.step, version=self.version)

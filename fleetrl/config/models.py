@@ -280,6 +280,9 @@ class TrainerConfig(Model):
     """torch intra-op threads of the learner on CPU."""
     drain_timeout_s: float = Field(30.0, gt=0)
     """On SIGTERM, the time allowed to finish the step, checkpoint and commit."""
+    publish_in_background: bool = True
+    """Encode, upload and announce each version while the next step trains (one publish in flight,
+    versions in order); False publishes inline, between the step and the next."""
     throughput_window_s: float = Field(60.0, gt=0)
     """Window over which each region's throughput (arrivals, heartbeats) is measured for credits."""
 

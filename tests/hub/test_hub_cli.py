@@ -35,40 +35,47 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 def test_publish_pull_verify_ls_gc_and_replicate_once(
         config_file: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = ["--config", str(config_file)]
-    states = [tiny_state(), step(tiny_state(), 1)]
+    states = [tiny_state()]
+    for i in range(1, 5):
+        states.append(step(states[-1], i))
     for i, state in enumerate(states):
         folder = tmp_path / f"ckpt{i}"
         folder.mkdir()
         save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"))
         code, out = run(capsys, "hub", "publish", str(folder), *cfg)
-        assert code == 0 and json.loads(out)["version"] == i
+        published = json.loads(out)
+        assert code == 0 and published["version"] == i
+        # Each `hub publish` is a fresh publisher: it reads version i-1 back from the store and deltas
+        # against it; anchors come only with the first version and every anchor_interval (4) versions.
+        assert published["anchor"] == (0 if i < 4 else 4)
+        assert (published["anchor_reason"] is None) == (0 < i < 4), published
 
     code, out = run(capsys, "replicator", "--region", "west", "--once", *cfg)
     assert code == 0, capsys.readouterr().err
-    code, out = run(capsys, "hub", "pull", "latest", str(tmp_path / "v1.safetensors"), "--store", "west", *cfg)
+    code, out = run(capsys, "hub", "pull", "latest", str(tmp_path / "v4.safetensors"), "--store", "west", *cfg)
     assert code == 0, capsys.readouterr().err
-    pulled = load_file(str(tmp_path / "v1.safetensors"))
+    pulled = load_file(str(tmp_path / "v4.safetensors"))
     pulled["lm_head.weight"] = pulled["model.embed_tokens.weight"]
-    assert same_bits(pulled, states[1])
+    assert same_bits(pulled, states[4])
 
     code, out = run(capsys, "hub", "verify", "1", *cfg)
     assert code == 0 and json.loads(out)["ok"]
     code, out = run(capsys, "hub", "ls", "--json", *cfg)
     rows = json.loads(out)
-    assert [r["version"] for r in rows] == [0, 1] and rows[1]["latest"] and "west" in rows[1]["holders"]
+    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4] and rows[4]["latest"] and "west" in rows[4]["holders"]
+    assert rows[1]["encodings"].get("anchor", 0) == 0
 
-    # Each `hub publish` is a fresh publisher with no parent state in memory: version 1 is an anchor,
-    # so with a window of one version, version 0 may go.
+    # Version 4 is an anchor, so with a window of one version, versions 0..3 may go.
     code, out = run(capsys, "hub", "gc", "--dry-run", *cfg)
-    assert json.loads(out)["deleted_versions"] == [0] and code == 0
+    assert json.loads(out)["deleted_versions"] == [0, 1, 2, 3] and code == 0
     code, out = run(capsys, "hub", "gc", *cfg)
     assert code == 0 and json.loads(out)["deleted_objects"] >= 1
     code, out = run(capsys, "hub", "ls", "--json", *cfg)
-    assert [r["version"] for r in json.loads(out)] == [1]
+    assert [r["version"] for r in json.loads(out)] == [4]
 
     for obj in (tmp_path / "home").rglob("objects/*"):
         obj.write_bytes(obj.read_bytes()[:-3])
-    assert main(["hub", "verify", "1", *cfg]) == 1
+    assert main(["hub", "verify", "4", *cfg]) == 1
     assert "IntegrityError" in capsys.readouterr().err
     assert main(["hub", "pull", "7", str(tmp_path / "x.safetensors"), *cfg]) == 1
     assert "ObjectNotFound" in capsys.readouterr().err

@@ -2,17 +2,22 @@
 
 Launched by `test_trainer_dist.py` twice: as one plain process, and under
 `torchrun --nproc-per-node 2` (FSDP2 over gloo). Halfway it round-trips the model and optimizer
-state through `checkpoint_state` / `load_state`, as a resume does.
+state through `checkpoint_state` / `load_state`, and writes a sharded checkpoint (each rank its own
+shards, then the atomic commit); at the end it loads those shards back and takes the second half's
+steps again, as a resume does: the result must be the same parameters, bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 
 import torch
 from trainer_groups import make_group  # the script's folder is on sys.path
 
 from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.trainer import checkpoint
 from fleetrl.trainer.batch import build_step_batch
 from fleetrl.trainer.dist import DistContext
 from fleetrl.trainer.learner import Learner
@@ -39,15 +44,25 @@ def train(ctx: DistContext, steps: int, out: str) -> None:
     if not ctx.is_leader:
         learner.follow()
         return
-    history = []
+    batches = [build_step_batch([make_group(f"g{step}-{i}", "r", n=3, seed=100 * step + i, length=6)
+                                 for i in range(3)], "grpo", step) for step in range(steps)]
+    history, half = [], steps // 2
+    ckpt_dir = pathlib.Path(out).parent / "ckpt"
     for step in range(steps):
-        groups = [make_group(f"g{step}-{i}", "r", n=3, seed=100 * step + i, length=6) for i in range(3)]
-        stats = learner.train_step(build_step_batch(groups, "grpo", step))
+        stats = learner.train_step(batches[step])
         history.append([stats.loss, stats.grad_norm, stats.kl, float(stats.tokens)])
-        if step == steps // 2:
+        if step == half:
             learner.load_state(*learner.checkpoint_state())
+            tmp = checkpoint.begin(ckpt_dir, step + 1)
+            learner.save_shards(str(tmp / checkpoint.WEIGHTS_DIR))
+            saved = checkpoint.commit(ckpt_dir, tmp, {"run": "r", "step": step + 1, "version": step + 1}, keep=1)
     msd, _ = learner.checkpoint_state()
-    torch.save({"params": msd, "stats": history}, out)
+    learner.load_shards(str(saved / checkpoint.WEIGHTS_DIR))  # resume from the sharded checkpoint
+    for step in range(half + 1, steps):
+        learner.train_step(batches[step])
+    resumed, _ = learner.checkpoint_state()
+    torch.save({"params": msd, "stats": history, "resumed": resumed,
+                "shard_files": sorted(os.listdir(saved / checkpoint.WEIGHTS_DIR))}, out)
     learner.stop_followers()
 
 

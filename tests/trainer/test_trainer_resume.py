@@ -19,11 +19,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from trainer_groups import HUB_KEY, answer_prompts
 
 from fleetrl.broker import ensure_topics
 from fleetrl.config import FleetConfig
+from fleetrl.hub import Hub
 from fleetrl.trainer.checkpoint import latest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -130,3 +132,63 @@ async def test_daemon_under_torchrun_two_ranks(make_fleet: Callable[..., FleetCo
     assert ckpt is not None and ckpt.step == STEPS
     ledger = [row[0] for row in ckpt.state["collector"]["trained"]]
     assert len(ledger) == len(set(ledger)) == STEPS * config.algorithm.groups_per_step
+
+
+def _store_matches_checkpoint(config: FleetConfig) -> tuple[int, int]:
+    """Every version in the store is whole (its manifest verifies, its chain materializes, sha256 per
+    tensor), the versions are 0..latest without a gap, and the newest checkpoint's version is either
+    in flight (latest + 1) or holds exactly the checkpoint's weights in the publish dtype."""
+    ckpt = latest(config.trainer.checkpoint_dir, config.run)
+    with Hub.from_config(config) as hub:
+        newest = hub.latest()
+        assert newest is not None and hub.versions() == list(range(newest + 1))
+        for v in range(newest + 1):
+            hub.materialize(v)  # raises on any part, digest or sha256 that does not match
+        if ckpt is None:  # killed before the first checkpoint: a restart starts over from a new version
+            return -1, newest
+        version = int(ckpt.state["version"])
+        assert version <= newest + 1, (version, newest)
+        if version <= newest:
+            published = hub.materialize(version)
+            model, _ = ckpt.weights()
+            for name, master in model.items():
+                assert torch.equal(published[name].view(torch.int16), master.to(torch.bfloat16).view(torch.int16)), name
+    return version, newest
+
+
+async def test_sigkill_around_background_publishes_keeps_store_and_checkpoint_consistent(
+        make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path) -> None:
+    """Background publishing: kill while a publish is in flight (right after the step hands it over),
+    right after a checkpoint (its version may still be uploading), and right after a version landed
+    (the next step is training). Each time the store and the checkpoint agree; the run then ends
+    with the audit passing and the newest version holding the final checkpoint's weights."""
+    config = make_fleet(max_staleness=1)
+    assert config.trainer.publish_in_background
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    await ensure_topics(config, REGION)
+    answered: list[str] = []
+    finished = asyncio.Event()
+    rollout = asyncio.create_task(answer_prompts(config, REGION, finished.is_set, answered))
+    try:
+        for event, skip in (("step.done", 1), ("checkpoint.saved", 0), ("weights.published", 1)):
+            rc, ev = await _trainer_until(cfg, event, signal.SIGKILL, skip=skip)
+            assert rc == -signal.SIGKILL, ev[-5:]
+            _store_matches_checkpoint(config)
+        rc, ev = await _trainer_until(cfg, None, None)
+        assert rc == 0, ev[-5:]
+        assert any(e["event"] == "trainer.started" and e["resumed"] for e in ev)
+    finally:
+        finished.set()
+        await asyncio.wait_for(rollout, 30)
+    version, newest = _store_matches_checkpoint(config)
+    assert version == newest  # drained: the last version landed before the last checkpoint
+    ckpt = latest(config.trainer.checkpoint_dir, config.run)
+    assert ckpt is not None and ckpt.step == STEPS
+    proc = await asyncio.create_subprocess_exec(
+        *FLEETRL, "audit", "--config", str(cfg), "--json", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL, env=_env())
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    report = json.loads(out)
+    assert proc.returncode == 0 and report["ok"], report["problems"]
+    assert report["trained"] == STEPS * config.algorithm.groups_per_step and not report["trained_twice"]

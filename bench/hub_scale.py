@@ -1,0 +1,309 @@
+"""The hub and the trainer's publisher at the size of real models, against baselines in the same run.
+
+Synthetic but realistic updates: fp32 master weights shaped like Qwen2.5-0.5B, Llama-3.2-1B and
+Qwen2.5-3B (Hugging Face names, tied embeddings; weights ~N(0, 0.02), norms 1, biases 0) take
+AdamW-like steps: each element moves by lr·sign(g) for a random gradient g (Adam's normalized
+update m̂/√v̂ has magnitude ≲ 1; its first step is exactly sign(g)) plus decoupled weight decay
+0.01·lr·w, at lr 1e-6, then lr 1e-5. The bf16 cast of every step is published through
+`fleetrl.hub` into a directory store with `hub.threads` 1 and torch at 1 thread, so times are
+per thread. Per size and lr it prints:
+
+* publish s per billion parameters (snapshot handed over, sha256, delta encode, upload, manifest);
+* materialize-in-place s per billion: a second `Hub` holding version N-1 (as a rollout node's
+  does) updates its state dict to N, every part and written word checked;
+* bytes per version, as ratios: safetensors + zstd (level 3) of the version, and XOR with the
+  previous version + zstd of each whole tensor (slime/SkyRL's delta format), over ours;
+* the changed fraction of bf16 elements.
+
+Trainer stall per step (largest size, lr 1e-6): a loop of steps through the trainer's own
+`WeightPublisher` and snapshot buffers (`SnapshotRing`, as `Learner.published_state`), inline
+(`publish`: snapshot, then the whole publish) vs background (`submit`: snapshot, then waiting only
+for the previous publish while this step trained). The stall is the time the loop is not stepping;
+`stall_ratio` = inline / background. On 2 shared cores the background publish also competes with
+the step it overlaps; the loop's wall time per step is printed too.
+
+CLI chain (smallest size): five consecutive versions published by five `fleetrl hub publish`
+processes from safetensors files, against the same five from one process into another store;
+`cli_delta_ratio` = CLI bytes / one-process bytes over the four deltas; the CLI chain is then
+pulled back and checked bit for bit.
+
+    .venv/bin/python bench/hub_scale.py [--quick] [--sizes 0.5B,1B]
+
+Defaults: 0.5B and 1B (3B needs ~31 GB: fp32 masters plus three bf16 copies; add it with --sizes
+where memory allows). `--quick`: a 28 M-parameter model of the same shape family (under 2 min).
+Last line: `result: publish_s_per_b=… stall_ratio=… cli_delta_ratio=… materialize_s_per_b=…
+bytes_ratio_vs_zstd=… bytes_ratio_vs_xor_zstd=…` (largest size, lr 1e-6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import yaml
+import zstandard
+from safetensors.torch import save, save_file
+
+os.environ.setdefault("FLEETRL_HUB_KEY", "bench-key")
+
+from fleetrl import log
+from fleetrl.config import FleetConfig
+from fleetrl.hub import Hub
+from fleetrl.hub.tensors import to_words
+from fleetrl.trainer.metrics import TrainerMetrics
+from fleetrl.trainer.publisher import WeightPublisher
+from fleetrl.trainer.snapshots import SnapshotRing
+
+LEVEL = 3
+LRS = (1e-6, 1e-5)
+TIED = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_dim: int
+    vocab: int
+
+
+SHAPES = {
+    "quick": Shape(512, 1408, 4, 128, 32000),  # 27.6 M
+    "0.5B": Shape(896, 4864, 24, 128, 151936),  # Qwen2.5-0.5B: 494 M
+    "1B": Shape(2048, 8192, 16, 512, 128256),  # Llama-3.2-1B: 1.24 B
+    "3B": Shape(2048, 11008, 36, 256, 151936),  # Qwen2.5-3B: 3.09 B
+}
+
+
+@dataclass
+class Row:
+    size: str
+    params: int
+    lr: float
+    publish_s: list[float] = field(default_factory=list)
+    materialize_s: list[float] = field(default_factory=list)
+    ours: list[int] = field(default_factory=list)
+    changed: list[float] = field(default_factory=list)
+    zstd: int = 0
+    xor_zstd: int = 0
+
+    def per_b(self, seconds: list[float]) -> float:
+        return statistics.median(seconds) / (self.params / 1e9)
+
+
+def make_masters(s: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 masters under Hugging Face names; lm_head is the embedding tensor itself (tied)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).mul_(0.02)
+
+    h = s.hidden
+    out = {"model.embed_tokens.weight": w(s.vocab, h)}
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        out |= {p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.q_proj.bias": torch.zeros(h),
+                p + "self_attn.k_proj.weight": w(s.kv_dim, h), p + "self_attn.k_proj.bias": torch.zeros(s.kv_dim),
+                p + "self_attn.v_proj.weight": w(s.kv_dim, h), p + "self_attn.v_proj.bias": torch.zeros(s.kv_dim),
+                p + "self_attn.o_proj.weight": w(h, h), p + "mlp.gate_proj.weight": w(s.intermediate, h),
+                p + "mlp.up_proj.weight": w(s.intermediate, h), p + "mlp.down_proj.weight": w(h, s.intermediate),
+                p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)}
+    out["model.norm.weight"] = torch.ones(h)
+    out[TIED] = out["model.embed_tokens.weight"]
+    return out
+
+
+def adamw_like_step(masters: dict[str, torch.Tensor], lr: float, g: torch.Generator) -> None:
+    """w -= lr·sign(g) + 0.01·lr·w, in place, each tensor once (lm_head is the embedding)."""
+    for name, w in masters.items():
+        if name == TIED:
+            continue
+        sign = torch.rand(w.shape, generator=g) < 0.5
+        w.mul_(1 - 0.01 * lr).add_(torch.where(sign, lr, -lr))
+
+
+def snapshot(masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the trainer publishes: a private bf16 copy (Learner.published_state)."""
+    return {k: v.to(torch.bfloat16, copy=True) for k, v in masters.items()}
+
+
+def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if k != TIED}
+
+
+def baselines(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], row: Row) -> None:
+    zc = zstandard.ZstdCompressor(level=LEVEL)
+    row.zstd = len(zc.compress(save(untied(cur))))
+    row.xor_zstd = sum(len(zc.compress((to_words(prev[k]) ^ to_words(cur[k])).tobytes())) for k in untied(cur))
+
+
+def changed_fraction(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> float:
+    n = m = 0
+    for k in untied(cur):
+        a, b = to_words(prev[k]), to_words(cur[k])
+        n, m = n + a.size, m + int((a != b).sum())
+    return m / n
+
+
+def hub_config(root: pathlib.Path, name: str) -> FleetConfig:
+    return FleetConfig.model_validate({
+        "run": "scale", "hub": {"home_store": (root / name).as_uri(), "anchor_interval": 1000, "zstd_level": LEVEL,
+                                "threads": 1},
+        "regions": [{"name": "r", "kafka": "127.0.0.1:9", "store": (root / f"{name}-r").as_uri()}],
+    })
+
+
+def run_size(size: str, steps: int, root: pathlib.Path) -> tuple[list[Row], dict[str, torch.Tensor], Hub]:
+    """Publish and materialize `steps` versions per lr; returns the rows, the masters and the hub."""
+    masters = make_masters(SHAPES[size])
+    params = sum(v.numel() for k, v in masters.items() if k != TIED)
+    print(f"{size}: {params / 1e9:.3f} B parameters", flush=True)
+    g = torch.Generator().manual_seed(1)
+    hub, reader = Hub.from_config(hub_config(root, size)), Hub.from_config(hub_config(root, size))
+    cur = snapshot(masters)
+    hub.publish(cur, owned=True)
+    engine = reader.materialize(0)  # a rollout node's state dict, then followed in place
+    adamw_like_step(masters, LRS[0], g)  # one untimed version: the kernels load, the caches fill
+    cur = snapshot(masters)
+    reader.materialize(hub.publish(cur, owned=True).version, into=engine, have_version=0)
+    rows = []
+    for lr in LRS:
+        row = Row(size, params, lr)
+        for i in range(steps):
+            prev = cur
+            adamw_like_step(masters, lr, g)
+            cur = snapshot(masters)
+            t0 = time.perf_counter()
+            pv = hub.publish(cur, owned=True)
+            row.publish_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            reader.materialize(pv.version, into=engine, have_version=pv.version - 1)
+            row.materialize_s.append(time.perf_counter() - t0)
+            row.ours.append(pv.bytes_written)
+            row.changed.append(changed_fraction(prev, cur))
+            if i == steps - 1:
+                baselines(prev, cur, row)
+        print(f"  lr {lr:g}: publish {row.per_b(row.publish_s):.2f} s/B  materialize {row.per_b(row.materialize_s):.2f}"
+              f" s/B  ours {row.ours[-1]:,} B  zstd x{row.zstd / row.ours[-1]:.1f}  xor+zstd "
+              f"x{row.xor_zstd / row.ours[-1]:.2f}  changed {statistics.median(row.changed):.4f}", flush=True)
+        rows.append(row)
+    reader.close()
+    del engine
+    return rows, masters, hub
+
+
+async def trainer_loop(masters: dict[str, torch.Tensor], hub: Hub, steps: int, background: bool
+                       ) -> tuple[list[float], list[float], float]:
+    """Steps through the trainer's WeightPublisher: per-step stall, the part of it spent waiting for
+    the previous publish (background), and wall seconds per step."""
+    publisher = WeightPublisher(hub, None, TrainerMetrics())
+    version = hub.latest()
+    assert version is not None
+    g = torch.Generator().manual_seed(2)
+    ring = SnapshotRing()  # what Learner.published_state casts into
+    stalls, waits = [], []
+    start = time.perf_counter()
+    for _ in range(steps):
+        await asyncio.to_thread(adamw_like_step, masters, LRS[0], g)
+        t0 = time.perf_counter()
+        snap = await asyncio.to_thread(ring.take, masters, torch.bfloat16)
+        version += 1
+        if background:
+            waits.append(await publisher.submit(snap, version))
+        else:
+            await publisher.publish(snap, version)
+        stalls.append(time.perf_counter() - t0)
+    await publisher.flush()
+    return stalls, waits, (time.perf_counter() - start) / steps
+
+
+def stall(masters: dict[str, torch.Tensor], hub: Hub, steps: int) -> float:
+    inline, _, inline_wall = asyncio.run(trainer_loop(masters, hub, steps, background=False))
+    back, waits, back_wall = asyncio.run(trainer_loop(masters, hub, steps, background=True))
+    mean = statistics.mean
+    ratio = mean(inline) / mean(back)
+    print(f"trainer stall per step: inline {mean(inline):.3f} s, background {mean(back):.3f} s (of which waiting "
+          f"for the previous publish {mean(waits):.3f} s): x{ratio:.1f}; wall per step inline {inline_wall:.3f} s, "
+          f"background {back_wall:.3f} s", flush=True)
+    return ratio
+
+
+def cli_chain(size: str, root: pathlib.Path) -> float:
+    """Five versions by five `fleetrl hub publish` processes vs one process; bytes of the deltas."""
+    masters, g = make_masters(SHAPES[size], seed=3), torch.Generator().manual_seed(3)
+    states = []
+    for i in range(5):
+        if i:
+            adamw_like_step(masters, LRS[0], g)
+        states.append(untied(snapshot(masters)))
+        save_file(states[-1], str(root / f"cli-v{i}.safetensors"))
+    del masters
+    cfg = root / "cli.yaml"
+    cfg.write_text(yaml.safe_dump(hub_config(root, "cli").model_dump(mode="json")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cli = []
+    for i in range(5):
+        argv = [sys.executable, "-m", "fleetrl.cli", "hub", "publish", str(root / f"cli-v{i}.safetensors"),
+                "--config", str(cfg)]
+        done = subprocess.run(argv, env=env, capture_output=True, timeout=1800, check=True)
+        cli.append(json.loads(done.stdout)["bytes_written"])
+    with Hub.from_config(hub_config(root, "one")) as one:
+        single = [one.publish(s, owned=True).bytes_written for s in states]
+    with Hub.from_config(hub_config(root, "cli")) as hub:
+        pulled = hub.materialize(4)
+        exact = all(torch.equal(pulled[k].view(torch.int16), v.view(torch.int16)) for k, v in states[4].items())
+    ratio = sum(cli[1:]) / sum(single[1:])
+    print(f"CLI chain ({size}): {cli} B vs one process {single} B: x{ratio:.4f}; pull bit-exact: {exact}", flush=True)
+    if not exact:
+        raise SystemExit("the CLI chain did not pull back bit for bit")
+    return ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 28 M-parameter model (under 2 min on 2 cores)")
+    parser.add_argument("--sizes", default="0.5B,1B", help=f"comma-separated, of {sorted(SHAPES)}")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    log.configure(level="WARNING")
+    sizes = ["quick"] if args.quick else args.sizes.split(",")
+    steps, stall_steps = (3, 6) if args.quick else (3, 4)  # medians of 3: one slow step (a kernel compiling)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="fleetrl-scale-") as tmp:
+        root = pathlib.Path(tmp)
+        cli_ratio = cli_chain(sizes[0], root)
+        for i, size in enumerate(sizes):
+            size_rows, masters, hub = run_size(size, steps, root)
+            rows += size_rows
+            if i == len(sizes) - 1:
+                stall_ratio = stall(masters, hub, stall_steps)
+            hub.close()
+            del masters
+    print("\n| size | params | lr | publish s/B | materialize s/B | changed | bytes/version | vs st+zstd "
+          "| vs XOR+zstd |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.size} | {r.params / 1e9:.3f} B | {r.lr:g} | {r.per_b(r.publish_s):.2f} | "
+              f"{r.per_b(r.materialize_s):.2f} | {statistics.median(r.changed):.4f} | "
+              f"{statistics.median(r.ours):,.0f} | "
+              f"{r.zstd / r.ours[-1]:.1f} | {r.xor_zstd / r.ours[-1]:.2f} |")
+    top = next(r for r in rows if r.size == sizes[-1] and r.lr == LRS[0])
+    print(f"result: publish_s_per_b={top.per_b(top.publish_s):.2f} stall_ratio={stall_ratio:.1f} "
+          f"cli_delta_ratio={cli_ratio:.4f} materialize_s_per_b={top.per_b(top.materialize_s):.2f} "
+          f"bytes_ratio_vs_zstd={top.zstd / top.ours[-1]:.1f} "
+          f"bytes_ratio_vs_xor_zstd={top.xor_zstd / top.ours[-1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
