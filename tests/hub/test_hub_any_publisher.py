@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import yaml
-from hub_helpers import hmac_env, same_bits, step, tiny_state
+from hub_helpers import hub_env, same_bits, step, tiny_state
 from safetensors.torch import load_file, save_file
 
 from fleetrl.config import FleetConfig
@@ -50,7 +50,7 @@ def test_five_cli_processes_publish_deltas_as_small_as_one_process(
     for i, state in enumerate(states):
         file = tmp_path / f"v{i}.safetensors"
         save_file(state, str(file))
-        done = subprocess.run([*FLEETRL, "hub", "publish", str(file), *cfg], env=hmac_env(), capture_output=True,
+        done = subprocess.run([*FLEETRL, "hub", "publish", str(file), *cfg], env=hub_env(), capture_output=True,
                               timeout=120, check=False)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         out = json.loads(done.stdout)
@@ -72,7 +72,7 @@ def test_five_cli_processes_publish_deltas_as_small_as_one_process(
             assert hub.manifest(v).anchor == 0
             assert same_bits(hub.materialize(v), state), v
     done = subprocess.run([*FLEETRL, "hub", "pull", "latest", str(tmp_path / "out.safetensors"), *cfg],
-                          env=hmac_env(), capture_output=True, timeout=120, check=False)
+                          env=hub_env(), capture_output=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert same_bits(load_file(str(tmp_path / "out.safetensors")), states[4])
 
