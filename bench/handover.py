@@ -36,6 +36,7 @@ from fleetrl import devstack
 from fleetrl.broker import Consumer, GroupRecord, Producer, PromptRecord, RecordLimits, Sampling, ensure_topics
 from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub
+from fleetrl.hub.signing import generate_ed25519
 from fleetrl.rollout.worker import RolloutWorker
 
 REGION = "bench"
@@ -123,7 +124,7 @@ def main() -> None:
     args.max_new_tokens = 160 if args.quick else 320
     args.preempt_tokens = 200 if args.quick else 1000
     torch.set_num_threads(1)
-    os.environ.setdefault("FLEETRL_HUB_KEY", "bench-handover-key")
+    os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])  # this run's signing key (Ed25519, the default)
     with devstack.tansu() as server:
         bootstrap = f"127.0.0.1:{server.port}"
         regenerated, preempted = asyncio.run(measure(bootstrap, crash=False, args=args))

@@ -54,7 +54,9 @@ import yaml
 import zstandard
 from safetensors.torch import save, save_file
 
-os.environ.setdefault("FLEETRL_HUB_KEY", "bench-key")
+from fleetrl.hub.signing import generate_ed25519
+
+os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])  # this run's signing key (Ed25519, the default)
 
 from fleetrl import log
 from fleetrl.config import FleetConfig

@@ -38,7 +38,9 @@ from typing import Any
 
 import torch
 
-os.environ.setdefault("FLEETRL_HUB_KEY", "bench-key")
+from fleetrl.hub.signing import generate_ed25519
+
+os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])  # this run's signing key (Ed25519, the default)
 
 from fleetrl.config import FleetConfig, ModelConfig, TinyModelConfig
 from fleetrl.hub import Hub, ObjectStore, Replicator, open_store
