@@ -30,6 +30,9 @@ class TrainSample:
     versions: npt.NDArray[np.int32]
     """Policy version that produced each completion token."""
     advantage: float
+    old_logprobs: npt.NDArray[np.float32] | None = None
+    """One per completion token under the weights before the step's first update (set by the learner
+    when it makes several updates per step; None: the current logprobs, detached, are the old ones)."""
 
     @property
     def n_completion(self) -> int:
@@ -101,6 +104,8 @@ class MicroBatch:
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    """Aligned like `behaviour_logprobs`; None when the samples carry none."""
 
 
 def collate(samples: Sequence[TrainSample], device: torch.device | str) -> MicroBatch:
@@ -111,6 +116,8 @@ def collate(samples: Sequence[TrainSample], device: torch.device | str) -> Micro
     attn = torch.zeros((n, length), dtype=torch.long)
     mask = torch.zeros((n, length - 1), dtype=torch.float32)
     beh = torch.zeros((n, length - 1), dtype=torch.float32)
+    with_old = all(s.old_logprobs is not None for s in samples)
+    old = torch.zeros((n, length - 1), dtype=torch.float32) if with_old else None
     for i, s in enumerate(samples):
         L = len(s.input_ids)
         ids[i, :L] = torch.tensor(s.input_ids)
@@ -119,8 +126,11 @@ def collate(samples: Sequence[TrainSample], device: torch.device | str) -> Micro
         start = s.prompt_len - 1
         mask[i, start:L - 1] = 1.0
         beh[i, start:L - 1] = torch.tensor(s.behaviour_logprobs)  # decoded arrays are read-only views
+        if old is not None:
+            old[i, start:L - 1] = torch.tensor(s.old_logprobs)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return MicroBatch(
         input_ids=ids.to(device), attention_mask=attn.to(device), targets=ids[:, 1:].to(device),
         loss_mask=mask.to(device), behaviour_logprobs=beh.to(device), advantages=adv.to(device),
+        old_logprobs=old.to(device) if old is not None else None,
     )

@@ -9,6 +9,7 @@ parked in `follow()`, run the same collectives in the same order. Maths lives in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ _DUMMY = TrainSample(
 )
 """Stand-in micro-batch (zero loss) for a rank with fewer samples: FSDP's collectives need each
 rank to run the same number of forward and backward passes."""
+_N_SUMS = 7
+"""Per-update sums: loss, kl, clipped, truncated, tis weight, tokens, approx kl."""
 
 
 @dataclass(slots=True)
@@ -45,7 +48,13 @@ class StepStats:
     tis_truncated_fraction: float
     tis_weight_mean: float
     grad_norm: float
+    """Mean over the step's updates."""
     tokens: int
+    approx_kl: float = 0.0
+    """Mean per-token KL estimate (k3) between the step's starting weights and each update's; 0 for
+    one update per step."""
+    updates: int = 1
+    """Optimizer updates in the step (`ppo_epochs` x `mini_batches`)."""
 
 
 class Learner:
@@ -148,46 +157,99 @@ class Learner:
     # -- the step, on every rank --------------------------------------------------------------
 
     def _train(self, shard: StepBatch) -> StepStats:
+        """One step: a single update (ratio 1), or `ppo_epochs` passes of `mini_batches` updates each
+        over shuffled parts of the step's samples, the ratio taken against the weights before the
+        first update (the clip acts from the second update on)."""
         self.model.train()
+        epochs, parts = self.algo.ppo_epochs, self.algo.mini_batches
+        if epochs == 1 and parts == 1:
+            per_rank = math.ceil(shard.total_seqs / self.ctx.world_size)
+            sums, grad_norm = self._update(shard.samples, per_rank, shard.total_tokens, shard.total_seqs)
+            return self._stats(sums, [grad_norm], passes=1)
+        samples = self._with_old_logprobs(shard)
+        # Same shuffles on every run of the same step (resume, the 2-rank equivalence); ranks differ.
+        gen = torch.Generator().manual_seed(shard.version * 7919 + self.ctx.rank)
+        upper = math.ceil(math.ceil(shard.total_seqs / self.ctx.world_size) / parts)
+        sums, grad_norms = torch.zeros(_N_SUMS, dtype=torch.float64), []
+        for _ in range(epochs):
+            order = torch.randperm(len(samples), generator=gen).tolist()
+            split = [order[i * len(order) // parts:(i + 1) * len(order) // parts] for i in range(parts)]
+            local = torch.tensor([[len(ix), sum(samples[i].n_completion for i in ix)] for ix in split],
+                                 dtype=torch.float64)
+            totals = self.ctx.all_reduce_sum(local)  # each part's samples and tokens over every rank
+            for ix, (seqs, tokens) in zip(split, totals.tolist(), strict=True):
+                part_sums, grad_norm = self._update([samples[i] for i in ix], upper, int(tokens), int(seqs))
+                sums += part_sums
+                grad_norms.append(grad_norm)
+        return self._stats(sums, grad_norms, passes=epochs)
+
+    def _update(self, samples: list[TrainSample], per_rank_seqs: int, total_tokens: int,
+                total_seqs: int) -> tuple[torch.Tensor, float]:
+        """One optimizer update over `samples` (this rank's share; the totals are over every rank,
+        `per_rank_seqs` bounds any rank's share so that every rank runs as many micro-batches)."""
         self.optimizer.zero_grad(set_to_none=True)
-        per_rank = math.ceil(shard.total_seqs / self.ctx.world_size)
-        n_micro = max(1, math.ceil(per_rank / self.algo.micro_batch_samples))
-        sums = torch.zeros(6, dtype=torch.float64)
+        micro = self.algo.micro_batch_samples
+        n_micro = max(1, math.ceil(per_rank_seqs / micro))
+        sums = torch.zeros(_N_SUMS, dtype=torch.float64)
         for i in range(n_micro):
-            chunk = shard.samples[i * self.algo.micro_batch_samples:(i + 1) * self.algo.micro_batch_samples]
-            sums += self._micro_step(chunk or [_DUMMY], shard, real=bool(chunk))
+            chunk = samples[i * micro:(i + 1) * micro]
+            sums += self._micro_step(chunk or [_DUMMY], max(total_tokens, 1), max(total_seqs, 1), real=bool(chunk))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.grad_clip)
         self.optimizer.step()
+        return sums, float(_full(grad_norm))
+
+    def _stats(self, sums: torch.Tensor, grad_norms: list[float], passes: int) -> StepStats:
         sums = self.ctx.all_reduce_sum(sums)
-        loss, kl, clipped, truncated, weight, tokens = sums.tolist()
-        n = max(tokens, 1.0)
+        loss, kl, clipped, truncated, weight, tokens, approx_kl = sums.tolist()
+        n, updates = max(tokens, 1.0), len(grad_norms)
         return StepStats(
-            loss=loss, kl=kl / n, clip_fraction=clipped / n, tis_truncated_fraction=truncated / n,
-            tis_weight_mean=weight / n, grad_norm=float(_full(grad_norm)), tokens=int(tokens),
+            loss=loss / updates, kl=kl / n, clip_fraction=clipped / n, tis_truncated_fraction=truncated / n,
+            tis_weight_mean=weight / n, grad_norm=sum(grad_norms) / updates, tokens=round(tokens / passes),
+            approx_kl=approx_kl / n, updates=updates,
         )
 
-    def _micro_step(self, chunk: list[TrainSample], shard: StepBatch, real: bool) -> torch.Tensor:
+    @torch.no_grad()
+    def _with_old_logprobs(self, shard: StepBatch) -> list[TrainSample]:
+        """The step's samples carrying their logprobs under the current weights (the PPO ratio's
+        denominator for every update of the step); as many forward passes on every rank."""
+        micro = self.algo.micro_batch_samples
+        n_micro = max(1, math.ceil(math.ceil(shard.total_seqs / self.ctx.world_size) / micro))
+        out: list[TrainSample] = []
+        for i in range(n_micro):
+            chunk = shard.samples[i * micro:(i + 1) * micro]
+            mb = collate(chunk or [_DUMMY], self.ctx.device)
+            with self._autocast():
+                logp = self._logprobs(self.model, mb).float().cpu().numpy()
+            for j, s in enumerate(chunk):
+                start, end = s.prompt_len - 1, len(s.input_ids) - 1
+                out.append(dataclasses.replace(s, old_logprobs=logp[j, start:end].copy()))
+        return out
+
+    def _micro_step(self, chunk: list[TrainSample], total_tokens: int, total_seqs: int, real: bool) -> torch.Tensor:
         mb = collate(chunk, self.ctx.device)
         with self._autocast():
             logp = self._logprobs(self.model, mb)
-            tok_loss, st = ppo_tis_token_loss(logp, logp.detach(), mb.behaviour_logprobs, mb.advantages, self.clip)
+            logp_old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+            tok_loss, st = ppo_tis_token_loss(logp, logp_old, mb.behaviour_logprobs, mb.advantages, self.clip)
             kl = torch.zeros_like(logp)
             if self.ref is not None:
                 with torch.no_grad():
                     logp_ref = self._logprobs(self.ref, mb)
                 kl = kl_k3(logp, logp_ref)
                 tok_loss = tok_loss + self.algo.kl_coef * kl
-        loss = aggregate(tok_loss, mb.loss_mask, self.algo.aggregation,
-                         total_tokens=max(shard.total_tokens, 1), total_seqs=max(shard.total_seqs, 1))
+        loss = aggregate(tok_loss, mb.loss_mask, self.algo.aggregation, total_tokens=total_tokens,
+                         total_seqs=total_seqs)
         # FSDP averages gradients over ranks; the step's loss is the sum of the ranks' shares.
         scale = float(self.ctx.world_size) if real else 0.0
         (loss * scale).backward()
         if not real:
-            return torch.zeros(6, dtype=torch.float64)
+            return torch.zeros(_N_SUMS, dtype=torch.float64)
         m = mb.loss_mask
+        approx_kl = kl_k3(logp.detach(), logp_old) * m  # how far this update has moved from the old policy
         return torch.tensor([
             loss.item(), (kl * m).sum().item(), (st["clipped"] * m).sum().item(),
             (st["truncated"] * m).sum().item(), (st["tis_weight"] * m).sum().item(), m.sum().item(),
+            approx_kl.sum().item(),
         ], dtype=torch.float64)
 
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:

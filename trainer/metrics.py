@@ -57,3 +57,9 @@ class TrainerMetrics(MetricsRegistry):
                                             buckets=_STEP_BUCKETS, registry=r)
         self.version = Gauge("fleetrl_trainer_policy_version", "Newest published policy version", registry=r)
         self.steps = Counter("fleetrl_trainer_steps_total", "Optimizer steps", registry=r)
+        self.clip_fraction = Gauge("fleetrl_trainer_clip_fraction_ratio",
+                                   "Fraction of the last step's tokens whose PPO ratio was clipped (over every "
+                                   "update of the step)", registry=r)
+        self.approx_kl = Gauge("fleetrl_trainer_approx_kl_nats",
+                               "Mean per-token KL estimate (k3) between the last step's starting weights and "
+                               "each of its updates (0 with one update per step)", registry=r)

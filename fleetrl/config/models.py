@@ -102,6 +102,12 @@ class AlgorithmConfig(Model):
     """Max global grad norm."""
     micro_batch_samples: int = Field(64, ge=1)
     """Samples per forward/backward micro-batch (gradient accumulation)."""
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Passes over each step's samples. Above 1 (or with `mini_batches` above 1) the step makes several
+    optimizer updates, the PPO ratio is taken against the logprobs of the weights before the step's
+    first update, and the clip acts; 1 and 1 make one update with ratio 1 (the clip never acts)."""
+    mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer updates per pass: the step's samples are shuffled and split into this many parts."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature sent with every prompt."""
     top_p: float = Field(1.0, gt=0, le=1)

@@ -8,6 +8,8 @@ import torch
 
 from fleetrl.broker import GroupRecord, Sample, floats, ids
 from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.trainer import learner as learner_module
+from fleetrl.trainer import losses
 from fleetrl.trainer.batch import build_step_batch, collate
 from fleetrl.trainer.dist import DistContext
 from fleetrl.trainer.learner import Learner
@@ -78,3 +80,37 @@ def test_cuda_step_matches_cpu_step() -> None:
     s_gpu = gpu.train_step(build_step_batch([group], "grpo", 0))
     assert s_gpu.loss == pytest.approx(s_cpu.loss, rel=0.05, abs=1e-3)
     assert next(gpu.model.parameters()).dtype == torch.float32
+
+
+def test_one_update_per_step_keeps_ratio_one_and_reports_no_drift() -> None:
+    torch.manual_seed(0)
+    learner = Learner(ModelConfig(), AlgorithmConfig(lr=1e-1, micro_batch_samples=1), DistContext())
+    stats = learner.train_step(build_step_batch([_behaviour_group(learner.model)], "grpo", 0))
+    assert stats.updates == 1 and stats.clip_fraction == 0.0 and stats.approx_kl == 0.0
+
+
+def test_several_updates_take_the_ratio_against_the_step_start_and_clip(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    algo = AlgorithmConfig(lr=5e-2, micro_batch_samples=1, ppo_epochs=3, mini_batches=2)
+    learner = Learner(ModelConfig(), algo, DistContext())
+    group = _behaviour_group(learner.model)
+    start = {tuple(c): _logprobs(learner.model, c) for c in (GOOD, BAD)}
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def spy(logp: torch.Tensor, logp_old: torch.Tensor, *rest: object) -> object:
+        seen.append((logp.detach().clone(), logp_old.clone(), rest[1]))  # type: ignore[arg-type]
+        return losses.ppo_tis_token_loss(logp, logp_old, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(learner_module, "ppo_tis_token_loss", spy)
+    before_gap = start[tuple(GOOD)].sum() - start[tuple(BAD)].sum()
+    stats = learner.train_step(build_step_batch([group], "grpo", 0))
+    assert stats.updates == 6 and len(seen) == 6  # 3 passes x 2 mini-batches of one sample each
+    n = len(PROMPT) - 1
+    for _, old, adv in seen:  # every update's ratio is against the logprobs before the first one
+        completion = GOOD if adv.item() > 0 else BAD
+        assert torch.allclose(old[0, n:], start[tuple(completion)], atol=1e-5)
+    # The weights moved between updates (later logp differ from the old ones) and the clip acted.
+    assert any(not torch.allclose(logp[0, n:], old[0, n:], atol=1e-3) for logp, old, _ in seen[2:])
+    assert stats.clip_fraction > 0 and stats.approx_kl > 0 and stats.tokens == 8
+    gap_after = _logprobs(learner.model, GOOD).sum() - _logprobs(learner.model, BAD).sum()
+    assert gap_after > before_gap + 0.1

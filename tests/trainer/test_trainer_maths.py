@@ -59,6 +59,22 @@ def test_ppo_clip_on_both_sides() -> None:
     assert _loss(1.5, -1.0) == pytest.approx(1.5, abs=1e-5)
 
 
+def test_a_later_update_gets_no_gradient_where_the_clip_acts() -> None:
+    # A later update of a step: pi_old is the step's start, pi has moved. Per token, with w = 1,
+    # d loss / d logp = -A * r where the unclipped side is the max, and 0 where the clipped one is:
+    #   A=+1, r=1.5 (> 1.28): clipped above -> 0      A=-1, r=0.5 (< 0.8): clipped below -> 0
+    #   A=+1, r=1.1 (inside):  -1 * 1.1 = -1.1        A=-1, r=0.9 (inside): +1 * 0.9 = 0.9
+    #   A=+1, r=0.5 (below, A>0): the unclipped side is the max -> -0.5 (still pushed up)
+    ratios, adv = t(1.5, 0.5, 1.1, 0.9, 0.5), t(1.0, -1.0, 1.0, -1.0, 1.0)
+    logp_old = torch.full((5, 1), math.log(0.4))
+    logp = (logp_old + torch.log(ratios).unsqueeze(-1)).requires_grad_(True)
+    loss, stats = ppo_tis_token_loss(logp, logp_old, logp_old.clone(), adv, CLIP)
+    loss.sum().backward()
+    assert logp.grad is not None
+    assert torch.allclose(logp.grad.squeeze(-1), t(0.0, 0.0, -1.1, 0.9, -0.5), atol=1e-5)
+    assert stats["clipped"].squeeze(-1).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
 def test_truncated_importance_weight() -> None:
     # r=1, A=+1 -> surrogate -1, scaled by w = min(pi_old/pi_beh, 2)
     assert _loss(1.0, 1.0, old_over_beh=1.5) == pytest.approx(-1.5, abs=1e-5)  # 1.5 < cap: kept
