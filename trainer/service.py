@@ -11,7 +11,12 @@ write) runs in threads so the Kafka clients keep heartbeating. Per region it hol
 Step N's weights are version v+N: `self.version` moves when the snapshot is taken, and prompts
 dispatched from then on ask for it (engines wait for it to land). One publish is in flight at a
 time (`WeightPublisher.submit` waits for the previous one), so versions land in order; with
-`trainer.publish_in_background: false` the publish runs inline, before the checkpoint.
+`trainer.publish_in_background: false`, or in `algorithm.mode: sync`, the publish runs inline,
+before the checkpoint.
+
+In sync mode (the on-policy baseline) `max_staleness` is 0, so the dispatcher admits one step's
+groups only once the previous step is trained and its version published: workers generate with
+that version alone and sit idle while the learner steps.
 
 A SIGKILL anywhere leaves the newest checkpoint consistent with itself: restart loads it, seeks
 every consumer to the offsets it recorded and re-reads what came after, and the collector's ledger
@@ -64,6 +69,9 @@ class TrainerResult:
     version: int
     rewards: list[float] = field(default_factory=list)
     """Mean reward of each step's samples, in step order (this process's steps only)."""
+    step_spans: list[tuple[float, float]] = field(default_factory=list)
+    """Wall-clock (start, end) of each step: from taking its groups to its version published (sync
+    mode) or submitted for publishing (async)."""
     trained_groups: int = 0
     stale_groups: int = 0
     duplicates: int = 0
@@ -233,7 +241,7 @@ class Trainer:
         if len(groups) < a.groups_per_step:
             self.collector.give_back(groups)
             return False
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         batch = build_step_batch(groups, a.advantage, self.version)
         log.info("step.started", step=self.step + 1, version=self.version, groups=len(groups))
         stats = await asyncio.to_thread(self.learner.train_step, batch)
@@ -242,6 +250,7 @@ class Trainer:
             self.metrics.staleness.observe(self.version - g.min_version)
         self.step += 1
         self.version = await self._publish_step(self.version + 1)
+        self.result.step_spans.append((wall0, time.time()))
         seconds = time.monotonic() - t0
         self.metrics.step_seconds.observe(seconds)
         self.metrics.steps.inc()
@@ -262,7 +271,7 @@ class Trainer:
         """Snapshot the weights and publish them as `version`, in the background or inline."""
         t0 = time.monotonic()
         snapshot = await asyncio.to_thread(self.learner.published_state)
-        if self.config.trainer.publish_in_background:
+        if self.config.trainer.publish_in_background and self.config.algorithm.mode == "async":
             await self.publisher.submit(snapshot, version)
         else:
             await self.publisher.publish(snapshot, version)

@@ -74,6 +74,10 @@ class ModelConfig(Model):
 class AlgorithmConfig(Model):
     """GRPO/PPO with truncated importance sampling (DESIGN.md §6)."""
 
+    mode: Literal["async", "sync"] = "async"
+    """`async`: workers generate up to `max_staleness` versions ahead while the learner trains. `sync`:
+    the on-policy baseline: the trainer dispatches one step's groups, waits for all of them, trains,
+    publishes, and only then dispatches the next step's (staleness 0; workers idle while it trains)."""
     groups_per_step: int = Field(8, ge=1)
     """Groups (one prompt, n samples) consumed by one optimizer step."""
     n_samples: int = Field(8, ge=1, le=1024)
@@ -116,6 +120,15 @@ class AlgorithmConfig(Model):
     """Longest completion; also the schema's bound on tokens per sample."""
     max_steps: int = Field(1000, ge=1)
     """The trainer stops after this many optimizer steps."""
+
+    @model_validator(mode="after")
+    def _sync_is_on_policy(self) -> AlgorithmConfig:
+        if self.mode == "sync" and self.max_staleness != 0:
+            if "max_staleness" in self.model_fields_set:
+                raise ValueError(f"max_staleness is {self.max_staleness} but mode is sync, which trains on-policy: "
+                                 f"set max_staleness to 0 or leave it out")
+            self.max_staleness = 0
+        return self
 
 
 class DatasetConfig(Model):
