@@ -90,7 +90,8 @@ class SlotTable:
         self.pos[rows] = [len(s.prompt_ids) + len(s.tokens) - 1 for s in seqs]
         self.write_slot[rows] = rows
         self.count[rows] = [len(s.tokens) for s in seqs]
-        self.limit[rows] = [min(s.sampling.max_new_tokens, self.max_context - len(s.prompt_ids)) for s in seqs]
+        self.limit[rows] = [min(s.sampling.max_new_tokens, self.max_context - len(s.prompt_ids),
+                                s.stop_at if s.stop_at is not None else 1 << 62) for s in seqs]
         self.keys[rows] = hash_keys([s.key for s in seqs])
         self.live[rows] = 1
         self.temp[rows] = [s.sampling.temperature for s in seqs]

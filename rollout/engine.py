@@ -20,13 +20,16 @@ Engines are driven from one thread at a time (the worker runs `step` in `asyncio
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetrl.broker import PartialSample, Sampling, floats, ids
+from fleetrl.config import EngineEmulation
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.sampling import sample_key
 
@@ -65,6 +68,8 @@ class SeqState:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_at: int | None = None
+    """An emulated completion length (`engine.emulate`): the sample stops after this many tokens."""
 
     def to_partial(self) -> PartialSample:
         return PartialSample(ids(self.tokens), floats(self.logprobs), ids(self.versions), self.finish_reason)
@@ -78,8 +83,11 @@ class SeqState:
 class Engine(ABC):
     """Group bookkeeping, weight staging and finish rules shared by every engine."""
 
-    def __init__(self, *, eos_ids: Sequence[int], max_context: int, version: int = 0) -> None:
+    def __init__(self, *, eos_ids: Sequence[int], max_context: int, version: int = 0,
+                 emulate: EngineEmulation | None = None) -> None:
         self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.emulate = emulate
+        """Emulated per-step delay and completion lengths (benchmarks on CPU), or None."""
         self.max_context = max_context
         self._version = version
         self._groups: dict[str, list[SeqState]] = {}
@@ -119,6 +127,8 @@ class Engine(ABC):
         self._apply_staged()
         if self.has_work():
             self._decode_step()
+            if self.emulate is not None and self.emulate.step_delay_s:
+                time.sleep(self.emulate.step_delay_s)  # a slower accelerator (the step runs in a thread)
         return self._collect_finished()
 
     def take(self, group_id: str) -> list[PartialSample]:
@@ -180,7 +190,7 @@ class Engine(ABC):
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self._version)
-        if token in self.eos_ids:
+        if token in self.eos_ids or (seq.stop_at is not None and len(seq.tokens) >= seq.stop_at):
             seq.finish_reason = "stop"
         elif len(seq.tokens) >= seq.sampling.max_new_tokens or self._context_full(seq):
             seq.finish_reason = "length"
@@ -219,10 +229,23 @@ class Engine(ABC):
         seqs = []
         for i in range(r.n_samples):
             seq = SeqState(r.group_id, i, sample_key(r.seed, r.group_id, i), prompt, r.sampling)
+            seq.stop_at = self._emulated_length(seq)
             if r.resume is not None:
                 _restore(seq, r.resume[i], self)
             seqs.append(seq)
         return seqs
+
+
+    def _emulated_length(self, seq: SeqState) -> int | None:
+        """The sample's emulated length (a long tail: most short, a few to `max_new_tokens`), drawn
+        from its key, or None without emulation."""
+        e = self.emulate
+        if e is None or (e.tail_p <= 0 and e.short_tokens >= seq.sampling.max_new_tokens):
+            return None
+        draw = random.Random(seq.key)
+        if draw.random() < e.tail_p:
+            return None
+        return draw.randint(1, max(1, min(e.short_tokens, seq.sampling.max_new_tokens)))
 
 
 def _restore(seq: SeqState, partial: PartialSample, engine: Engine) -> None:
@@ -232,7 +255,7 @@ def _restore(seq: SeqState, partial: PartialSample, engine: Engine) -> None:
     seq.finish_reason = partial.finish_reason
     if seq.finish_reason is None and seq.tokens:
         # A partial whose last token already ended it (handed over between sampling and bookkeeping).
-        if seq.tokens[-1] in engine.eos_ids:
+        if seq.tokens[-1] in engine.eos_ids or (seq.stop_at is not None and len(seq.tokens) >= seq.stop_at):
             seq.finish_reason = "stop"
         elif len(seq.tokens) >= seq.sampling.max_new_tokens or engine._context_full(seq):
             seq.finish_reason = "length"

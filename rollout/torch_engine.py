@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fleetrl.config import EngineEmulation
 from fleetrl.log import get_logger
 from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._slots import SlotTable
@@ -39,14 +40,14 @@ class TorchEngine(Engine):
     def __init__(
         self, model: Any, *, max_batch: int = 32, device: str = "cpu", dtype: str = "float32",
         eos_ids: list[int] | None = None, pad_id: int | None = None, version: int = 0,
-        refill_fraction: float = 0.125,
+        refill_fraction: float = 0.125, emulate: EngineEmulation | None = None,
     ) -> None:
         cfg = model.config
         eos = eos_ids if eos_ids is not None else _as_list(cfg.eos_token_id)
         if not eos:
             raise EngineError("model config names no eos_token_id and none was given")
         super().__init__(eos_ids=eos, max_context=int(getattr(cfg, "max_position_embeddings", 1 << 30)),
-                         version=version)
+                         version=version, emulate=emulate)
         if dtype not in _DTYPES:
             raise EngineError(f"unknown engine dtype {dtype!r}; known: {sorted(_DTYPES)}")
         _check_attention(model)
@@ -69,7 +70,8 @@ class TorchEngine(Engine):
         """Build the model of `ModelConfig` and wrap it per `TorchEngineConfig`."""
         torch.set_num_threads(engine_config.threads)
         return cls(model_config.build(), max_batch=engine_config.max_batch, device=engine_config.device,
-                   dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction)
+                   dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction,
+                   emulate=engine_config.emulate)
 
     # -- scheduler ------------------------------------------------------------------------------
 
@@ -174,7 +176,8 @@ class TorchEngine(Engine):
         for b in done:
             seq = s.seqs[b]
             assert seq is not None
-            seq.finish_reason = "stop" if stop[b] else "length"
+            emulated_stop = seq.stop_at is not None and len(seq.tokens) >= seq.stop_at
+            seq.finish_reason = "stop" if stop[b] or emulated_stop else "length"
             self._touched.add(seq.group_id)
         s.advance(tokens)
         s.free(done)

@@ -152,6 +152,20 @@ class DatasetConfig(Model):
         return frozenset([self.task, *self.tasks])
 
 
+class EngineEmulation(Model):
+    """Emulated hardware and workload for benchmarks and fault drills on CPU (`bench/pipeline.py`):
+    the real engine, made slower per token or given a long-tailed completion-length law. Off unless
+    set; never needed in production."""
+
+    step_delay_s: float = Field(0.0, ge=0, le=10)
+    """Added to every decoding step: a region of slower GPUs (per-token speed)."""
+    tail_p: float = Field(0.0, ge=0, le=1)
+    """Long-tailed completion lengths: each sample runs to `max_new_tokens` with this probability..."""
+    short_tokens: int = Field(4, ge=1)
+    """...and otherwise stops (`stop`) after a length drawn uniformly from 1 to this. Drawn from the
+    sample's key, so a handed-over sample keeps its length in the worker that resumes it."""
+
+
 class TorchEngineConfig(Model):
     """PyTorch/transformers engine: batched decoding with a KV cache; CPU or CUDA."""
 
@@ -171,6 +185,8 @@ class TorchEngineConfig(Model):
     refill_fraction: float = Field(0.125, gt=0, le=1)
     """Admit waiting samples once this fraction of the slots is free (at least one): admitting has a fixed
     cost per step, so batching admissions trades a little occupancy for fewer of them."""
+    emulate: EngineEmulation | None = None
+    """Emulated slowness and completion lengths for benchmarks on CPU (see `EngineEmulation`)."""
 
 
 class VllmEngineConfig(Model):

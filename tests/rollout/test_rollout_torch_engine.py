@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fleetrl.broker import PartialSample, Sampling
-from fleetrl.config import ModelConfig
+from fleetrl.config import EngineEmulation, ModelConfig
 from fleetrl.rollout import EngineError
 from fleetrl.rollout.engine import GroupRequest
 from fleetrl.rollout.sampling import behaviour_logprobs
@@ -188,3 +188,27 @@ def test_a_failed_step_loses_nothing_and_changes_no_token() -> None:
         for a, b in zip(samples, done[g], strict=True):
             np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
+
+
+def test_emulated_lengths_are_long_tailed_and_kept_across_a_handover() -> None:
+    emulate = EngineEmulation(tail_p=0.2, short_tokens=3)
+    sampling = Sampling(max_new_tokens=20)
+    cfg = ModelConfig()
+    engine = TorchEngine(cfg.build(), max_batch=16, eos_ids=[10_000], emulate=emulate)  # no EOS in the vocab
+    lengths = [len(s.completion_ids) for g in range(10)
+               for s in engine.generate(GroupRequest(f"g{g}", _prompt(g), sampling, 8, seed=1))]
+    short, long = [n for n in lengths if n <= 3], [n for n in lengths if n == 20]
+    assert len(short) + len(long) == len(lengths) == 80  # nothing in between: short, or the tail
+    assert 5 <= len(long) <= 30  # ~20 % of 80 run to max_new_tokens
+    # A sample handed over after 2 tokens stops where the uninterrupted one stopped.
+    whole = TorchEngine(cfg.build(), max_batch=16, eos_ids=[10_000], emulate=emulate).generate(
+        GroupRequest("h", _prompt(3), sampling, 8, seed=1))
+    first = TorchEngine(cfg.build(), max_batch=16, eos_ids=[10_000], emulate=emulate)
+    first.submit(GroupRequest("h", _prompt(3), sampling, 8, seed=1))
+    first.step()
+    first.step()
+    partial = first.take("h")
+    resumed = TorchEngine(cfg.build(), max_batch=16, eos_ids=[10_000], emulate=emulate).generate(
+        GroupRequest("h", _prompt(3), sampling, 8, seed=1, resume=partial))
+    assert [len(s.completion_ids) for s in resumed] == [len(s.completion_ids) for s in whole]
+    assert all(s.finish_reason == ("length" if len(s.completion_ids) == 20 else "stop") for s in resumed)
