@@ -333,6 +333,26 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
     return out
 
 
+def grid(steps: int, preempt: float, nodes: int, timeout_s: float) -> dict[str, float]:
+    """The ratio as the slow region gets slower and the tail longer (one seed a cell), as a table."""
+    slows, tails = (0.0, 0.03, 0.08), (0.0, 0.15, 0.3)
+    cells: dict[str, float] = {}
+    rows = []
+    for slow in slows:
+        row = []
+        for tail in tails:
+            cell = Fleet(slowdowns=(0.0, slow), tail_p=tail, steps=steps, preempt_every_s=preempt, nodes=nodes)
+            ratio = compare(cell, 1, timeout_s)["throughput_ratio"]
+            cells[f"ratio_s{slow:g}_t{tail:g}"] = ratio
+            row.append(f"{ratio:.2f}")
+        rows.append(f"| {slow:g} s | " + " | ".join(row) + " |")
+    print("| slow-region delay per step \\ share of samples to max_new_tokens | "
+          + " | ".join(f"{t:.0%}" for t in tails) + " |")
+    print("|---|---|---|---|")
+    print("\n".join(rows), flush=True)
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short fleet run (under two minutes on 2 cores)")
@@ -357,16 +377,7 @@ def main() -> None:
           f"link delay: none (loopback); {fleet.groups_per_step} groups x {fleet.n_samples} samples per step, "
           f"{fleet.steps} steps per run; async max_staleness {fleet.max_staleness}", flush=True)
     timeout_s = 110.0 if args.quick else 600.0
-    if args.grid:
-        print("| slow-region step delay \\ tail share | " + " | ".join(f"{p:.0%}" for p in (0.0, 0.15, 0.3)) + " |")
-        print("|---|---|---|---|")
-        for slow in (0.0, 0.03, 0.08):
-            cells = []
-            for tail in (0.0, 0.15, 0.3):
-                cell = Fleet(slowdowns=(0.0, slow), tail_p=tail, steps=steps, preempt_every_s=preempt, nodes=nodes)
-                cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
-            print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
-    out = compare(fleet, args.seeds, timeout_s)
+    out = grid(steps, preempt, nodes, timeout_s) if args.grid else compare(fleet, args.seeds, timeout_s)
     print("result: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
 
 
