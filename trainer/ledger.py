@@ -125,7 +125,8 @@ class Ledger:
         self.folded_stale = 0
         self._trained_ids: set[str] = set()
         self.positions: dict[str, list[Position]] = {}
-        """Prompt records of every group not folded yet whose place the trainer knows."""
+        """Prompt records of every group neither folded nor stale whose place the trainer knows (the audit
+    checks that a detailed trained row was dispatched, so those records stay above the watermark)."""
         self.ends: dict[str, dict[int, int]] = {}
         """region -> partition -> offset after the newest prompt record the trainer produced there."""
         self.watermarks: dict[str, dict[int, int]] = {}
@@ -151,6 +152,7 @@ class Ledger:
         if self.settled(gid):
             raise AssertionError(f"group {gid} settled twice (stale)")
         self.stale[gid] = info
+        self.positions.pop(gid, None)  # settled, and no audit check needs its prompt record
         self._maybe_fold()
 
     def note_dispatched(self, gid: str, region: str, partition: int, offset: int) -> None:
