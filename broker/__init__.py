@@ -24,7 +24,7 @@ from fleetrl.broker.errors import (
     TopicError,
 )
 from fleetrl.broker.lag import PartitionLag, end_offsets, group_lag
-from fleetrl.broker.logread import RawRecord, read_log
+from fleetrl.broker.logread import RawRecord, read_log, read_log_from
 from fleetrl.broker.mqtt import ControlPlane
 from fleetrl.broker.naming import (
     SCHEMA_HEADER,
@@ -113,6 +113,7 @@ __all__ = [
     "policy_topic",
     "read_dead_letters",
     "read_log",
+    "read_log_from",
     "replay_dead_letters",
     "replica_topic",
     "rle_versions",

@@ -87,8 +87,10 @@ class Producer:
     ) -> None:
         await self.close()
 
-    async def send(self, stream: Stream, key: str, record: Record) -> None:
-        """Encode `record`, refuse it if too large, produce it and wait for the broker's ack."""
+    async def send(self, stream: Stream, key: str, record: Record) -> tuple[int, int]:
+        """Encode `record`, refuse it if too large, produce it and wait for the broker's ack; returns
+        the (partition, offset) the broker gave it (the trainer's ledger keeps them: see its audit
+        watermark)."""
         if stream == "dead-letter":
             raise ValueError("dead letters are produced with dead_letter(), which adds the error headers")
         topic = topic_name(self.config.run, stream)
@@ -96,7 +98,7 @@ class Producer:
         headers = [(SCHEMA_HEADER, record.schema.encode())]
         key_bytes = key.encode()
         self._check_size(topic, key_bytes, value, headers, self.max_message_bytes, record.group_id)
-        await self._produce(topic, key_bytes, value, headers)
+        return await self._produce(topic, key_bytes, value, headers)
 
     async def send_raw(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]
@@ -134,19 +136,20 @@ class Producer:
 
     async def _produce(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]
-    ) -> None:
+    ) -> tuple[int, int]:
         producer = self._producer
         if producer is None:
             raise KafkaError(f"producer {self.client_id!r} is not started (use `async with`)")
         k = self.config.kafka
         what = f"produce to {topic} (region {self.region!r})"
 
-        async def once() -> None:
+        async def once() -> tuple[int, int]:
             with translated(what):
-                await producer.send_and_wait(topic, value, key=key, headers=headers)
+                meta = await producer.send_and_wait(topic, value, key=key, headers=headers)
+            return int(meta.partition), int(meta.offset)
 
         # aiokafka retries inside request_timeout; the outer bound only guards against a hang.
-        await with_retries(
+        return await with_retries(
             lambda: bounded(once(), k.request_timeout_s + 5.0, what),
             what=what, retries=k.retries, backoff_s=k.retry_backoff_s,
         )

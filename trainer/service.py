@@ -84,7 +84,7 @@ class Trainer:
         self.metrics = metrics or TrainerMetrics()
         self.use_mqtt = use_mqtt
         a = config.algorithm
-        self.collector = Collector(config.run, a.max_staleness)
+        self.collector = Collector(config.run, a.max_staleness, config.trainer.ledger_detail_groups)
         self.credits = RegionCredits(
             {r.name: r.weight for r in config.regions}, window_s=config.trainer.throughput_window_s,
             tokens_per_group=a.n_samples * a.max_new_tokens,
@@ -117,8 +117,8 @@ class Trainer:
             await self._loop(target, stop)
             await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
         self.result.steps, self.result.version = self.step, self.version
-        self.result.trained_groups = len(self.collector.trained)
-        self.result.stale_groups, self.result.duplicates = len(self.collector.stale), self.collector.duplicates
+        self.result.trained_groups = self.collector.ledger.trained_count
+        self.result.stale_groups, self.result.duplicates = self.collector.ledger.stale_count, self.collector.duplicates
         return self.result
 
     async def _restore_or_start(self) -> None:
@@ -135,7 +135,7 @@ class Trainer:
             await asyncio.to_thread(self.learner.load_state, msd, osd)
         s = ckpt.state
         self.step, self.version, self._saved_step = int(s["step"]), int(s["version"]), int(s["step"])
-        self.collector.restore(s["collector"])
+        self.collector.restore(s["collector"], drawn=int(s["dispatcher"]["next_index"]))
         self.dispatcher.restore(s["dispatcher"], self._prompts())
         self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
         for r in self.config.regions:
@@ -216,11 +216,13 @@ class Trainer:
         assert self.clients is not None
         timeout_s = self.config.kafka.request_timeout_s
         try:
-            await asyncio.wait_for(self.clients.producer(region).send("prompts", record.group_id, record), timeout_s)
+            partition, offset = await asyncio.wait_for(
+                self.clients.producer(region).send("prompts", record.group_id, record), timeout_s)
         except TimeoutError as exc:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
                              retriable=True) from exc
+        self.collector.note_dispatched(record.group_id, region, partition, offset)
         self.metrics.dispatched.labels(region).inc()
 
     def _heartbeats(self, now: float) -> None:

@@ -307,6 +307,9 @@ class TrainerConfig(Model):
     """Steps between checkpoints; offsets are committed only after the checkpoint is durable."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk; older ones are deleted after a new one is durable."""
+    ledger_detail_groups: int = Field(1024, ge=1)
+    """Settled groups (trained, and stale) the checkpoint's ledger keeps row by row; older ones are
+    folded into ranges of group indices, so checkpoints stay small over any run length."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port of the trainer (0 picks a free port; None disables)."""
     silent_region_timeout_s: float = Field(300.0, gt=0)
