@@ -96,7 +96,7 @@ class Node:
     async def _beat(self) -> None:
         async with ControlPlane(self.config, f"{self.config.run}-agent-{self.region}", watch_nodes=False) as cp:
             while True:
-                beat = Heartbeat(state=self.state, tokens_per_s=50.0, in_flight=len(self.worker._jobs))  # noqa: SLF001
+                beat = Heartbeat(state=self.state, tokens_per_s=50.0, in_flight=len(self.worker._jobs))
                 await cp.heartbeat(self.region, "n1", beat)
                 await asyncio.sleep(self.config.mqtt.heartbeat_interval_s)
 
@@ -128,7 +128,7 @@ async def test_a_drained_region_s_partials_are_finished_in_another_region_keepin
     try:
         # a holds groups mid-generation (b has not started: everything dispatched waits for a or b)
         async with asyncio.timeout(90):
-            while a.worker.engine.tokens_sampled < 2 * 2 * 4 or not a.worker._jobs:  # noqa: SLF001
+            while a.worker.engine.tokens_sampled < 2 * 2 * 4 or not a.worker._jobs:
                 await asyncio.sleep(0.05)
         await a.drain()
         handed = a.worker.groups_handed_over
