@@ -37,7 +37,11 @@ class TrainerMetrics(MetricsRegistry):
         self.dispatched = Counter("fleetrl_trainer_groups_dispatched_total", "Prompt records sent",
                                   ["region"], registry=r)
         self.redispatched = Counter("fleetrl_trainer_groups_redispatched_total",
-                                    "Groups sent again after their region went silent", registry=r)
+                                    "Groups sent again as prompts after their region went silent, drained or "
+                                    "offline", registry=r)
+        self.partials_moved = Counter("fleetrl_trainer_partials_moved_total",
+                                      "Partials of a gone region re-dispatched to another region with their tokens",
+                                      registry=r)
         self.foreign = Counter("fleetrl_trainer_foreign_records_total", "Records of another run dead-lettered",
                                ["region"], registry=r)
         self.step_seconds = Histogram("fleetrl_trainer_step_seconds", "Wall time of one optimizer step",

@@ -52,6 +52,7 @@ from fleetrl.trainer.batch import build_step_batch
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.handover import Handover
 from fleetrl.trainer.learner import Learner
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
@@ -114,6 +115,8 @@ class Trainer:
             limits = RecordLimits.from_config(self.config)
             self.clients = await stack.enter_async_context(
                 RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets))
+            self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector.max_lag)
+            stack.push_async_callback(self.handover.close)
             await self._loop(target, stop)
             await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
         self.result.steps, self.result.version = self.step, self.version
@@ -163,6 +166,7 @@ class Trainer:
             self.metrics.redispatched.inc(moved)
             await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved)
             self._heartbeats(now)
+            await self._hand_over(now)
             for region, deliveries in (await self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S)).items():
                 for d in deliveries:
                     await self._on_group(region, d)
@@ -224,6 +228,13 @@ class Trainer:
                              retriable=True) from exc
         self.collector.note_dispatched(record.group_id, region, partition, offset)
         self.metrics.dispatched.labels(region).inc()
+
+    async def _hand_over(self, now: float) -> None:
+        """Move the work of regions whose nodes are all draining, offline or silent (handover.py)."""
+        nodes = self.announcer.nodes if self.announcer is not None else {}
+        partials, prompts = await self.handover.tick(now, self.version, nodes)
+        self.metrics.partials_moved.inc(partials)
+        self.metrics.redispatched.inc(prompts)
 
     def _heartbeats(self, now: float) -> None:
         nodes = self.announcer.nodes if self.announcer is not None else {}
