@@ -10,6 +10,8 @@ Compression is Kafka-level zstd (aiokafka uses cramjam for it) unless the config
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from types import TracebackType
 
 from aiokafka import AIOKafkaProducer
@@ -28,11 +30,19 @@ log = get_logger(__name__)
 
 
 class Producer:
-    """`async with Producer(config, region, client_id) as p: await p.send(stream, key, record)`."""
+    """`async with Producer(config, region, client_id) as p: await p.send(stream, key, record)`.
 
-    def __init__(self, config: FleetConfig, region: str, client_id: str) -> None:
+    `dead_lettered` counts the records this producer dead-lettered, by reason; `on_dead_letter`, if
+    given, is called with the reason of each once the broker acknowledged it (daemons count it in
+    their metrics: the broker package itself exposes none).
+    """
+
+    def __init__(self, config: FleetConfig, region: str, client_id: str,
+                 *, on_dead_letter: Callable[[str], None] | None = None) -> None:
         config.region(region)  # fail now, naming the regions, rather than at start
         self.config, self.region, self.client_id = config, region, client_id
+        self.dead_lettered: Counter[str] = Counter()
+        self._on_dead_letter = on_dead_letter
         self._producer: AIOKafkaProducer | None = None
         self._closed = False
 
@@ -122,6 +132,9 @@ class Producer:
         """Re-produce a refused record to the dead-letter topic with the reason and where it came from."""
         dl_headers = dead_letter_headers(error, topic, partition, offset, headers)
         await self.send_raw(self.dead_letter_topic, key, value, dl_headers)
+        self.dead_lettered[error.reason] += 1
+        if self._on_dead_letter is not None:
+            self._on_dead_letter(error.reason)
         log.warning("record.dead_lettered", topic=topic, partition=partition, offset=offset,
                     reason=error.reason, field=error.field, group_id=error.group_id)
 

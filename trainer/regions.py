@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
@@ -25,10 +26,15 @@ from fleetrl.log import get_logger
 log = get_logger(__name__)
 
 
+DeadLetterHook = Callable[[str, str], None]
+"""Called with (region, reason) for each record the trainer dead-lettered."""
+
+
 class RegionClients:
     def __init__(self, config: FleetConfig, limits: RecordLimits, group: str,
-                 offsets: dict[str, dict[tuple[str, int], int]]) -> None:
+                 offsets: dict[str, dict[tuple[str, int], int]], on_dead_letter: DeadLetterHook | None = None) -> None:
         self.config, self.limits, self.group, self.start_offsets = config, limits, group, offsets
+        self._on_dead_letter = on_dead_letter
         self.producers: dict[str, Producer] = {}
         self.consumers: dict[str, Consumer] = {}
         self._handled: dict[str, list[Delivery]] = {r.name: [] for r in config.regions}
@@ -57,7 +63,10 @@ class RegionClients:
         run = self.config.run
         stack = AsyncExitStack()
         try:
-            p = await stack.enter_async_context(Producer(self.config, name, f"{run}-trainer-{name}"))
+            hook = self._on_dead_letter
+            p = await stack.enter_async_context(Producer(
+                self.config, name, f"{run}-trainer-{name}",
+                on_dead_letter=None if hook is None else (lambda reason: hook(name, reason))))
             c = await stack.enter_async_context(Consumer(self.config, name, ["trajectories"], self.group,
                                                          self.limits, p, f"{run}-trainer-{name}"))
         except BaseException:
@@ -106,6 +115,22 @@ class RegionClients:
                 log.warning("trainer.poll_failed", region=name, error=str(result))
                 continue
             out[name] = result
+        return out
+
+    async def lag(self) -> dict[str, int]:
+        """Records waiting in each connected region's trajectories topic (regions with no fetch answered
+        yet are left out); a retriable failure leaves that region out this round."""
+        out: dict[str, int] = {}
+        for name, consumer in list(self.consumers.items()):
+            try:
+                lag = await consumer.lag()
+            except KafkaError as exc:
+                if not exc.retriable:
+                    raise
+                log.warning("trainer.lag_failed", region=name, error=str(exc))
+                continue
+            if lag is not None:
+                out[name] = lag
         return out
 
     def handled(self, region: str, delivery: Delivery) -> None:

@@ -114,7 +114,8 @@ class Trainer:
             await self._restore_or_start()
             limits = RecordLimits.from_config(self.config)
             self.clients = await stack.enter_async_context(
-                RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets))
+                RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets,
+                              on_dead_letter=self._count_dead_letter))
             self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector.max_lag)
             stack.push_async_callback(self.handover.close)
             await self._loop(target, stop)
@@ -170,6 +171,8 @@ class Trainer:
             for region, deliveries in (await self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S)).items():
                 for d in deliveries:
                     await self._on_group(region, d)
+            for region, lag in (await self.clients.lag()).items():
+                self.metrics.consumer_lag.labels(region).set(lag)
             while self.step < target and self.collector.ready(self.config.algorithm.groups_per_step):
                 if not await self._train_one():
                     break
@@ -209,6 +212,9 @@ class Trainer:
                 self._count_stale(region, record)
         assert self.clients is not None
         self.clients.handled(region, delivery)
+
+    def _count_dead_letter(self, region: str, reason: str) -> None:
+        self.metrics.dead_lettered.labels(region, reason).inc()
 
     def _count_stale(self, region: str, record: GroupRecord) -> None:
         self.metrics.stale_dropped.labels(region).inc()
