@@ -37,6 +37,7 @@ from fleetrl.broker.naming import (
     rollout_group,
     topic_name,
     trainer_group,
+    trainer_handover_group,
 )
 from fleetrl.broker.producer import Producer
 from fleetrl.broker.records import (
@@ -121,4 +122,5 @@ __all__ = [
     "topic_name",
     "topic_specs",
     "trainer_group",
+    "trainer_handover_group",
 ]

@@ -33,7 +33,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fleetrl.broker import Consumer, Delivery, KafkaError, PartialRecord, RecordLimits, trainer_group
+from fleetrl.broker import Consumer, Delivery, KafkaError, PartialRecord, RecordLimits, trainer_handover_group
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.dispatcher import Dispatcher
@@ -110,7 +110,7 @@ class Handover:
         self.config, self.clients, self.dispatcher, self.limits = config, clients, dispatcher, limits
         self.max_lag = max_lag
         self.watch = RegionWatch([r.name for r in config.regions], config.mqtt.heartbeat_interval_s)
-        self.group = f"{trainer_group(config.run)}.handover"
+        self.group = trainer_handover_group(config.run)
         self._consumers: dict[str, Consumer] = {}
         self._stacks: dict[str, AsyncExitStack] = {}
         self._opening: dict[str, asyncio.Task[None]] = {}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tf_support import REPO, TF_ROOT, Terraform
 
-from fleetrl.broker import STREAMS, rollout_group, topic_name, trainer_group
+from fleetrl.broker import STREAMS, rollout_group, topic_name, trainer_group, trainer_handover_group
 
 RUN = "acl-run"
 PRINCIPALS = {"trainer": "User:fleetrl-trainer", "rollout": "User:fleetrl-node", "operator": "User:fleetrl-ops"}
@@ -61,7 +61,7 @@ def test_granted_names_are_the_codes_topics_and_groups(rendered: dict[str, Any])
         elif kind == "Topic":
             assert name in topics, name
         else:
-            assert name in {rollout_group(RUN), trainer_group(RUN)}, name
+            assert name in {rollout_group(RUN), trainer_group(RUN), trainer_handover_group(RUN)}, name
 
 
 def test_each_role_holds_what_its_clients_do_and_no_more(rendered: dict[str, Any]) -> None:
@@ -73,6 +73,9 @@ def test_each_role_holds_what_its_clients_do_and_no_more(rendered: dict[str, Any
     assert "Read" in _allowed(g, "trainer", "topic", t["trajectories"])
     assert "Write" in _allowed(g, "trainer", "topic", t["dead-letter"])
     assert _allowed(g, "trainer", "group", trainer_group(RUN)) == {"Read"}
+    # trainer: a gone region's partials, read in the handover group and written to another region
+    assert {"Read", "Write"} <= _allowed(g, "trainer", "topic", t["partials"])
+    assert _allowed(g, "trainer", "group", trainer_handover_group(RUN)) == {"Read"}
     # rollout node: consume prompts/partials in its group, produce partials/trajectories/dead letters
     assert _allowed(g, "rollout", "topic", t["prompts"]) == {"Describe", "Read"}
     assert _allowed(g, "rollout", "topic", t["partials"]) == {"Describe", "Read", "Write"}

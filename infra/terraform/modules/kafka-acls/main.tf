@@ -1,7 +1,8 @@
 # The Kafka ACLs each FleetRL role needs on one region cluster (docs/security.md states the same
 # table, and a test compares the two). Operations are those the code's clients perform:
 # * trainer: `fleetrl topics create` (its unit's ExecStartPre) creates and checks the run's topics;
-#   it dispatches prompts, reads trajectories in its group, and dead-letters what fails validation.
+#   it dispatches prompts, reads trajectories in its group, and dead-letters what fails validation;
+#   when a region is gone it reads that region's partials (handover group) and writes them to another.
 # * rollout (agent, workers): reads prompts and partials in the rollout group, writes partials,
 #   trajectories and dead letters. No Create, Alter or Delete; never the trainer's group.
 # * operator (`topics`, `dlq show|replay`, `audit`): reads every run topic with group-less readers,
@@ -13,9 +14,11 @@ locals {
     trainer = [
       { type = "Topic", pattern = "PREFIXED", name = local.prefix, ops = ["Create", "Describe", "DescribeConfigs"] },
       { type = "Topic", pattern = "LITERAL", name = local.topic["prompts"], ops = ["Write"] },
+      { type = "Topic", pattern = "LITERAL", name = local.topic["partials"], ops = ["Read", "Write"] },
       { type = "Topic", pattern = "LITERAL", name = local.topic["trajectories"], ops = ["Read"] },
       { type = "Topic", pattern = "LITERAL", name = local.topic["dead-letter"], ops = ["Write"] },
       { type = "Group", pattern = "LITERAL", name = "${local.prefix}trainer", ops = ["Read"] },
+      { type = "Group", pattern = "LITERAL", name = "${local.prefix}trainer.handover", ops = ["Read"] },
     ]
     rollout = [
       { type = "Topic", pattern = "LITERAL", name = local.topic["prompts"], ops = ["Describe", "Read"] },
