@@ -111,13 +111,19 @@ async def test_agent_survives_mqtt_and_kafka_down_for_20_s_and_loses_no_prompt(
         assert any(e["event"] == "control.connected" and e["connections"] >= 2 for e in events)
 
 
+IDLE_S = 20.0
+"""How long the idle worker is watched (its store requests counted)."""
+FALLBACK_POLL_S = 10.0
+"""`rollout.weight_fallback_poll_s` of that test: the only store reads an idle worker may make."""
+
+
 async def test_workers_pull_announced_versions_and_an_idle_worker_barely_touches_the_store(
     run_id: str, tansu_bootstrap: str, mqtt_server: Any, tmp_path: pathlib.Path,
     procs: list[subprocess.Popen[bytes]],
 ) -> None:
     data = fleet_dict(run_id, tansu_bootstrap, mqtt_server.port, tmp_path / "home")
     data["regions"][0]["store"] = (tmp_path / "region").as_uri()  # a replica: the replicator fills it
-    data["rollout"].update(metrics_port=0, weight_fallback_poll_s=30.0)
+    data["rollout"].update(metrics_port=0, weight_fallback_poll_s=FALLBACK_POLL_S)
     config = make_config(data)
     config_path = tmp_path / "fleet.yaml"
     config_path.write_text(json.dumps(data))
@@ -137,15 +143,15 @@ async def test_workers_pull_announced_versions_and_an_idle_worker_barely_touches
         assert cp.replicas[REGION].version == 2  # announced by the replicator, retained
     port = metrics_port_from_log(log_path)
     pulled = _store_requests(port)
-    await asyncio.sleep(60)
+    await asyncio.sleep(IDLE_S)
     idle = _store_requests(port)
 
     with Hub(config, store=REGION) as hub:
         # what reading the versions the region holds needs (each seed is a new anchor, so a node that joins
         # after them starts at the newest): a manifest and its objects per version
         reading = sum(1 + len(hub.manifest(v).objects) for v in hub.versions())
-    polls = 60 // 30 + 1
+    polls = int(IDLE_S // FALLBACK_POLL_S) + 1
     assert pulled["list"] == idle["list"] == 0
-    assert idle["get"] - pulled["get"] <= polls, (pulled, idle)  # at 0.2 s polling this was 300
+    assert idle["get"] - pulled["get"] <= polls, (pulled, idle)  # at 0.2 s polling this was 100
     assert idle["get"] <= reading + 1 + polls, (idle, reading)
-    print(f"store requests: pull of 3 versions {pulled}, after 60 s idle {idle}, reading bound {reading}")
+    print(f"store requests: pull of 3 versions {pulled}, after {IDLE_S:g} s idle {idle}, reading bound {reading}")
