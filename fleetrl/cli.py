@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = _cmd(sub, "demo", "fleetrl.demo:run_demo", "run the whole pipeline on this machine (embedded stack)")
+    p = _cmd(sub, "demo", "fleetrl.demo.runner:run_demo", "run the whole pipeline on this machine (embedded stack)")
     p.epilog = ("Starts tansu per region and an MQTT broker on the config's loopback ports, then the trainer, one "
                 "replicator per region and one agent per node as processes; prints progress, runs the audit and "
                 "a summary, and stops everything it started (also on Ctrl-C or a failure). Every run starts "

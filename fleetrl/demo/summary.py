@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
-from fleetrl.demo_view import Progress
+from fleetrl.demo.view import Progress
 
 _WINDOW = 3  # reward "first" and "last" are means over this many steps (one batch is noisy)
 

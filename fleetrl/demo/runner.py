@@ -13,7 +13,7 @@ It starts, each as its own process with its log under `<workdir>/logs/`:
 after creating the run's topics on every cluster. The work directory (default `.fleetrl/demo` next
 to the config) is wiped at the start: every run starts from fresh stores and checkpoints, and the
 config the children read (`<workdir>/fleet.yaml`) points every store and the checkpoints there.
-Progress is read from the children's JSON log events (`fleetrl.demo_view`). When the trainer has
+Progress is read from the children's JSON log events (`fleetrl.demo.view`). When the trainer has
 done its steps and exited, the demo lets the replicas catch up, stops the agents and replicators,
 runs `fleetrl audit`, stops the brokers and prints a summary (also written to
 `<workdir>/summary.json`). Any child that dies makes the demo print its log tail, stop everything
@@ -40,7 +40,7 @@ from rich.live import Live
 
 from fleetrl import devstack
 from fleetrl.config import FleetConfig, SecretField
-from fleetrl.demo_procs import (
+from fleetrl.demo.procs import (
     Child,
     DemoError,
     Ports,
@@ -55,7 +55,7 @@ from fleetrl.demo_procs import (
     stop_all,
     write_config,
 )
-from fleetrl.demo_view import LogTail, Progress, RegionView
+from fleetrl.demo.view import LogTail, Progress, RegionView
 
 _POLL_S = 0.5
 _STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
@@ -303,11 +303,11 @@ class Demo:
         return report
 
     def _summary(self, audit: dict[str, Any], wall_s: float) -> dict[str, Any]:
-        from fleetrl.demo_summary import summarize
+        from fleetrl.demo.summary import summarize
 
         return summarize(self.progress, audit, wall_s, self.pids(), self.exit_codes, self.workdir)
 
     def _print_summary(self, summary: dict[str, Any]) -> None:
-        from fleetrl.demo_summary import render
+        from fleetrl.demo.summary import render
 
         self.console.print(render(summary))
