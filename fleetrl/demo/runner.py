@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import pathlib
@@ -39,7 +40,8 @@ from rich.console import Console
 from rich.live import Live
 
 from fleetrl import devstack
-from fleetrl.config import FleetConfig, SecretField
+from fleetrl.config import FleetConfig, SecretField, StoreConfig
+from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
 from fleetrl.demo.procs import (
     Child,
     DemoError,
@@ -55,6 +57,7 @@ from fleetrl.demo.procs import (
     stop_all,
     write_config,
 )
+from fleetrl.demo.relay import Relay, RelayHub
 from fleetrl.demo.view import LogTail, Progress, RegionView
 
 _POLL_S = 0.5
@@ -62,6 +65,8 @@ _STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop in
 _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
 _AUDIT_TIMEOUT_S = 120.0
 _SERVER_READY_S = 20.0
+_FUZZ_DRAIN_S = 30.0  # after the fuzzer's last batch, how long its records may take to be dead-lettered
+_S3_KEYS = {"AWS_ACCESS_KEY_ID": "fleetrl", "AWS_SECRET_ACCESS_KEY": "fleetrl", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class ChildFailed(DemoError):
@@ -104,6 +109,13 @@ class Demo:
         self.trainer: Child | None = None
         self.exit_codes: dict[str, int | None] = {}
         self.tails: list[tuple[LogTail, tuple[str, str] | None]] = []
+        self.plan = FaultPlan.from_args(args)
+        self.relays = RelayHub()
+        self.agents: dict[str, tuple[str, str]] = {}
+        """Agent child name -> (region, node)."""
+        self.fuzzer: Child | None = None
+        self.fuzz_ordered = 0
+        self.moto_port: int | None = None
 
     def run(self) -> int:
         t0 = time.monotonic()
@@ -112,37 +124,64 @@ class Demo:
             if not region.nodes:
                 raise DemoError(f"{self.source}: regions[{i}] ({region.name}) lists no nodes; the demo starts "
                                 f"one agent per regions[].nodes entry")
+        names = {r.name for r in self.config.regions}
+        for p in self.plan.partitions:
+            if p.region not in names:
+                raise DemoError(f"--partition {p.region}: no such region in {self.source}; regions: {sorted(names)}")
         check_free(ports, self.source)
         config_path = pathlib.Path(self.args.config)
         default = default_workdir(config_path)
         self.workdir = fresh_workdir(pathlib.Path(self.args.workdir) if self.args.workdir else default, default)
+        self.out = pathlib.Path(getattr(self.args, "out", None) or self.workdir).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
         self.config = effective_config(self.config, self.workdir)
         trainer_keys = signing_keys(self.config)
-        self.config_path = write_config(self.config, self.workdir / "fleet.yaml")
         self.progress = Progress(self.steps, {r.name: RegionView() for r in self.config.regions})
+        self.faults = FaultLog(t0, self.workdir / "faults.jsonl")
+        self.progress.faults = self.faults.faults
         with self._everything_stopped_at_exit():
-            self.env = child_env()
-            self.trainer_env = child_env(trainer_keys)
+            s3 = _S3_KEYS if self._needs_s3() else {}
+            self.env = child_env(s3)
+            self.trainer_env = child_env({**trainer_keys, **s3})
             self._start(ports, self.env)
             assert self.trainer is not None
+            self.chaos = Chaos(self.plan, self, self.faults, self.progress.on_fault)
             self._watch_until_trainer_done()
+            if not self.chaos.stopped:
+                self.chaos.stop()
+            fuzz = self._stop_fuzzer()
             self._catch_up()
             self.exit_codes = {self.trainer.name: self.trainer.returncode(), **self._stop_children()}
             audit = self._audit()
+            dead = asyncio.run(self._dead_letters())
             self._stop_servers()
             wall_s = time.monotonic() - t0
-            summary = self._summary(audit, wall_s)
-        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+            summary = self._summary(audit, wall_s, dead, fuzz)
+        self._write_artefacts(summary)
         self._print_summary(summary)
         return 0 if audit.get("ok") else 1
+
+    def _needs_s3(self) -> bool:
+        return self.plan.durable or bool(self.plan.partitions)
 
     # -- start ----------------------------------------------------------------------------------
 
     def _start(self, ports: Ports, env: dict[str, str]) -> None:
         logs = self.workdir / "logs"
         self.console.print(f"fleetrl demo: {self.steps} steps; workdir {self.workdir} (logs in {logs})")
+        if self._needs_s3():
+            self._start_moto()
+        partitioned = bool(self.plan.partitions)
         for region, port in ports.kafka.items():
-            self._start_server(devstack.tansu(port), f"tansu-{region}")
+            # Under --partition the region's clients (and the trainer) reach tansu through a relay on
+            # the config's port, which tansu advertises; tansu itself listens on a free port behind it.
+            listen = devstack.free_port() if partitioned else port
+            storage, s3env = "memory://tansu/", {}
+            if self.plan.durable:
+                storage, s3env = f"s3://tansu-{region}/", devstack.tansu_s3_env(self._moto_url())
+            self._start_server(devstack.tansu(listen, storage, s3env, advertised_port=port), f"tansu-{region}")
+            if partitioned:
+                self.relays.add(Relay(f"{region}/kafka", listen, home_pids=self._home_pids, port=port))
         m = self.config.mqtt
         password = SecretField("mqtt.password", m, "password").value() if m.username else None
         # With mqtt.username set, the broker accepts that user and password only, as a fleet's would.
@@ -150,17 +189,71 @@ class Demo:
                                     users={m.username: password or ""} if m.username else None)
         self._start_server(mqtt, mqtt.name)
         asyncio.run(self._create_topics())
-        c, p = self.config, self.config_path
+        self.config_path = write_config(self.config, self.workdir / "fleet.yaml")
+        self.region_configs = {r.name: self._region_config(r.name, ports.mqtt) for r in self.config.regions}
+        c = self.config
         for r in c.regions:
-            self._spawn(fleetrl_child(f"replicator-{r.name}", ["replicator", "--region", r.name], p, self.workdir,
-                                      env, c.hub.lease_ttl_s + 5))
-        self.trainer = self._spawn(fleetrl_child("trainer", ["trainer", "--steps", str(self.steps)], p, self.workdir,
-                                                 self.trainer_env, c.trainer.drain_timeout_s + 10))
+            self._spawn(fleetrl_child(f"replicator-{r.name}", ["replicator", "--region", r.name],
+                                      self.region_configs[r.name], self.workdir, env, c.hub.lease_ttl_s + 5))
+        self.trainer = self._spawn(fleetrl_child("trainer", ["trainer", "--steps", str(self.steps)], self.config_path,
+                                                 self.workdir, self.trainer_env, c.trainer.drain_timeout_s + 10))
+        (self.workdir / "notices").mkdir(exist_ok=True)
         for r in c.regions:
             for n in r.nodes:
-                child = fleetrl_child(f"agent-{r.name}-{n.name}", ["agent", "--region", r.name, "--node", n.name], p,
-                                      self.workdir, env, 1.5 * c.rollout.handover_timeout_s + 10)
-                self._spawn(child, agent=(r.name, n.name))
+                self.start_agent(r.name, n.name)
+        if self.plan.fuzz_rate:
+            argv = [sys.executable, "-m", "fleetrl.demo.fuzz", "--config", str(self.config_path),
+                    "--seed", str(self.plan.seed)]
+            self.fuzzer = self._spawn(Child("fuzzer", argv, logs / "fuzzer.log", env, 15.0, stdin_pipe=True))
+
+    def start_agent(self, region: str, node: str) -> Child:
+        """One agent (a node) of `region`, with its own notice file (the preemption notice source)."""
+        c = self.config
+        child = fleetrl_child(f"agent-{region}-{node}", ["agent", "--region", region, "--node", node,
+                                                         "--notice-file", str(self.notice_file(region, node))],
+                              self.region_configs[region], self.workdir, self.env,
+                              1.5 * c.rollout.handover_timeout_s + 10)
+        self.agents[child.name] = (region, node)
+        return self._spawn(child, agent=(region, node))
+
+    def notice_file(self, region: str, node: str) -> pathlib.Path:
+        return self.workdir / "notices" / f"{region}-{node}"
+
+    def agent_of(self, child: Child) -> tuple[str, str]:
+        return self.agents[child.name]
+
+    def _home_pids(self) -> list[int]:
+        return [self.trainer.pid] if self.trainer is not None and self.trainer.returncode() is None else []
+
+    def _start_moto(self) -> None:
+        spec = devstack.moto_s3()
+        self._start_server(spec, "moto")
+        self.moto_port = spec.port
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self._moto_url(), aws_access_key_id="fleetrl",
+                          aws_secret_access_key="fleetrl", region_name="us-east-1")
+        for bucket in ["fleetrl-home", *(f"tansu-{r.name}" for r in self.config.regions)]:
+            s3.create_bucket(Bucket=bucket)
+        if self.plan.partitions:  # the home store behind a relay per region: its link home can be cut
+            self.config.hub.home_store = StoreConfig(url=f"s3://fleetrl-home/{self.config.run}",
+                                                     endpoint_url=self._moto_url(), region_name="us-east-1")
+
+    def _moto_url(self, port: int | None = None) -> str:
+        return f"http://127.0.0.1:{port or self.moto_port}"
+
+    def _region_config(self, region: str, mqtt_port: int) -> pathlib.Path:
+        """The config a region's processes read: under --partition their MQTT and home store go
+        through relays of the region (its links home)."""
+        if not self.plan.partitions:
+            return self.config_path
+        c = self.config.model_copy(deep=True)
+        mqtt = self.relays.add(Relay(f"{region}/mqtt", mqtt_port))
+        c.mqtt.url = f"mqtt://127.0.0.1:{mqtt.port}"
+        assert self.moto_port is not None
+        store = self.relays.add(Relay(f"{region}/store", self.moto_port))
+        c.hub.home_store = c.hub.home_store.model_copy(update={"endpoint_url": self._moto_url(store.port)})
+        return write_config(c, self.workdir / f"fleet-{region}.yaml")
 
     def _start_server(self, spec: devstack.ServerProcess, name: str) -> None:
         """Start a dev-stack server as a `Child` (so it, too, dies with the demo) and wait for its port."""
@@ -197,14 +290,22 @@ class Demo:
 
     # -- watch ----------------------------------------------------------------------------------
 
+    def restarted(self, child: Child) -> None:
+        """Chaos restarted `child` (same command, same log)."""
+        self._record_pids()
+
     def _watch_until_trainer_done(self) -> None:
         assert self.trainer is not None
         last_step, last_change = 0, time.monotonic()
         with self._display() as live:
             while True:
                 self._read_logs(live)
+                if self.progress.step >= self.steps and not self.chaos.stopped:
+                    self.chaos.stop()  # the last step is done: let the trainer drain and exit in peace
+                self.chaos.tick()
+                self._order_fuzz()
                 rc = self.trainer.returncode()
-                if rc is not None:
+                if rc is not None and not self.chaos.expected_down(self.trainer):
                     self._read_logs(live)
                     if rc != 0:
                         raise self._failed(self.trainer)
@@ -216,6 +317,45 @@ class Demo:
                     raise DemoError(f"no optimizer step for {_STALL_S:.0f} s (at step {last_step}); "
                                     f"see the logs in {self.workdir / 'logs'}")
                 time.sleep(_POLL_S)
+
+    def _order_fuzz(self) -> None:
+        """Keep the fuzzer at `fuzz_rate` of the records in prompts and trajectories (two valid records,
+        a prompt and its group, per finished group). It stops a step before the end, so that the
+        consumers still read (and dead-letter) all it sent."""
+        if self.fuzzer is None or self.fuzzer.proc is None or self.fuzzer.proc.stdin is None:
+            return
+        if self.progress.step >= self.steps - 1:
+            return
+        valid = 2 * sum(r.groups_done for r in self.progress.regions.values())
+        rate = self.plan.fuzz_rate
+        due = int(valid * rate / (1.0 - rate)) - self.fuzz_ordered
+        if due > 0:
+            try:
+                self.fuzzer.proc.stdin.write(f"{due}\n".encode())
+                self.fuzzer.proc.stdin.flush()
+            except BrokenPipeError:
+                raise self._failed(self.fuzzer) from None
+            self.fuzz_ordered += due
+
+    def _stop_fuzzer(self) -> dict[str, Any]:
+        """Close the fuzzer's orders (it exits after its last batch) and wait, bounded, until the
+        consumers have dead-lettered what it sent."""
+        if self.fuzzer is None or self.fuzzer.proc is None:
+            return {}
+        if self.fuzzer.proc.stdin is not None:
+            self.fuzzer.proc.stdin.close()
+        rc = self.fuzzer.wait_or_kill(time.monotonic() + 60)
+        done = [e for e in LogTail(self.fuzzer.log_path).events() if e.get("event") == "fuzz.done"]
+        if rc != 0 or not done:
+            raise self._failed(self.fuzzer)
+        sent = int(done[-1]["total"])
+        deadline = time.monotonic() + _FUZZ_DRAIN_S
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if asyncio.run(self._dead_letters())["fuzz"] >= sent:
+                break
+            time.sleep(1.0)
+        return {"sent": sent, "kinds": done[-1]["kinds"], "rate": self.plan.fuzz_rate}
 
     @contextmanager
     def _display(self) -> Iterator[Live | None]:
@@ -231,15 +371,19 @@ class Demo:
                 line = self.progress.feed(event, agent)
                 if line is not None and live is None:
                     self.console.print(line)
+        for line in self.progress.pop_lines():
+            if live is None:
+                self.console.print(line)
         if live is not None:
             live.update(self.progress.table())
 
     def _check_alive(self) -> None:
         for child in self.children:
-            if child is not self.trainer and child.returncode() is not None:
+            if (child is not self.trainer and child.returncode() is not None and not self.chaos.expected_down(child)
+                    and child is not self.fuzzer):
                 raise self._failed(child)
         for server in self.servers:
-            if server.returncode() is not None:
+            if server.returncode() is not None and not self.chaos.expected_down(server):
                 raise self._failed(server)
 
     @staticmethod
@@ -283,6 +427,7 @@ class Demo:
                     self.console.print(f"stopping {len(live)} processes ...")
                     stop_all(live)
                 self._stop_servers()
+                self.relays.close()
             finally:
                 signal.signal(signal.SIGINT, previous)
 
@@ -302,10 +447,42 @@ class Demo:
             raise DemoError(f"fleetrl audit exited {out.returncode} without a report; see {log_path}") from None
         return report
 
-    def _summary(self, audit: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    async def _dead_letters(self) -> dict[str, Any]:
+        """Every region's dead-letter topic: how many, why, and how many came from the fuzzer."""
+        from fleetrl.broker import DeadLetter, read_log, topic_name
+        from fleetrl.demo.fuzz import KEY_PREFIX
+
+        reasons: dict[str, int] = {}
+        total = fuzz = 0
+        for r in self.config.regions:
+            raws = await asyncio.wait_for(read_log(self.config, r.name, topic_name(self.config.run, "dead-letter"),
+                                                   client_id=f"{self.config.run}-demo-dlq"), _AUDIT_TIMEOUT_S)
+            for raw in raws:
+                dl = DeadLetter.from_record(raw.partition, raw.offset, raw.key, raw.value, raw.headers)
+                total += 1
+                reasons[dl.reason] = reasons.get(dl.reason, 0) + 1
+                fuzz += (raw.key or b"").startswith(KEY_PREFIX.encode()) and dl.reason != "unknown"
+        return {"total": total, "fuzz": fuzz, "reasons": dict(sorted(reasons.items()))}
+
+    def _summary(self, audit: dict[str, Any], wall_s: float, dead: dict[str, Any],
+                 fuzz: dict[str, Any]) -> dict[str, Any]:
         from fleetrl.demo.summary import summarize
 
-        return summarize(self.progress, audit, wall_s, self.pids(), self.exit_codes, self.workdir)
+        return summarize(self.progress, audit, wall_s, self.pids(), self.exit_codes, self.workdir,
+                         faults=self.faults.faults, dead_letters=dead, fuzz=fuzz, out=self.out,
+                         plan=dataclasses.asdict(self.plan))
+
+    def _write_artefacts(self, summary: dict[str, Any]) -> None:
+        from fleetrl.demo.plot import plot_run
+
+        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.out != self.workdir:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        with open(self.out / "metrics.jsonl", "w") as f:
+            for row in self.progress.metric_rows():
+                f.write(json.dumps(row) + "\n")
+        plot_run(self.progress.metric_rows(), [dataclasses.asdict(x) for x in self.faults.faults],
+                 self.out / "reward.png")
 
     def _print_summary(self, summary: dict[str, Any]) -> None:
         from fleetrl.demo.summary import render
