@@ -170,12 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for stores, checkpoints and logs, WIPED at the start of each run "
                         "(default: .fleetrl/demo next to the config; a non-empty folder the demo did not make "
                         "is refused)")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="stop the trainer (SIGTERM: it drains and checkpoints) after S s, then audit as usual")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
     chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")
     chaos.add_argument("--kill-every", type=float, default=None, metavar="S",
                        help="SIGKILL a random process (trainer, agent, worker, replicator; with --durable a "
                             "region's broker) every S s and restart it, as systemd would")
+    chaos.add_argument("--kill-only", default=None, metavar="KIND[,KIND]",
+                       help="kill only these kinds: trainer, agent, worker, replicator, broker (default: all)")
     chaos.add_argument("--preempt-every", type=float, default=None, metavar="S",
                        help="send a random live node a preemption notice every S s and start a replacement node")
     chaos.add_argument("--partition", action="append", default=None, metavar="REGION:START:SECONDS",

@@ -34,6 +34,7 @@ import psutil
 
 from fleetrl.demo.procs import Child, DemoError
 
+KILL_KINDS = ("trainer", "agent", "worker", "replicator", "broker")
 RESTART_S = 1.0
 """Seconds between a kill and the restart (systemd's RestartSec)."""
 
@@ -68,6 +69,7 @@ class FaultPlan:
     fuzz_rate: float = 0.0
     durable: bool = False
     seed: int = 0
+    kill_only: tuple[str, ...] = KILL_KINDS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FaultPlan:
@@ -78,9 +80,15 @@ class FaultPlan:
             value = getattr(args, name, None)
             if value is not None and value <= 0:
                 raise DemoError(f"--{name.replace('_', '-')} {value}: must be > 0 seconds")
+        only = tuple(k.strip() for k in (getattr(args, "kill_only", None) or ",".join(KILL_KINDS)).split(","))
+        unknown = sorted(set(only) - set(KILL_KINDS))
+        if unknown:
+            raise DemoError(f"--kill-only {','.join(only)}: unknown kind(s) {unknown}; kinds: {list(KILL_KINDS)}")
+        if "broker" in only and getattr(args, "kill_only", None) and not getattr(args, "durable", False):
+            raise DemoError("--kill-only broker needs --durable: a broker on memory storage loses its log when killed")
         return cls(getattr(args, "kill_every", None), getattr(args, "preempt_every", None),
                    tuple(getattr(args, "partition", None) or ()), rate, bool(getattr(args, "durable", False)),
-                   int(getattr(args, "seed", 0) or 0))
+                   int(getattr(args, "seed", 0) or 0), only)
 
     @property
     def active(self) -> bool:
@@ -180,6 +188,9 @@ class Chaos:
         targets = self._targets()
         if not targets:
             return
+        targets = [t for t in targets if _kind(t[0]) in self.plan.kill_only]
+        if not targets:
+            return
         name, pid, child = self.rng.choice(targets)
         self.kill(name, pid, child)
 
@@ -242,6 +253,12 @@ class Chaos:
         self.demo.relays.heal(f"{region}/")
         self.cut.discard(region)
         self._fault("heal", region)
+
+
+def _kind(name: str) -> str:
+    """trainer, agent, worker, replicator or broker, from a process's name in the demo."""
+    head = name.split("-", 1)[0]
+    return "broker" if head == "tansu" else head
 
 
 def _workers(agent_pid: int) -> list[int]:

@@ -66,6 +66,7 @@ _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach t
 _AUDIT_TIMEOUT_S = 120.0
 _SERVER_READY_S = 20.0
 _FUZZ_DRAIN_S = 30.0  # after the fuzzer's last batch, how long its records may take to be dead-lettered
+_DURATION_GRACE_S = 10.0  # after --duration: hostile records already sent are read before the trainer stops
 _S3_KEYS = {"AWS_ACCESS_KEY_ID": "fleetrl", "AWS_SECRET_ACCESS_KEY": "fleetrl", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -116,6 +117,8 @@ class Demo:
         self.fuzzer: Child | None = None
         self.fuzz_ordered = 0
         self.moto_port: int | None = None
+        self.fuzz_stopped = False
+        self._terminate_at: float | None = None
 
     def run(self) -> int:
         t0 = time.monotonic()
@@ -302,6 +305,7 @@ class Demo:
                 self._read_logs(live)
                 if self.progress.step >= self.steps and not self.chaos.stopped:
                     self.chaos.stop()  # the last step is done: let the trainer drain and exit in peace
+                self._end_of_duration()
                 self.chaos.tick()
                 self._order_fuzz()
                 rc = self.trainer.returncode()
@@ -318,13 +322,30 @@ class Demo:
                                     f"see the logs in {self.workdir / 'logs'}")
                 time.sleep(_POLL_S)
 
+    def _end_of_duration(self) -> None:
+        """--duration: no more faults nor hostile records, then (after a grace for the consumers to
+        read what was sent) SIGTERM to the trainer, which drains, checkpoints and exits 0."""
+        duration = getattr(self.args, "duration", None)
+        now = time.monotonic()
+        if duration is None or now - self.faults.started < duration:
+            return
+        assert self.trainer is not None
+        if self._terminate_at is None:
+            if not self.chaos.stopped:
+                self.chaos.stop()  # heals and restarts what is down, the trainer included
+            self.fuzz_stopped = True
+            self._terminate_at = now + _DURATION_GRACE_S
+        elif now >= self._terminate_at and self.trainer.returncode() is None:
+            self.trainer.terminate()
+            self._terminate_at = float("inf")
+
     def _order_fuzz(self) -> None:
         """Keep the fuzzer at `fuzz_rate` of the records in prompts and trajectories (two valid records,
         a prompt and its group, per finished group). It stops a step before the end, so that the
         consumers still read (and dead-letter) all it sent."""
         if self.fuzzer is None or self.fuzzer.proc is None or self.fuzzer.proc.stdin is None:
             return
-        if self.progress.step >= self.steps - 1:
+        if self.progress.step >= self.steps - 1 or self.fuzz_stopped:
             return
         valid = 2 * sum(r.groups_done for r in self.progress.regions.values())
         rate = self.plan.fuzz_rate
