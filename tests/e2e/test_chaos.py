@@ -99,7 +99,9 @@ def kills_of(summary: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("kind", ["trainer", "agent", "worker", "replicator"])
 def test_a_process_sigkilled_mid_flight_loses_nothing(kind: str, demo_config: pathlib.Path,
                                                       workdir: pathlib.Path) -> None:
-    summary = run_demo(demo_config, workdir, "--kill-every", "7", "--kill-only", kind)
+    # A restarted trainer needs several seconds to load torch and resume: kill it less often than that.
+    every = "15" if kind == "trainer" else "7"
+    summary = run_demo(demo_config, workdir, "--kill-every", every, "--kill-only", kind)
     assert kills_of(summary, f"{kind}-"), summary["faults"]
     if kind != "worker":  # the demo restarts what it killed; a worker is restarted by its agent
         assert any(f["kind"] == "restart" and f["target"].startswith(kind) for f in summary["faults"])
@@ -115,13 +117,13 @@ def test_a_durable_region_broker_sigkilled_loses_no_acknowledged_record(demo_con
 
 def test_a_partitioned_region_is_drained_after_the_link_returns(demo_config: pathlib.Path,
                                                                 workdir: pathlib.Path) -> None:
-    summary = run_demo(demo_config, workdir, "--partition", "local-b:20:15", steps=5)
+    summary = run_demo(demo_config, workdir, "--partition", "local-b:10:10", steps=12)
     kinds = [(f["kind"], f["target"]) for f in summary["faults"]]
     assert ("partition", "local-b") in kinds and ("heal", "local-b") in kinds
-    assert_accounted(summary, steps=5)
+    assert_accounted(summary, steps=12)
     # the region kept working: it generated groups and holds the final version after the heal
     assert summary["regions"]["local-b"]["groups_done"] >= 1
-    assert summary["regions"]["local-b"]["replica_version"] == 5
+    assert summary["regions"]["local-b"]["replica_version"] == 12
 
 
 def test_preempted_nodes_hand_over_and_are_replaced(demo_config: pathlib.Path, workdir: pathlib.Path) -> None:
