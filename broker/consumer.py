@@ -29,7 +29,7 @@ from aiokafka.protocol.group import LeaveGroupRequest
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, translated
 from fleetrl.broker.codec import decode_record
 from fleetrl.broker.errors import KafkaError, RecordError
-from fleetrl.broker.naming import Stream, topic_name
+from fleetrl.broker.naming import SCHEMA_HEADER, Stream, topic_name
 from fleetrl.broker.offsets import TP, OffsetTracker
 from fleetrl.broker.producer import Producer
 from fleetrl.broker.records import SCHEMA_GROUP, SCHEMA_PARTIAL, SCHEMA_PROMPT, Record, RecordLimits
@@ -41,6 +41,17 @@ EXPECTED_SCHEMA: dict[str, str] = {"prompts": SCHEMA_PROMPT, "partials": SCHEMA_
 # Decoding is cheap (numpy views over the bytes), but a batch of multi-MB groups still blocks the
 # loop for a while: above this many bytes it runs in a thread.
 _DECODE_IN_THREAD_BYTES = 1 << 20
+
+
+def _check_schema_header(headers: Any, expect: str) -> None:
+    """Every record carries its schema in the `fleetrl-schema` header too (DESIGN.md §3): one without
+    it did not come from a FleetRL producer."""
+    found = [v for k, v in (headers or ()) if k == SCHEMA_HEADER]
+    if not found:
+        raise RecordError("missing_header", f"no {SCHEMA_HEADER} header", field=SCHEMA_HEADER)
+    if found[0] != expect.encode():
+        raise RecordError("wrong_schema", f"header {SCHEMA_HEADER} is {found[0]!r}, expected {expect!r}",
+                          field=SCHEMA_HEADER)
 
 
 @dataclass(slots=True)
@@ -189,8 +200,11 @@ class Consumer:
     def _decode_all(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
         out: list[Record | RecordError] = []
         for m in messages:
+            expect = EXPECTED_SCHEMA[self._stream_of[m.topic]]
             try:
-                out.append(decode_record(m.value or b"", self.limits, expect=EXPECTED_SCHEMA[self._stream_of[m.topic]]))
+                record = decode_record(m.value or b"", self.limits, expect=expect)
+                _check_schema_header(m.headers, expect)
+                out.append(record)
             except RecordError as err:
                 out.append(err.at(m.topic, m.partition, m.offset))
         return out

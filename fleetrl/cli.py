@@ -148,13 +148,19 @@ def _add_units(sub: Any) -> None:
                    help="fleet.yaml the units pass to the daemons (default: %(default)s)")
 
 
+def _partition(text: str) -> Any:
+    from fleetrl.demo.chaos import parse_partition
+
+    return parse_partition(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleetrl", description="Cross-region, asynchronous RL post-training over message brokers."
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = _cmd(sub, "demo", "fleetrl.demo:run_demo", "run the whole pipeline on this machine (embedded stack)")
+    p = _cmd(sub, "demo", "fleetrl.demo.runner:run_demo", "run the whole pipeline on this machine (embedded stack)")
     p.epilog = ("Starts tansu per region and an MQTT broker on the config's loopback ports, then the trainer, one "
                 "replicator per region and one agent per node as processes; prints progress, runs the audit and "
                 "a summary, and stops everything it started (also on Ctrl-C or a failure). Every run starts "
@@ -164,6 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for stores, checkpoints and logs, WIPED at the start of each run "
                         "(default: .fleetrl/demo next to the config; a non-empty folder the demo did not make "
                         "is refused)")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="stop the trainer (SIGTERM: it drains and checkpoints) after S s, then audit as usual")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
+    chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")
+    chaos.add_argument("--kill-every", type=float, default=None, metavar="S",
+                       help="SIGKILL a random process (trainer, agent, worker, replicator; with --durable a "
+                            "region's broker) every S s and restart it, as systemd would")
+    chaos.add_argument("--kill-only", default=None, metavar="KIND[,KIND]",
+                       help="kill only these kinds: trainer, agent, worker, replicator, broker (default: all)")
+    chaos.add_argument("--preempt-every", type=float, default=None, metavar="S",
+                       help="send a random live node a preemption notice every S s and start a replacement node")
+    chaos.add_argument("--partition", action="append", default=None, metavar="REGION:START:SECONDS",
+                       type=_partition, help="cut REGION's links home (Kafka to the trainer, MQTT, the home "
+                                             "store) from START s for SECONDS s; repeatable")
+    chaos.add_argument("--fuzz-rate", type=float, default=0.0, metavar="R",
+                       help="fraction of hostile records in prompts and trajectories, from a fuzzing producer")
+    chaos.add_argument("--durable", action="store_true",
+                       help="regions' tansu keep their log in S3 (a moto server), surviving a broker kill")
+    chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and the fuzzer")
     for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations, _add_units):
         add(sub)
     return parser

@@ -38,7 +38,8 @@ class S3Store(ObjectStore):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _fail(self, exc: Exception, key: str, op: str) -> StoreError:
-        code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+        response = getattr(exc, "response", None) or {}  # a connection error has response None
+        code = str(response.get("Error", {}).get("Code", ""))
         if code in _NOT_FOUND:
             return ObjectNotFound(f"no object {self.where(key)}")
         if code in _EXISTS:

@@ -86,6 +86,7 @@ def build_step_batch(groups: Sequence[GroupRecord], kind: AdvantageKind, version
     batch = StepBatch(samples, version, sum(s.n_completion for s in samples), len(samples))
     batch.stats = {
         "reward_mean": float(np.mean(rewards_all)) if rewards_all else 0.0,
+        "reward_std": float(np.std(rewards_all)) if rewards_all else 0.0,
         "groups": float(len(groups)),
         "samples": float(len(samples)),
         "tokens": float(batch.total_tokens),

@@ -278,7 +278,8 @@ class Trainer:
         self.metrics.approx_kl.set(stats.approx_kl)
         self.result.rewards.append(batch.stats["reward_mean"])
         log.info("step.done", step=self.step, version=self.version, reward_mean=round(batch.stats["reward_mean"], 4),
-                 loss=round(stats.loss, 5), grad_norm=round(stats.grad_norm, 4), clip_fraction=stats.clip_fraction,
+                 reward_std=round(batch.stats["reward_std"], 4), loss=round(stats.loss, 5),
+                 grad_norm=round(stats.grad_norm, 4), clip_fraction=stats.clip_fraction,
                  tis_truncated=stats.tis_truncated_fraction, tis_weight=round(stats.tis_weight_mean, 4), kl=stats.kl,
                  approx_kl=round(stats.approx_kl, 6), updates=stats.updates,
                  tokens=stats.tokens, lag_max=batch.stats["lag_max"],

@@ -11,8 +11,8 @@ import yaml
 
 from fleetrl.cli import main
 from fleetrl.config import load_config
-from fleetrl.demo_procs import MARKER, DemoError, effective_config, fresh_workdir, loopback_ports
-from fleetrl.demo_view import LogTail, Progress, RegionView
+from fleetrl.demo.procs import MARKER, DemoError, effective_config, fresh_workdir, loopback_ports
+from fleetrl.demo.view import LogTail, Progress, RegionView
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -6,6 +6,7 @@ report into one JSON-able document (written to `<workdir>/summary.json`); `rende
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import statistics
@@ -13,7 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
-from fleetrl.demo_view import Progress
+from fleetrl.demo.view import Progress
 
 _WINDOW = 3  # reward "first" and "last" are means over this many steps (one batch is noisy)
 
@@ -29,15 +30,34 @@ def _alive(pid: int) -> bool:
 
 
 def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str, int],
-              exit_codes: dict[str, int | None], workdir: pathlib.Path) -> dict[str, Any]:
+              exit_codes: dict[str, int | None], workdir: pathlib.Path, *, faults: list[Any] | None = None,
+              dead_letters: dict[str, Any] | None = None, fuzz: dict[str, Any] | None = None,
+              out: pathlib.Path | None = None, plan: dict[str, Any] | None = None) -> dict[str, Any]:
     anchors = [b for v, (b, anchor) in p.published.items() if v == anchor]
     deltas = [b for v, (b, anchor) in p.published.items() if v != anchor]
+    dead = dead_letters or {}
+    first = round(statistics.fmean(p.rewards[:_WINDOW]), 4) if p.rewards else None
+    last = round(statistics.fmean(p.rewards[-_WINDOW:]), 4) if p.rewards else None
     return {
+        "audit": {
+            "ok": bool(audit.get("ok")), "dispatched": audit.get("dispatched"), "trained": audit.get("trained"),
+            "lost": len(audit.get("lost") or []), "trained_twice": len(audit.get("trained_twice") or []),
+            "stale_dropped": audit.get("stale"), "dead_lettered": dead.get("total", audit.get("dead_lettered")),
+            "dead_lettered_dispatched": audit.get("dead_lettered"), "in_flight": audit.get("in_flight"),
+            "pending": audit.get("pending"), "after_checkpoint": audit.get("after_checkpoint"),
+            "problems": audit.get("problems", []),
+        },
+        "reward": {"start": first, "end": last},
+        "faults": [dataclasses.asdict(f) for f in faults or []],
+        "fault_plan": plan or {},
+        "dead_letters": dead,
+        "fuzz": fuzz or {},
+        "fleetrl_audit": audit,
         "wall_s": round(wall_s, 1),
         "steps": p.step,
         "rewards": [round(r, 4) for r in p.rewards],
-        "reward_first": round(statistics.fmean(p.rewards[:_WINDOW]), 4) if p.rewards else None,
-        "reward_last": round(statistics.fmean(p.rewards[-_WINDOW:]), 4) if p.rewards else None,
+        "reward_first": first,
+        "reward_last": last,
         "final_version": p.version,
         "versions_published": len(p.published),
         "anchor_bytes_mean": round(statistics.fmean(anchors)) if anchors else None,
@@ -47,16 +67,16 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
                    "copied_from": dict(sorted(r.sources.items())), "groups_done": r.groups_done}
             for name, r in p.regions.items()
         },
-        "audit": audit,
         "pids": pids,
         "exit_codes": exit_codes,
         "still_running": sorted(name for name, pid in pids.items() if _alive(pid)),
         "workdir": str(workdir),
+        "out": str(out or workdir),
     }
 
 
 def render(s: dict[str, Any]) -> Table:
-    a = s["audit"]
+    a = s["fleetrl_audit"]
     table = Table(title="fleetrl demo: summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -76,13 +96,23 @@ def render(s: dict[str, Any]) -> Table:
                             f"{a.get('in_flight')} in flight, {a.get('pending')} buffered, "
                             f"{a.get('after_checkpoint')} after the checkpoint")
     table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
+    if s["faults"]:
+        kinds: dict[str, int] = {}
+        for f in s["faults"]:
+            kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+        table.add_row("faults", ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+                      + f"; lost {s['audit']['lost']}, trained twice {s['audit']['trained_twice']}")
+    if s["fuzz"]:
+        table.add_row("fuzz", f"{s['fuzz']['sent']} hostile records sent; {s['dead_letters'].get('fuzz')} of them "
+                              f"dead-lettered; {s['dead_letters'].get('total')} dead letters in all "
+                              f"({', '.join(f'{k} {v}' for k, v in s['dead_letters'].get('reasons', {}).items())})")
     running = s["still_running"]
     failed = {n: c for n, c in s["exit_codes"].items() if c != 0}
     codes = "daemons exited 0" if not failed else "non-zero exits: " + ", ".join(f"{n} {c}" for n, c in failed.items())
     table.add_row("processes", f"{len(s['pids'])} started, "
                                + ("all stopped" if not running else f"STILL RUNNING: {', '.join(running)}")
                                + f"; {codes}")
-    table.add_row("files", f"{s['workdir']} (logs/, summary.json)")
+    table.add_row("files", f"{s['workdir']} (logs/); {s['out']} (summary.json, metrics.jsonl, reward.png)")
     return table
 
 

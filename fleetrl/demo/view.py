@@ -6,7 +6,8 @@ logs are the most robust source here: they need no connection, survive a child's
 exactly what the daemons did (the events are documented in docs/trainer.md, docs/hub.md and
 docs/regions.md):
 
-    trainer     step.done (step, version, reward_mean), weights.published (version, anchor, bytes)
+    trainer     step.done (step, version, reward_mean, reward_std, lag_mean, lag_max, groups),
+                weights.published (version, anchor, bytes), group.stale
     replicator  replicator.copied (version, region, source, bytes)
     agent       worker.group_done, agent.state (state)
 """
@@ -81,6 +82,20 @@ class Progress:
     published: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Version -> (bytes written, anchor version)."""
     started: float = field(default_factory=time.monotonic)
+    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Step -> its row of metrics.jsonl (a step redone after a trainer restart replaces the row)."""
+    stale_dropped: int = 0
+    faults: list[Any] = field(default_factory=list)
+    """The injected faults (`fleetrl.demo.chaos.Fault`), shown as they happen."""
+    _printed: list[str] = field(default_factory=list)
+
+    def on_fault(self, fault: Any) -> None:
+        """A fault was injected: one line in plain output (the live table lists the recent ones)."""
+        self._printed.append(f"fault at {fault.t:.0f} s: {fault.kind} {fault.target}")
+
+    def pop_lines(self) -> list[str]:
+        out, self._printed = self._printed, []
+        return out
 
     def feed(self, event: dict[str, Any], agent: tuple[str, str] | None = None) -> str | None:
         """Fold one event in (`agent`: region and node of the agent that logged it); returns a line
@@ -88,8 +103,12 @@ class Progress:
         name = event.get("event")
         if name == "step.done":
             self.step, self.version = int(event["step"]), int(event["version"])
+            del self.rewards[self.step - 1:]  # a restarted trainer redoes the steps after its checkpoint
             self.rewards.append(float(event["reward_mean"]))
+            self.steps[self.step] = self._row(event)
             return self.step_line()
+        if name == "group.stale":
+            self.stale_dropped += 1
         if name == "weights.published":
             self.published[int(event["version"])] = (int(event["bytes"]), int(event["anchor"]))
             self.version = max(self.version or 0, int(event["version"]))
@@ -115,6 +134,24 @@ class Progress:
         elif name == "worker.started":
             view.nodes[node] = "up"
 
+    def _row(self, e: dict[str, Any]) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "step": self.step, "version": self.version, "t": round(now - self.started, 2),
+            "reward_mean": e.get("reward_mean"), "reward_std": e.get("reward_std"),
+            "staleness_mean": e.get("lag_mean"), "staleness_max": e.get("lag_max"), "groups": e.get("groups"),
+            "stale_dropped": self.stale_dropped,
+            "bytes_published": sum(b for b, _ in self.published.values()),
+            "wan_copies": sum(r.copies for r in self.regions.values()),
+            "regions": {n: {"groups_per_s": round(r.groups_per_s(now), 3), "groups_done": r.groups_done,
+                            "replica_lag": None if r.replica_version is None else self.step - r.replica_version}
+                        for n, r in self.regions.items()},
+            "faults": sum(1 for f in self.faults if f.kind in ("kill", "preempt", "partition")),
+        }
+
+    def metric_rows(self) -> list[dict[str, Any]]:
+        return [self.steps[k] for k in sorted(self.steps)]
+
     def step_line(self) -> str:
         now = time.monotonic()
         regions = "  ".join(f"{n}: {r.groups_per_s(now):.1f} groups/s, replica v{_v(r.replica_version)}"
@@ -134,6 +171,10 @@ class Progress:
                             f"{sparkline(self.rewards[-_SPARK_STEPS:])}, policy version "
                             f"{self.version if self.version is not None else '-'}, {now - self.started:.0f} s",
                       title_justify="left")
+        if self.faults:
+            recent = ", ".join(f"{f.t:.0f}s {f.kind} {f.target}" for f in self.faults[-4:])
+            table.caption = f"faults: {sum(1 for f in self.faults if f.kind != 'restart')} ({recent})"
+            table.caption_justify = "left"
         for col in ("region", "nodes", "groups done", "groups/s", "replica version", "WAN copies"):
             table.add_column(col)
         for name, r in self.regions.items():

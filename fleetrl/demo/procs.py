@@ -202,15 +202,28 @@ class Child:
     log_path: pathlib.Path
     env: dict[str, str]
     stop_timeout_s: float = 10.0
+    stdin_pipe: bool = False
+    """Give the child a pipe on stdin (the fuzzer reads its orders there) instead of /dev/null."""
     proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> Child:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - held for the process's lifetime
         # A session of its own: Ctrl-C in the terminal reaches the demo only, which stops children in order.
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        stdin = subprocess.PIPE if self.stdin_pipe else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=stdin,
                                      env=self.env, start_new_session=True, preexec_fn=_die_with_parent())
+        self.starts += 1
         return self
+
+    def restart(self) -> Child:
+        """Start the same command again (after it died), its output appended to the same log."""
+        if self.returncode() is None:
+            raise DemoError(f"{self.name} (pid {self.pid}) is still running; it cannot be restarted")
+        if self._log is not None:
+            self._log.close()
+        return self.start()
 
     @property
     def pid(self) -> int:

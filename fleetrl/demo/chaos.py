@@ -1,0 +1,277 @@
+"""Faults injected into a running demo, on the production code path (`fleetrl demo --kill-every ...`).
+
+    --kill-every S          SIGKILL a random live process every S s (trainer, an agent, a rollout worker,
+                            a replicator, and with --durable a region's tansu) and restart it after
+                            `RESTART_S`, as systemd's Restart=always would (a worker is restarted by its
+                            agent's supervisor, as in production)
+    --preempt-every S       create the notice file of a random live agent (its `--notice-file`, the
+                            file notice source): it hands over and exits 0; a replacement node
+                            `<node>-r<k>` starts in its region, as a spot fleet replaces a node
+    --partition R:START:S   cut region R's links home (Kafka to the trainer, MQTT, the home store) at
+                            START s for S s, through the relays of `fleetrl.demo.relay`
+    --fuzz-rate R           a fraction R of the records in prompts and trajectories are hostile,
+                            from the fuzzing producer (`fleetrl.demo.fuzz`)
+
+`Chaos.tick()` runs in the demo's watch loop; every fault is recorded as `{t, kind, target}` (t in
+seconds since the demo started) for the live view, `faults.jsonl`, the summary and the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from fleetrl.demo.procs import Child, DemoError
+
+KILL_KINDS = ("trainer", "agent", "worker", "replicator", "broker")
+RESTART_S = 1.0
+"""Seconds between a kill and the restart (systemd's RestartSec)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    region: str
+    start_s: float
+    seconds: float
+
+
+def parse_partition(text: str) -> Partition:
+    """`REGION:START:SECONDS`, e.g. `local-b:20:20`."""
+    parts = text.rsplit(":", 2)
+    try:
+        if len(parts) != 3 or not parts[0]:
+            raise ValueError
+        p = Partition(parts[0], float(parts[1]), float(parts[2]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--partition {text!r}: expected REGION:START:SECONDS, "
+                                         f"e.g. local-b:20:20") from None
+    if p.start_s < 0 or p.seconds <= 0:
+        raise argparse.ArgumentTypeError(f"--partition {text!r}: START must be >= 0 and SECONDS > 0")
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    kill_every_s: float | None = None
+    preempt_every_s: float | None = None
+    partitions: tuple[Partition, ...] = ()
+    fuzz_rate: float = 0.0
+    durable: bool = False
+    seed: int = 0
+    kill_only: tuple[str, ...] = KILL_KINDS
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FaultPlan:
+        rate = float(getattr(args, "fuzz_rate", 0.0) or 0.0)
+        if not 0.0 <= rate < 1.0:
+            raise DemoError(f"--fuzz-rate {rate}: must be in [0, 1) (the fraction of hostile records)")
+        for name in ("kill_every", "preempt_every"):
+            value = getattr(args, name, None)
+            if value is not None and value <= 0:
+                raise DemoError(f"--{name.replace('_', '-')} {value}: must be > 0 seconds")
+        only = tuple(k.strip() for k in (getattr(args, "kill_only", None) or ",".join(KILL_KINDS)).split(","))
+        unknown = sorted(set(only) - set(KILL_KINDS))
+        if unknown:
+            raise DemoError(f"--kill-only {','.join(only)}: unknown kind(s) {unknown}; kinds: {list(KILL_KINDS)}")
+        if "broker" in only and getattr(args, "kill_only", None) and not getattr(args, "durable", False):
+            raise DemoError("--kill-only broker needs --durable: a broker on memory storage loses its log when killed")
+        return cls(getattr(args, "kill_every", None), getattr(args, "preempt_every", None),
+                   tuple(getattr(args, "partition", None) or ()), rate, bool(getattr(args, "durable", False)),
+                   int(getattr(args, "seed", 0) or 0), only)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.kill_every_s or self.preempt_every_s or self.partitions or self.fuzz_rate)
+
+
+@dataclass(slots=True)
+class Fault:
+    t: float
+    kind: str
+    """kill, preempt, replace, partition, heal, restart."""
+    target: str
+    detail: str = ""
+
+
+@dataclass
+class FaultLog:
+    started: float
+    path: pathlib.Path
+    faults: list[Fault] = field(default_factory=list)
+
+    def add(self, kind: str, target: str, detail: str = "") -> Fault:
+        fault = Fault(round(time.monotonic() - self.started, 2), kind, target, detail)
+        self.faults.append(fault)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(dataclasses.asdict(fault)) + "\n")
+        return fault
+
+    def injected(self) -> list[Fault]:
+        """The faults themselves (not the restarts and heals that follow them)."""
+        return [f for f in self.faults if f.kind in ("kill", "preempt", "partition")]
+
+
+class Chaos:
+    """Decides and injects faults; `demo` is the runner's `Demo` (its children, relays, progress)."""
+
+    def __init__(self, plan: FaultPlan, demo: Any, log: FaultLog,
+                 on_fault: Callable[[Fault], None] | None = None) -> None:
+        self.plan, self.demo, self.log = plan, demo, log
+        self.rng = random.Random(plan.seed)
+        self.on_fault = on_fault or (lambda f: None)
+        now = time.monotonic()
+        self.next_kill = now + plan.kill_every_s if plan.kill_every_s else None
+        self.next_preempt = now + plan.preempt_every_s if plan.preempt_every_s else None
+        self.restarts: dict[str, tuple[float, Child]] = {}
+        """Child name -> (when to restart it, the child): killed, waiting for their RestartSec."""
+        self.leaving: set[str] = set()
+        """Agents told to go (a notice): their exit 0 is expected."""
+        self.cut: set[str] = set()
+        self.replacements = 0
+        self.stopped = False
+
+    def _fault(self, kind: str, target: str, detail: str = "") -> None:
+        self.on_fault(self.log.add(kind, target, detail))
+
+    def expected_down(self, child: Child) -> bool:
+        return child.name in self.restarts or (child.name in self.leaving and child.returncode() == 0)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self._restart_due(now)
+        self._partitions(now - self.log.started)
+        if self.stopped:
+            return
+        if self.next_kill is not None and now >= self.next_kill:
+            self.next_kill = now + (self.plan.kill_every_s or 0)
+            self._kill_one()
+        if self.next_preempt is not None and now >= self.next_preempt:
+            self.next_preempt = now + (self.plan.preempt_every_s or 0)
+            self._preempt_one()
+
+    def stop(self) -> None:
+        """No new faults (the trainer is done); heal what is cut and restart what is down."""
+        self.stopped = True
+        for region in sorted(self.cut):
+            self._heal(region)
+        for name, (_, child) in list(self.restarts.items()):
+            self._restart(name, child)
+
+    # -- kill -----------------------------------------------------------------------------------
+
+    def _targets(self) -> list[tuple[str, int, Child | None]]:
+        """(name, pid, the Child to restart or None when its supervisor restarts it) of live processes."""
+        d = self.demo
+        out: list[tuple[str, int, Child | None]] = []
+        for child in d.children:
+            if child.returncode() is not None or child.name in self.leaving or child.name.startswith("fuzz"):
+                continue
+            out.append((child.name, child.pid, child))
+            if child.name.startswith("agent-"):
+                out += [(f"worker-{child.name[len('agent-'):]}", pid, None) for pid in _workers(child.pid)]
+        if self.plan.durable:  # a memory broker loses its log when killed: only durable ones are fair game
+            out += [(s.name, s.pid, s) for s in d.servers if s.name.startswith("tansu-") and s.returncode() is None]
+        return out
+
+    def _kill_one(self) -> None:
+        targets = self._targets()
+        if not targets:
+            return
+        targets = [t for t in targets if _kind(t[0]) in self.plan.kill_only]
+        if not targets:
+            return
+        name, pid, child = self.rng.choice(targets)
+        self.kill(name, pid, child)
+
+    def kill(self, name: str, pid: int, child: Child | None) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self._fault("kill", name, f"pid {pid}")
+        if child is not None:
+            self.restarts[name] = (time.monotonic() + RESTART_S, child)
+
+    def _restart_due(self, now: float) -> None:
+        for name, (due, child) in list(self.restarts.items()):
+            if now >= due:
+                self._restart(name, child)
+
+    def _restart(self, name: str, child: Child) -> None:
+        if child.proc is not None:
+            try:
+                child.proc.wait(timeout=5)
+            except Exception as exc:
+                raise DemoError(f"{name} (pid {child.pid}) did not die after SIGKILL: {exc}") from exc
+        child.restart()
+        del self.restarts[name]
+        self.demo.restarted(child)
+        self._fault("restart", name, f"pid {child.pid}")
+
+    # -- preempt --------------------------------------------------------------------------------
+
+    def _preempt_one(self) -> None:
+        agents = [c for c in self.demo.children
+                  if c.name.startswith("agent-") and c.returncode() is None and c.name not in self.leaving
+                  and c.name not in self.restarts]
+        if not agents:
+            return
+        agent = self.rng.choice(agents)
+        region, node = self.demo.agent_of(agent)
+        notice = self.demo.notice_file(region, node)
+        notice.write_text(f"preempted by fleetrl demo --preempt-every at {time.time():.1f}\n")
+        self.leaving.add(agent.name)
+        self._fault("preempt", agent.name, str(notice))
+        self.replacements += 1
+        new_node = f"{node.split('-r')[0]}-r{self.replacements}"
+        self.demo.start_agent(region, new_node)
+        self._fault("replace", f"agent-{region}-{new_node}")
+
+    # -- partitions -----------------------------------------------------------------------------
+
+    def _partitions(self, t: float) -> None:
+        for p in self.plan.partitions:
+            if p.region in self.cut and t >= p.start_s + p.seconds:
+                self._heal(p.region)
+            elif not self.stopped and p.region not in self.cut and p.start_s <= t < p.start_s + p.seconds:
+                links = self.demo.relays.cut(f"{p.region}/")
+                self.cut.add(p.region)
+                self._fault("partition", p.region, f"{p.seconds:g} s: {', '.join(links)}")
+
+    def _heal(self, region: str) -> None:
+        self.demo.relays.heal(f"{region}/")
+        self.cut.discard(region)
+        self._fault("heal", region)
+
+
+def _kind(name: str) -> str:
+    """trainer, agent, worker, replicator or broker, from a process's name in the demo."""
+    head = name.split("-", 1)[0]
+    return "broker" if head == "tansu" else head
+
+
+def _workers(agent_pid: int) -> list[int]:
+    """PIDs of an agent's rollout worker processes."""
+    try:
+        kids = psutil.Process(agent_pid).children()
+    except psutil.Error:
+        return []
+    out = []
+    for kid in kids:
+        try:
+            if "fleetrl.rollout" in " ".join(kid.cmdline()):
+                out.append(kid.pid)
+        except psutil.Error:
+            continue
+    return out

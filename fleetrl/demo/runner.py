@@ -1,0 +1,511 @@
+"""`fleetrl demo`: the whole pipeline on this machine, with nothing to set up (DESIGN.md §8).
+
+    fleetrl demo --config examples/fleet.demo.yaml [--steps N] [--workdir DIR]
+
+It starts, each as its own process with its log under `<workdir>/logs/`:
+
+    tansu (one per region, on the port of regions[].kafka)    the regions' Kafka clusters
+    an MQTT broker (mosquitto if installed, else amqtt)        the control plane, on mqtt.url's port
+    fleetrl trainer                                            dispatch, learn, publish versions
+    fleetrl replicator --region R   (one per region)           copy versions into the region stores
+    fleetrl agent --region R --node N   (one per regions[].nodes entry)
+
+after creating the run's topics on every cluster. The work directory (default `.fleetrl/demo` next
+to the config) is wiped at the start: every run starts from fresh stores and checkpoints, and the
+config the children read (`<workdir>/fleet.yaml`) points every store and the checkpoints there.
+Progress is read from the children's JSON log events (`fleetrl.demo.view`). When the trainer has
+done its steps and exited, the demo lets the replicas catch up, stops the agents and replicators,
+runs `fleetrl audit`, stops the brokers and prints a summary (also written to
+`<workdir>/summary.json`). Any child that dies makes the demo print its log tail, stop everything
+else and exit 1; Ctrl-C and SIGTERM stop everything too. Every stop is by PID and bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from fleetrl import devstack
+from fleetrl.config import FleetConfig, SecretField, StoreConfig
+from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
+from fleetrl.demo.procs import (
+    Child,
+    DemoError,
+    Ports,
+    check_free,
+    child_env,
+    default_workdir,
+    effective_config,
+    fleetrl_child,
+    fresh_workdir,
+    loopback_ports,
+    signing_keys,
+    stop_all,
+    write_config,
+)
+from fleetrl.demo.relay import Relay, RelayHub
+from fleetrl.demo.view import LogTail, Progress, RegionView
+
+_POLL_S = 0.5
+_STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
+_CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
+_AUDIT_TIMEOUT_S = 120.0
+_SERVER_READY_S = 20.0
+_FUZZ_DRAIN_S = 30.0  # after the fuzzer's last batch, how long its records may take to be dead-lettered
+_DURATION_GRACE_S = 10.0  # after --duration: hostile records already sent are read before the trainer stops
+_S3_KEYS = {"AWS_ACCESS_KEY_ID": "fleetrl", "AWS_SECRET_ACCESS_KEY": "fleetrl", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class ChildFailed(DemoError):
+    def __init__(self, name: str, pid: int, rc: int | None, log: pathlib.Path, tail: str) -> None:
+        super().__init__(f"{name} (pid {pid}) exited with code {rc}; last lines of {log}:\n{tail}")
+
+
+class _Terminated(BaseException):
+    """SIGTERM to the demo: unwinds like Ctrl-C, so that everything it started is stopped."""
+
+
+def run_demo(args: argparse.Namespace, config: FleetConfig) -> int:
+    # Off a terminal (a pipe, a CI log) rich would wrap at 80 columns: keep each step on one line.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    demo = Demo(args, config, console)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return demo.run()
+    except DemoError as exc:
+        print(f"fleetrl demo: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Terminated):
+        print("fleetrl demo: interrupted; everything it started was stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, config: FleetConfig, console: Console) -> None:
+        self.args, self.config, self.console = args, config, console
+        self.source = str(args.config)
+        self.steps = args.steps or config.algorithm.max_steps
+        self.servers: list[Child] = []
+        self.children: list[Child] = []
+        self.trainer: Child | None = None
+        self.exit_codes: dict[str, int | None] = {}
+        self.tails: list[tuple[LogTail, tuple[str, str] | None]] = []
+        self.plan = FaultPlan.from_args(args)
+        self.relays = RelayHub()
+        self.agents: dict[str, tuple[str, str]] = {}
+        """Agent child name -> (region, node)."""
+        self.fuzzer: Child | None = None
+        self.fuzz_ordered = 0
+        self.moto_port: int | None = None
+        self.fuzz_stopped = False
+        self._terminate_at: float | None = None
+
+    def run(self) -> int:
+        t0 = time.monotonic()
+        ports = loopback_ports(self.config, self.source)
+        for i, region in enumerate(self.config.regions):
+            if not region.nodes:
+                raise DemoError(f"{self.source}: regions[{i}] ({region.name}) lists no nodes; the demo starts "
+                                f"one agent per regions[].nodes entry")
+        names = {r.name for r in self.config.regions}
+        for p in self.plan.partitions:
+            if p.region not in names:
+                raise DemoError(f"--partition {p.region}: no such region in {self.source}; regions: {sorted(names)}")
+        check_free(ports, self.source)
+        config_path = pathlib.Path(self.args.config)
+        default = default_workdir(config_path)
+        self.workdir = fresh_workdir(pathlib.Path(self.args.workdir) if self.args.workdir else default, default)
+        self.out = pathlib.Path(getattr(self.args, "out", None) or self.workdir).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.config = effective_config(self.config, self.workdir)
+        trainer_keys = signing_keys(self.config)
+        self.progress = Progress(self.steps, {r.name: RegionView() for r in self.config.regions})
+        self.faults = FaultLog(t0, self.workdir / "faults.jsonl")
+        self.progress.faults = self.faults.faults
+        with self._everything_stopped_at_exit():
+            s3 = _S3_KEYS if self._needs_s3() else {}
+            self.env = child_env(s3)
+            self.trainer_env = child_env({**trainer_keys, **s3})
+            self._start(ports, self.env)
+            assert self.trainer is not None
+            self.chaos = Chaos(self.plan, self, self.faults, self.progress.on_fault)
+            self._watch_until_trainer_done()
+            if not self.chaos.stopped:
+                self.chaos.stop()
+            fuzz = self._stop_fuzzer()
+            self._catch_up()
+            self.exit_codes = {self.trainer.name: self.trainer.returncode(), **self._stop_children()}
+            audit = self._audit()
+            dead = asyncio.run(self._dead_letters())
+            self._stop_servers()
+            wall_s = time.monotonic() - t0
+            summary = self._summary(audit, wall_s, dead, fuzz)
+        self._write_artefacts(summary)
+        self._print_summary(summary)
+        return 0 if audit.get("ok") else 1
+
+    def _needs_s3(self) -> bool:
+        return self.plan.durable or bool(self.plan.partitions)
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def _start(self, ports: Ports, env: dict[str, str]) -> None:
+        logs = self.workdir / "logs"
+        self.console.print(f"fleetrl demo: {self.steps} steps; workdir {self.workdir} (logs in {logs})")
+        if self._needs_s3():
+            self._start_moto()
+        partitioned = bool(self.plan.partitions)
+        for region, port in ports.kafka.items():
+            # Under --partition the region's clients (and the trainer) reach tansu through a relay on
+            # the config's port, which tansu advertises; tansu itself listens on a free port behind it.
+            listen = devstack.free_port() if partitioned else port
+            storage, s3env = "memory://tansu/", {}
+            if self.plan.durable:
+                storage, s3env = f"s3://tansu-{region}/", devstack.tansu_s3_env(self._moto_url())
+            self._start_server(devstack.tansu(listen, storage, s3env, advertised_port=port), f"tansu-{region}")
+            if partitioned:
+                self.relays.add(Relay(f"{region}/kafka", listen, home_pids=self._home_pids, port=port))
+        m = self.config.mqtt
+        password = SecretField("mqtt.password", m, "password").value() if m.username else None
+        # With mqtt.username set, the broker accepts that user and password only, as a fleet's would.
+        mqtt = devstack.mqtt_broker(ports.mqtt, workdir=self.workdir,
+                                    users={m.username: password or ""} if m.username else None)
+        self._start_server(mqtt, mqtt.name)
+        asyncio.run(self._create_topics())
+        self.config_path = write_config(self.config, self.workdir / "fleet.yaml")
+        self.region_configs = {r.name: self._region_config(r.name, ports.mqtt) for r in self.config.regions}
+        c = self.config
+        for r in c.regions:
+            self._spawn(fleetrl_child(f"replicator-{r.name}", ["replicator", "--region", r.name],
+                                      self.region_configs[r.name], self.workdir, env, c.hub.lease_ttl_s + 5))
+        self.trainer = self._spawn(fleetrl_child("trainer", ["trainer", "--steps", str(self.steps)], self.config_path,
+                                                 self.workdir, self.trainer_env, c.trainer.drain_timeout_s + 10))
+        (self.workdir / "notices").mkdir(exist_ok=True)
+        for r in c.regions:
+            for n in r.nodes:
+                self.start_agent(r.name, n.name)
+        if self.plan.fuzz_rate:
+            argv = [sys.executable, "-m", "fleetrl.demo.fuzz", "--config", str(self.config_path),
+                    "--seed", str(self.plan.seed)]
+            self.fuzzer = self._spawn(Child("fuzzer", argv, logs / "fuzzer.log", env, 15.0, stdin_pipe=True))
+
+    def start_agent(self, region: str, node: str) -> Child:
+        """One agent (a node) of `region`, with its own notice file (the preemption notice source)."""
+        c = self.config
+        child = fleetrl_child(f"agent-{region}-{node}", ["agent", "--region", region, "--node", node,
+                                                         "--notice-file", str(self.notice_file(region, node))],
+                              self.region_configs[region], self.workdir, self.env,
+                              1.5 * c.rollout.handover_timeout_s + 10)
+        self.agents[child.name] = (region, node)
+        return self._spawn(child, agent=(region, node))
+
+    def notice_file(self, region: str, node: str) -> pathlib.Path:
+        return self.workdir / "notices" / f"{region}-{node}"
+
+    def agent_of(self, child: Child) -> tuple[str, str]:
+        return self.agents[child.name]
+
+    def _home_pids(self) -> list[int]:
+        return [self.trainer.pid] if self.trainer is not None and self.trainer.returncode() is None else []
+
+    def _start_moto(self) -> None:
+        spec = devstack.moto_s3()
+        self._start_server(spec, "moto")
+        self.moto_port = spec.port
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self._moto_url(), aws_access_key_id="fleetrl",
+                          aws_secret_access_key="fleetrl", region_name="us-east-1")
+        for bucket in ["fleetrl-home", *(f"tansu-{r.name}" for r in self.config.regions)]:
+            s3.create_bucket(Bucket=bucket)
+        if self.plan.partitions:  # the home store behind a relay per region: its link home can be cut
+            self.config.hub.home_store = StoreConfig(url=f"s3://fleetrl-home/{self.config.run}",
+                                                     endpoint_url=self._moto_url(), region_name="us-east-1")
+
+    def _moto_url(self, port: int | None = None) -> str:
+        return f"http://127.0.0.1:{port or self.moto_port}"
+
+    def _region_config(self, region: str, mqtt_port: int) -> pathlib.Path:
+        """The config a region's processes read: under --partition their MQTT and home store go
+        through relays of the region (its links home)."""
+        if not self.plan.partitions:
+            return self.config_path
+        c = self.config.model_copy(deep=True)
+        mqtt = self.relays.add(Relay(f"{region}/mqtt", mqtt_port))
+        c.mqtt.url = f"mqtt://127.0.0.1:{mqtt.port}"
+        assert self.moto_port is not None
+        store = self.relays.add(Relay(f"{region}/store", self.moto_port))
+        c.hub.home_store = c.hub.home_store.model_copy(update={"endpoint_url": self._moto_url(store.port)})
+        return write_config(c, self.workdir / f"fleet-{region}.yaml")
+
+    def _start_server(self, spec: devstack.ServerProcess, name: str) -> None:
+        """Start a dev-stack server as a `Child` (so it, too, dies with the demo) and wait for its port."""
+        server = Child(name, spec.argv, self.workdir / "logs" / f"{name}.log", {**os.environ, **spec.env},
+                       stop_timeout_s=5.0)
+        self.servers.append(server.start())
+        assert server.proc is not None
+        try:
+            devstack.wait_for_port(spec.port, _SERVER_READY_S, server.proc)
+        except devstack.DevStackError as exc:
+            raise DemoError(f"{name} did not start: {exc}; last lines of {server.log_path}:\n{server.tail()}") from None
+        self._record_pids()
+        self.console.print(f"  started {name:<22} pid {server.pid:<8} 127.0.0.1:{spec.port}")
+
+    async def _create_topics(self) -> None:
+        from fleetrl.broker import ensure_topics
+
+        for r in self.config.regions:
+            await ensure_topics(self.config, r.name)
+
+    def _spawn(self, child: Child, agent: tuple[str, str] | None = None) -> Child:
+        self.children.append(child.start())
+        self.tails.append((LogTail(child.log_path), agent))
+        self._record_pids()
+        self.console.print(f"  started {child.name:<22} pid {child.pid:<8} log {child.log_path.name}")
+        return child
+
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.pid for c in [*self.servers, *self.children]}
+
+    def _record_pids(self) -> None:
+        """Kept current from the first start on: whoever cleans up after a crashed demo finds them all."""
+        (self.workdir / "pids.json").write_text(json.dumps(self.pids(), indent=2))
+
+    # -- watch ----------------------------------------------------------------------------------
+
+    def restarted(self, child: Child) -> None:
+        """Chaos restarted `child` (same command, same log)."""
+        self._record_pids()
+
+    def _watch_until_trainer_done(self) -> None:
+        assert self.trainer is not None
+        last_step, last_change = 0, time.monotonic()
+        with self._display() as live:
+            while True:
+                self._read_logs(live)
+                if self.progress.step >= self.steps and not self.chaos.stopped:
+                    self.chaos.stop()  # the last step is done: let the trainer drain and exit in peace
+                self._end_of_duration()
+                self.chaos.tick()
+                self._order_fuzz()
+                rc = self.trainer.returncode()
+                if rc is not None and not self.chaos.expected_down(self.trainer):
+                    self._read_logs(live)
+                    if rc != 0:
+                        raise self._failed(self.trainer)
+                    return
+                self._check_alive()
+                if self.progress.step != last_step:
+                    last_step, last_change = self.progress.step, time.monotonic()
+                elif time.monotonic() - last_change > _STALL_S:
+                    raise DemoError(f"no optimizer step for {_STALL_S:.0f} s (at step {last_step}); "
+                                    f"see the logs in {self.workdir / 'logs'}")
+                time.sleep(_POLL_S)
+
+    def _end_of_duration(self) -> None:
+        """--duration: no more faults nor hostile records, then (after a grace for the consumers to
+        read what was sent) SIGTERM to the trainer, which drains, checkpoints and exits 0."""
+        duration = getattr(self.args, "duration", None)
+        now = time.monotonic()
+        if duration is None or now - self.faults.started < duration:
+            return
+        assert self.trainer is not None
+        if self._terminate_at is None:
+            if not self.chaos.stopped:
+                self.chaos.stop()  # heals and restarts what is down, the trainer included
+            self.fuzz_stopped = True
+            self._terminate_at = now + _DURATION_GRACE_S
+        elif now >= self._terminate_at and self.trainer.returncode() is None:
+            self.trainer.terminate()
+            self._terminate_at = float("inf")
+
+    def _order_fuzz(self) -> None:
+        """Keep the fuzzer at `fuzz_rate` of the records in prompts and trajectories (two valid records,
+        a prompt and its group, per finished group). It stops a step before the end, so that the
+        consumers still read (and dead-letter) all it sent."""
+        if self.fuzzer is None or self.fuzzer.proc is None or self.fuzzer.proc.stdin is None:
+            return
+        if self.progress.step >= self.steps - 1 or self.fuzz_stopped:
+            return
+        valid = 2 * sum(r.groups_done for r in self.progress.regions.values())
+        rate = self.plan.fuzz_rate
+        due = int(valid * rate / (1.0 - rate)) - self.fuzz_ordered
+        if due > 0:
+            try:
+                self.fuzzer.proc.stdin.write(f"{due}\n".encode())
+                self.fuzzer.proc.stdin.flush()
+            except BrokenPipeError:
+                raise self._failed(self.fuzzer) from None
+            self.fuzz_ordered += due
+
+    def _stop_fuzzer(self) -> dict[str, Any]:
+        """Close the fuzzer's orders (it exits after its last batch) and wait, bounded, until the
+        consumers have dead-lettered what it sent."""
+        if self.fuzzer is None or self.fuzzer.proc is None:
+            return {}
+        if self.fuzzer.proc.stdin is not None:
+            self.fuzzer.proc.stdin.close()
+        rc = self.fuzzer.wait_or_kill(time.monotonic() + 60)
+        done = [e for e in LogTail(self.fuzzer.log_path).events() if e.get("event") == "fuzz.done"]
+        if rc != 0 or not done:
+            raise self._failed(self.fuzzer)
+        sent = int(done[-1]["total"])
+        deadline = time.monotonic() + _FUZZ_DRAIN_S
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if asyncio.run(self._dead_letters())["fuzz"] >= sent:
+                break
+            time.sleep(1.0)
+        return {"sent": sent, "kinds": done[-1]["kinds"], "rate": self.plan.fuzz_rate}
+
+    @contextmanager
+    def _display(self) -> Iterator[Live | None]:
+        if not self.console.is_terminal:
+            yield None  # a pipe or a file: one plain line per step
+            return
+        with Live(self.progress.table(), console=self.console, refresh_per_second=4) as live:
+            yield live
+
+    def _read_logs(self, live: Live | None) -> None:
+        for tail, agent in self.tails:
+            for event in tail.events():
+                line = self.progress.feed(event, agent)
+                if line is not None and live is None:
+                    self.console.print(line)
+        for line in self.progress.pop_lines():
+            if live is None:
+                self.console.print(line)
+        if live is not None:
+            live.update(self.progress.table())
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            if (child is not self.trainer and child.returncode() is not None and not self.chaos.expected_down(child)
+                    and child is not self.fuzzer):
+                raise self._failed(child)
+        for server in self.servers:
+            if server.returncode() is not None and not self.chaos.expected_down(server):
+                raise self._failed(server)
+
+    @staticmethod
+    def _failed(child: Child) -> ChildFailed:
+        return ChildFailed(child.name, child.pid, child.returncode(), child.log_path, child.tail())
+
+    def _catch_up(self) -> None:
+        """Give the replicators a moment to copy the final version (bounded)."""
+        deadline = time.monotonic() + _CATCH_UP_S
+        while len(self.progress.holding_latest()) < len(self.progress.regions) and time.monotonic() < deadline:
+            self._check_alive()
+            time.sleep(0.2)
+            self._feed_quietly()
+
+    def _feed_quietly(self) -> None:
+        for tail, agent in self.tails:
+            for event in tail.events():
+                self.progress.feed(event, agent)
+
+    # -- stop, audit, summary -------------------------------------------------------------------
+
+    def _stop_children(self) -> dict[str, int | None]:
+        codes = stop_all([c for c in self.children if c.returncode() is None])
+        self._feed_quietly()
+        return codes
+
+    def _stop_servers(self) -> None:
+        stop_all([s for s in self.servers if s.returncode() is None])
+
+    @contextmanager
+    def _everything_stopped_at_exit(self) -> Iterator[None]:
+        """Whatever happens (a failure, Ctrl-C, SIGTERM), stop every process the demo started."""
+        try:
+            yield
+        finally:
+            # Cleanup is bounded; a second Ctrl-C must not cut it short and leave processes behind.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                live = [c for c in self.children if c.returncode() is None]
+                if live:
+                    self.console.print(f"stopping {len(live)} processes ...")
+                    stop_all(live)
+                self._stop_servers()
+                self.relays.close()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+
+    def _audit(self) -> dict[str, Any]:
+        argv = [sys.executable, "-m", "fleetrl.cli", "audit", "--config", str(self.config_path), "--json",
+                "--log-json"]
+        log_path = self.workdir / "logs" / "audit.log"
+        with open(log_path, "wb") as log:
+            try:
+                out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, timeout=_AUDIT_TIMEOUT_S,
+                                     env=self.env, check=False)
+            except subprocess.TimeoutExpired:
+                raise DemoError(f"fleetrl audit took over {_AUDIT_TIMEOUT_S:.0f} s; see {log_path}") from None
+        try:
+            report: dict[str, Any] = json.loads(out.stdout)
+        except ValueError:
+            raise DemoError(f"fleetrl audit exited {out.returncode} without a report; see {log_path}") from None
+        return report
+
+    async def _dead_letters(self) -> dict[str, Any]:
+        """Every region's dead-letter topic: how many, why, and how many came from the fuzzer."""
+        from fleetrl.broker import DeadLetter, read_log, topic_name
+        from fleetrl.demo.fuzz import KEY_PREFIX
+
+        reasons: dict[str, int] = {}
+        total = fuzz = 0
+        for r in self.config.regions:
+            raws = await asyncio.wait_for(read_log(self.config, r.name, topic_name(self.config.run, "dead-letter"),
+                                                   client_id=f"{self.config.run}-demo-dlq"), _AUDIT_TIMEOUT_S)
+            for raw in raws:
+                dl = DeadLetter.from_record(raw.partition, raw.offset, raw.key, raw.value, raw.headers)
+                total += 1
+                reasons[dl.reason] = reasons.get(dl.reason, 0) + 1
+                fuzz += (raw.key or b"").startswith(KEY_PREFIX.encode()) and dl.reason != "unknown"
+        return {"total": total, "fuzz": fuzz, "reasons": dict(sorted(reasons.items()))}
+
+    def _summary(self, audit: dict[str, Any], wall_s: float, dead: dict[str, Any],
+                 fuzz: dict[str, Any]) -> dict[str, Any]:
+        from fleetrl.demo.summary import summarize
+
+        return summarize(self.progress, audit, wall_s, self.pids(), self.exit_codes, self.workdir,
+                         faults=self.faults.faults, dead_letters=dead, fuzz=fuzz, out=self.out,
+                         plan=dataclasses.asdict(self.plan))
+
+    def _write_artefacts(self, summary: dict[str, Any]) -> None:
+        from fleetrl.demo.plot import plot_run
+
+        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.out != self.workdir:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        with open(self.out / "metrics.jsonl", "w") as f:
+            for row in self.progress.metric_rows():
+                f.write(json.dumps(row) + "\n")
+        plot_run(self.progress.metric_rows(), [dataclasses.asdict(x) for x in self.faults.faults],
+                 self.out / "reward.png")
+
+    def _print_summary(self, summary: dict[str, Any]) -> None:
+        from fleetrl.demo.summary import render
+
+        self.console.print(render(summary))

@@ -1,0 +1,151 @@
+"""The whole fleet under faults: `fleetrl demo` with its chaos injectors, in miniature.
+
+Each test runs the demo's real processes (tansu, MQTT, trainer, replicators, agents and their
+workers) with one kind of fault and asserts what FleetRL promises: the demo exits 0 (no daemon
+crashed: any unexpected exit fails it), `fleetrl audit` (run by the demo at the end) finds no group
+lost and none trained twice, training reaches its last step, and the fault really happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from fleetrl.devstack import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STEPS = 4
+DEMO_TIMEOUT_S = 240
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def demo_config(tmp_path: pathlib.Path) -> pathlib.Path:
+    doc = yaml.safe_load((ROOT / "examples" / "fleet.demo.yaml").read_text())
+    for region in doc["regions"]:
+        region["kafka"] = f"127.0.0.1:{free_port()}"
+    doc["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
+    doc["trainer"]["checkpoint_every"] = 2  # a killed trainer redoes at most one step
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """The demo's work directory; whatever it started and left alive is killed by PID afterwards."""
+    work = tmp_path / "work"
+    yield work
+    pids_file = work / "pids.json"
+    if pids_file.exists():
+        for pid in json.loads(pids_file.read_text()).values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int = STEPS) -> dict[str, Any]:
+    """Run the demo to its end (bounded); returns summary.json after asserting exit 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("FLEETRL_HUB_KEY", None)
+    out_dir = work.parent / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
+                             str(work), "--steps", str(steps), "--out", str(out_dir), *chaos],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=DEMO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the demo's own bounded cleanup
+        out, _ = proc.communicate(timeout=60)
+        raise AssertionError(f"demo ran over {DEMO_TIMEOUT_S} s:\n{out[-4000:]}") from None
+    assert proc.returncode == 0, out[-6000:]
+    summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
+    assert (out_dir / "reward.png").stat().st_size > 10_000
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    summary["_output"] = out
+    return summary
+
+
+def assert_accounted(summary: dict[str, Any], steps: int = STEPS) -> None:
+    a = summary["audit"]
+    assert a["ok"] and a["lost"] == 0 and a["trained_twice"] == 0, summary["fleetrl_audit"]
+    assert summary["steps"] == steps and len(summary["rewards"]) == steps
+    assert a["trained"] == steps * 8  # groups_per_step of the demo config, each trained once
+    assert summary["still_running"] == []
+
+
+def kills_of(summary: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [f for f in summary["faults"]
+            if f["kind"] == "kill" and (f["target"] == kind or f["target"].startswith(f"{kind}-"))]
+
+
+@pytest.mark.parametrize("kind", ["trainer", "agent", "worker", "replicator"])
+def test_a_process_sigkilled_mid_flight_loses_nothing(kind: str, demo_config: pathlib.Path,
+                                                      workdir: pathlib.Path) -> None:
+    # A restarted trainer needs several seconds to load torch and resume: kill it less often than that.
+    every = "15" if kind == "trainer" else "7"
+    summary = run_demo(demo_config, workdir, "--kill-every", every, "--kill-only", kind)
+    assert kills_of(summary, kind), summary["faults"]
+    if kind != "worker":  # the demo restarts what it killed; a worker is restarted by its agent
+        assert any(f["kind"] == "restart" and f["target"].startswith(kind) for f in summary["faults"])
+    assert_accounted(summary)
+
+
+def test_a_durable_region_broker_sigkilled_loses_no_acknowledged_record(demo_config: pathlib.Path,
+                                                                         workdir: pathlib.Path) -> None:
+    summary = run_demo(demo_config, workdir, "--durable", "--kill-every", "10", "--kill-only", "broker")
+    assert kills_of(summary, "tansu"), summary["faults"]
+    assert_accounted(summary)
+
+
+def test_a_partitioned_region_is_drained_after_the_link_returns(demo_config: pathlib.Path,
+                                                                workdir: pathlib.Path) -> None:
+    summary = run_demo(demo_config, workdir, "--partition", "local-b:10:10", steps=12)
+    kinds = [(f["kind"], f["target"]) for f in summary["faults"]]
+    assert ("partition", "local-b") in kinds and ("heal", "local-b") in kinds
+    assert_accounted(summary, steps=12)
+    # after the heal the region's links work again: its replicator copied the final version home -> region
+    # (whether the region was mid-generation when cut depends on how fast the run started; the books
+    # balance either way)
+    assert summary["regions"]["local-b"]["replica_version"] == 12
+
+
+def test_preempted_nodes_hand_over_and_are_replaced(demo_config: pathlib.Path, workdir: pathlib.Path) -> None:
+    summary = run_demo(demo_config, workdir, "--preempt-every", "8")
+    preempts = [f for f in summary["faults"] if f["kind"] == "preempt"]
+    assert preempts and len([f for f in summary["faults"] if f["kind"] == "replace"]) == len(preempts)
+    for p in preempts:  # each preempted agent handed over and exited 0 on its own
+        log = (workdir / "logs" / f"{p['target']}.log").read_text()
+        assert '"agent.notice"' in log
+    assert_accounted(summary)
+
+
+def test_hostile_records_are_dead_lettered_and_crash_nothing(demo_config: pathlib.Path,
+                                                             workdir: pathlib.Path) -> None:
+    summary = run_demo(demo_config, workdir, "--fuzz-rate", "0.9")
+    fuzz, dead = summary["fuzz"], summary["dead_letters"]
+    assert fuzz["sent"] >= 200
+    kinds = {k.split("/")[1] for k in fuzz["kinds"]}
+    assert kinds == {"bytes", "truncated", "wrong_type", "nan", "vocab", "oversized", "no_header"}
+    assert {k.split("/")[0] for k in fuzz["kinds"]} == {"prompts", "trajectories"}
+    assert dead["fuzz"] == fuzz["sent"]  # every hostile record is in a dead-letter topic, with a reason
+    assert "unknown" not in dead["reasons"] and {"malformed", "missing_header"} <= set(dead["reasons"])
+    assert_accounted(summary)
