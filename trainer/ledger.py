@@ -21,6 +21,12 @@ the partition's oldest record of a group not yet folded, or, with none, the end 
 produced there; it never moves back. After resuming a checkpoint written before the ledger had
 positions (checkpoint format 1), no watermark is given until every group drawn before that resume
 is folded: the older records' places are unknown.
+
+A trainer killed after its checkpoint may have produced prompt records the checkpoint does not
+know of; the restarted trainer trains those groups when their trajectories arrive, without sending
+their prompts again. Such a group is "unplaced": its record lies at or after the checkpoint's end of
+each partition (`resume_ends`; offset 0 where the checkpoint produced nothing), so until it is
+folded every watermark is held at those ends.
 """
 
 from __future__ import annotations
@@ -132,6 +138,12 @@ class Ledger:
         self.watermarks: dict[str, dict[int, int]] = {}
         self.blind_below = 0
         """Groups below this index were drawn before a resume from a checkpoint without positions."""
+        self.resume_ends: dict[str, dict[int, int]] | None = None
+        """The produced ends of the checkpoint this trainer resumed from (None: it started fresh)."""
+        self.unplaced: set[str] = set()
+        """Trained groups, not folded, whose prompt record a dead trainer produced after its checkpoint."""
+        self._noted: set[str] = set()
+        """Groups whose prompt this trainer produced since it resumed (their records are placed)."""
 
     # -- the collector's questions and answers ------------------------------------------------
 
@@ -146,6 +158,9 @@ class Ledger:
             raise AssertionError(f"group {entry.group_id} settled twice (trained)")
         self._trained_ids.add(entry.group_id)
         self.trained.append(entry)
+        if self.resume_ends is not None and entry.group_id not in self.positions \
+                and entry.group_id not in self._noted:
+            self.unplaced.add(entry.group_id)
         self._maybe_fold()
 
     def add_stale(self, gid: str, info: dict[str, Any]) -> None:
@@ -159,6 +174,8 @@ class Ledger:
         """The prompt record of `gid` landed at (region, partition, offset)."""
         if not self.settled(gid):
             self.positions.setdefault(gid, []).append((region, partition, offset))
+        if self.resume_ends is not None:
+            self._noted.add(gid)
         ends = self.ends.setdefault(region, {})
         ends[partition] = max(ends.get(partition, 0), offset + 1)
 
@@ -202,6 +219,7 @@ class Ledger:
         if not self.folded.add(index):
             raise AssertionError(f"group {gid} folded twice")
         self.positions.pop(gid, None)
+        self.unplaced.discard(gid)
         return True
 
     def settled_watermarks(self) -> dict[str, dict[int, int]]:
@@ -214,10 +232,13 @@ class Ledger:
             for region, partition, offset in places:
                 key = (region, partition)
                 oldest[key] = min(offset, oldest.get(key, offset))
+        held = self.resume_ends if self.unplaced else None
         for region, ends in self.ends.items():
             marks = self.watermarks.setdefault(region, {})
             for partition, end in ends.items():
                 mark = oldest.get((region, partition), end)
+                if held is not None:  # an unplaced record lies at or after the resumed checkpoint's end
+                    mark = min(mark, held.get(region, {}).get(partition, 0))
                 marks[partition] = max(mark, marks.get(partition, 0))
         return self.watermarks
 
@@ -231,6 +252,8 @@ class Ledger:
             "folded": self.folded.rows(), "folded_trained": self.folded_trained, "folded_stale": self.folded_stale,
             "positions": {g: [list(p) for p in ps] for g, ps in self.positions.items()},
             "ends": _by_partition(self.ends), "watermarks": _by_partition(marks), "blind_below": self.blind_below,
+            "unplaced": sorted(self.unplaced),
+            "resume_ends": _by_partition(self.resume_ends) if self.unplaced and self.resume_ends is not None else {},
         }
 
     def restore(self, trained: list[list[Any]], stale: dict[str, Any], ledger: dict[str, Any] | None,
@@ -256,6 +279,14 @@ class Ledger:
         self.ends = _from_partition(ledger["ends"])
         self.watermarks = _from_partition(ledger["watermarks"])
         self.blind_below = int(ledger.get("blind_below", 0))
+        # Groups still unplaced from an earlier resume keep that resume's (lower) ends; records a trainer
+        # killed after this checkpoint produced lie at or after this checkpoint's ends.
+        self.unplaced = set(ledger.get("unplaced", []))
+        earlier = _from_partition(ledger.get("resume_ends", {}))
+        self.resume_ends = {region: {p: min(end, earlier.get(region, {}).get(p, 0)) for p, end in ends.items()}
+                            for region, ends in self.ends.items()} if self.unplaced else \
+            {region: dict(ends) for region, ends in self.ends.items()}
+        self._noted = set()
 
 
 def _by_partition(marks: dict[str, dict[int, int]]) -> dict[str, list[list[int]]]:

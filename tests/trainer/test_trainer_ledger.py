@@ -164,3 +164,44 @@ def test_pending_groups_survive_a_checkpoint() -> None:
     back = Collector(RUN, 1)
     back.restore(c.state())
     assert list(back.pending) == [gid(1)] and encode_record(back.pending[gid(1)]) == encode_record(g)
+
+
+def test_a_group_a_killed_trainer_dispatched_after_its_checkpoint_holds_the_watermark() -> None:
+    """The trainer checkpoints after dispatching groups 0-7, dispatches 8 and 9 (offsets 2 of
+    partitions 0 and 1) and is killed. Restarted from the checkpoint, it trains 8 when its trajectory
+    arrives without sending its prompt again: it cannot know where that record lies, only that it is
+    at or after the checkpoint's end of its partition. So no watermark may pass those ends until 8
+    is folded, whatever the restarted trainer produces later (the audit must still find record 8)."""
+    c = Collector(RUN, max_staleness=1, ledger_detail_groups=2)
+    for i in range(8):
+        c.note_dispatched(gid(i), "a", i % 2, i // 2)
+    for i in range(8):
+        assert c.offer(make_group(gid(i), RUN, version=5, n=2), version=5) == "accepted"
+        batch, _ = c.take(1, version=5)
+        c.mark_trained(batch, step=i, version=5)
+    state = c.state()
+    assert state["ledger"]["ends"] == {"a": [[0, 4], [1, 4]]}
+    restarted = Collector(RUN, max_staleness=1, ledger_detail_groups=4)
+    restarted.restore(state, drawn=8)
+    assert restarted.offer(make_group(gid(8), RUN, version=5, n=2), version=5) == "accepted"  # unplaced
+    for i in range(9, 14):  # prompts the restarted trainer sends itself, far past the checkpoint's ends
+        restarted.note_dispatched(gid(i), "a", i % 2, 10 + i)
+    batch, _ = restarted.take(1, version=5)
+    restarted.mark_trained(batch, step=9, version=5)
+    for i in range(9, 12):
+        restarted.offer(make_group(gid(i), RUN, version=5, n=2), version=5)
+        batch, _ = restarted.take(1, version=5)
+        restarted.mark_trained(batch, step=i + 1, version=5)
+    marks = restarted.state()["ledger"]["watermarks"]
+    assert marks == {"a": [[0, 4], [1, 4]]}, marks  # held at the checkpoint's ends while 8 is detailed
+    again = Collector(RUN, max_staleness=1, ledger_detail_groups=4)  # and across another restart
+    again.restore(restarted.state(), drawn=14)
+    assert again.state()["ledger"]["watermarks"] == {"a": [[0, 4], [1, 4]]}
+    for i in range(12, 14):  # newer groups settle: 8 is folded, the watermark moves on
+        again.offer(make_group(gid(i), RUN, version=5, n=2), version=5)
+        batch, _ = again.take(1, version=5)
+        again.mark_trained(batch, step=i + 1, version=5)
+    again.ledger.fold()
+    assert group_index(gid(8), RUN) in again.ledger.folded
+    moved = again.state()["ledger"]["watermarks"]["a"]
+    assert all(mark > 4 for _, mark in moved), moved
