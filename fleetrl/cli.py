@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
     chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")
     chaos.add_argument("--kill-every", type=float, default=None, metavar="S",
-                       help="SIGKILL a random process (trainer, agent, worker, replicator; with --durable a "
-                            "region's broker) every S s and restart it, as systemd would")
+                       help="SIGKILL a process (trainer, agent, worker, replicator; with --durable a region's "
+                            "broker; the kinds take turns) every S s and restart it, as systemd would")
     chaos.add_argument("--kill-only", default=None, metavar="KIND[,KIND]",
                        help="kill only these kinds: trainer, agent, worker, replicator, broker (default: all)")
     chaos.add_argument("--preempt-every", type=float, default=None, metavar="S",

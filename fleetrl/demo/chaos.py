@@ -36,6 +36,9 @@ from fleetrl.demo.procs import Child, DemoError
 
 KILL_KINDS = ("trainer", "agent", "worker", "replicator", "broker")
 RESTART_S = 1.0
+RECOVER_S = 20.0
+"""A restarted process is not killed again for this long: a trainer needs ~10 s on 2 busy cores to load
+torch and resume from its checkpoint, and killing it again before it trains a step proves nothing."""
 """Seconds between a kill and the restart (systemd's RestartSec)."""
 
 
@@ -135,6 +138,9 @@ class Chaos:
         self.next_preempt = now + plan.preempt_every_s if plan.preempt_every_s else None
         self.restarts: dict[str, tuple[float, Child]] = {}
         """Child name -> (when to restart it, the child): killed, waiting for their RestartSec."""
+        self.restarted_at: dict[str, float] = {}
+        """Child name -> when it was last restarted (spared from kills for RECOVER_S)."""
+        self.kill_turn = 0
         self.leaving: set[str] = set()
         """Agents told to go (a notice): their exit 0 is expected."""
         self.cut: set[str] = set()
@@ -185,14 +191,20 @@ class Chaos:
         return out
 
     def _kill_one(self) -> None:
-        targets = self._targets()
-        if not targets:
-            return
-        targets = [t for t in targets if _kind(t[0]) in self.plan.kill_only]
-        if not targets:
-            return
-        name, pid, child = self.rng.choice(targets)
-        self.kill(name, pid, child)
+        """A random live process of the next kind in turn (kinds take turns, so every kind asked for is
+        hit); a process restarted less than RECOVER_S ago is spared, as it has not come back yet."""
+        now = time.monotonic()
+        targets = [t for t in self._targets() if _kind(t[0]) in self.plan.kill_only
+                   and now - self.restarted_at.get(t[0], -RECOVER_S) >= RECOVER_S]
+        kinds = self.plan.kill_only
+        for i in range(len(kinds)):
+            kind = kinds[(self.kill_turn + i) % len(kinds)]
+            of_kind = [t for t in targets if _kind(t[0]) == kind]
+            if of_kind:
+                self.kill_turn = (self.kill_turn + i + 1) % len(kinds)
+                name, pid, child = self.rng.choice(of_kind)
+                self.kill(name, pid, child)
+                return
 
     def kill(self, name: str, pid: int, child: Child | None) -> None:
         try:
@@ -216,6 +228,7 @@ class Chaos:
                 raise DemoError(f"{name} (pid {child.pid}) did not die after SIGKILL: {exc}") from exc
         child.restart()
         del self.restarts[name]
+        self.restarted_at[name] = time.monotonic()
         self.demo.restarted(child)
         self._fault("restart", name, f"pid {child.pid}")
 
