@@ -83,6 +83,11 @@ class AuditReport:
     cut_by_retention: list[str] = field(default_factory=list)
     """Partitions whose log starts after their watermark: records the proof needs are gone."""
     ledger_problems: list[str] = field(default_factory=list)
+    foreign_prompts: int = 0
+    """`prompts` records of this run with group ids the trainer never issues (not `<run>-<index>`):
+    written by someone else (a fuzzer, a misconfigured tool). Not the trainer's groups, so neither
+    dispatched nor lost; workers dead-letter the invalid ones, and the collector trains a valid
+    one at most once."""
 
     def problems(self) -> list[str]:
         out = list(self.ledger_problems)
@@ -111,7 +116,8 @@ def reconcile(view: TopicView, state: dict[str, Any] | None, run: str) -> AuditR
     pending = {_group_id(raw) for raw in s["collector"]["pending"]}
     in_flight = set(s["dispatcher"]["in_flight"])
     drawn = int(s["dispatcher"]["next_index"])
-    dispatched = set(view.dispatched)
+    foreign = {gid for gid in view.dispatched if group_index(gid, run) is None}
+    dispatched = set(view.dispatched) - foreign
 
     def is_folded(gid: str) -> bool:
         index = group_index(gid, run)
@@ -139,7 +145,7 @@ def reconcile(view: TopicView, state: dict[str, Any] | None, run: str) -> AuditR
         cut_by_retention=[f"{r} prompts partition {p}: log starts at {start}, watermark {view.read_from[r][p]}"
                           for r, starts in sorted(view.log_starts.items()) for p, start in sorted(starts.items())
                           if start > view.read_from.get(r, {}).get(p, 0)],
-        ledger_problems=ledger_problems,
+        ledger_problems=ledger_problems, foreign_prompts=len(foreign),
     )
     report.ok = not report.problems()
     return report
@@ -171,7 +177,7 @@ def _group_id(raw: bytes) -> str:
 
 
 def _index(gid: str, run: str) -> int:
-    """The prompt index in a dispatcher group id `<run>-<index>`; foreign ids count as lost."""
+    """The prompt index in a dispatcher group id `<run>-<index>` (-1 for any other id)."""
     prefix = f"{run}-"
     try:
         return int(gid[len(prefix):]) if gid.startswith(prefix) else -1

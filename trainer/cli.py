@@ -31,6 +31,9 @@ def audit(args: argparse.Namespace, config: FleetConfig) -> int:
               f"once, {report.stale} stale, {report.dead_lettered} dead-lettered, {report.pending} buffered, "
               f"{report.in_flight} in flight, {report.after_checkpoint} dispatched after the checkpoint")
         print(_watermark_line(report))
+        if report.foreign_prompts:
+            print(f"{report.foreign_prompts} prompt record(s) with group ids the trainer never issues (not "
+                  f"'{config.run}-<index>'): written by another producer; not counted as dispatched")
         for problem in report.problems():
             print(f"PROBLEM: {problem}")
         print("ok" if report.ok else "FAILED")

@@ -93,9 +93,10 @@ async def test_audit_passes_and_reports_the_watermark_after_older_records_are_go
         replica = FleetConfig.model_validate(data)
         trapped = await _replicate_with_trap(config, replica, marks)
         assert trapped == sum(marks.values())
-        # Read from the beginning, the trap is sprung: the replaced records count as lost groups.
+        # Read from the beginning, the trap is sprung: every replaced record is read, a prompt of a group
+        # the trainer never issued.
         full = reconcile(await read_topics(replica), ckpt.state, config.run)
-        assert not full.ok and len(full.lost) == trapped
+        assert full.foreign_prompts == trapped
         config_file = tmp_path / "replica.yaml"
         config_file.write_text(yaml.safe_dump(data))
         as_json = await asyncio.to_thread(_audit_cli, config_file, "--json")
@@ -106,6 +107,7 @@ async def test_audit_passes_and_reports_the_watermark_after_older_records_are_go
     print(f"audit past retention: watermarks={report['watermarks']} skipped={report['skipped_below_watermark']} "
           f"trained={report['trained']} folded={report['settled_folded']}")
     assert report["ok"] and not report["lost"] and not report["trained_twice"]
+    assert report["foreign_prompts"] == 0  # read from the watermarks on, no trap record is read
     assert report["watermarks"] == {REGION: {str(p): o for p, o in marks.items()}}
     assert report["skipped_below_watermark"] == trapped
     assert report["trained"] == STEPS * config.algorithm.groups_per_step and report["settled_folded"] > 0

@@ -205,3 +205,19 @@ def test_a_group_a_killed_trainer_dispatched_after_its_checkpoint_holds_the_wate
     assert group_index(gid(8), RUN) in again.ledger.folded
     moved = again.state()["ledger"]["watermarks"]["a"]
     assert all(mark > 4 for _, mark in moved), moved
+
+
+def test_prompts_of_ids_the_trainer_never_issues_are_reported_apart_not_lost() -> None:
+    """A fuzzer's prompt record (run's topic, foreign id) was never dispatched by the trainer: the
+    audit reports it apart; a dispatcher id with no trace anywhere is still lost."""
+    c = Collector(RUN, max_staleness=1)
+    view = TopicView(dispatched={gid(0): [("a", 0)], "fuzz-nan-7": [("a", 0)], gid(1): [("a", 0)]})
+    c.note_dispatched(gid(0), "a", 0, 0)
+    c.note_dispatched(gid(1), "a", 0, 1)
+    assert c.offer(make_group(gid(0), RUN, version=5, n=2), version=5) == "accepted"
+    batch, _ = c.take(1, version=5)
+    c.mark_trained(batch, step=1, version=5)
+    state = {"step": 1, "collector": c.state(), "dispatcher": {"next_index": 2, "in_flight": {}}}
+    report = reconcile(view, state, RUN)
+    assert report.foreign_prompts == 1 and report.dispatched == 2
+    assert report.lost == [gid(1)] and not report.ok
