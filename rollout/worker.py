@@ -100,6 +100,9 @@ class RolloutWorker:
         self._commits = CommitQueue()
         self._commit_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.engine_busy_s = 0.0
+        """Seconds spent in engine steps (decoding, applying weights): the rest of the worker's life
+        the engine was idle (no work, waiting for a version, or starting)."""
         self.groups_done = 0
         self.groups_handed_over = 0
         self.tokens_generated = 0
@@ -151,9 +154,11 @@ class RolloutWorker:
                 intake.result()  # the intake died: surface why
             self._start_ready_jobs()
             if self.engine.has_work() or self.engine.has_staged():
+                t0 = time.monotonic()
                 for group in await asyncio.to_thread(self.engine.step):
                     self._spawn(self._finish(group))
                 self.engine_steps += 1
+                self.engine_busy_s += time.monotonic() - t0
             else:
                 # Idle: wake on new work, or soon enough to see a stop or a min_version arrive.
                 self._work_arrived.clear()
@@ -231,7 +236,9 @@ class RolloutWorker:
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version,
                 "weights": self.weights.have,
-                "engine_steps": self.engine_steps, "busy": self.engine.has_work()}
+                "engine_steps": self.engine_steps, "busy": self.engine.has_work(),
+                "engine_busy_s": round(self.engine_busy_s, 3), "tokens_sampled": self.engine.tokens_sampled,
+                "uptime_s": round(time.monotonic() - self._started, 3)}
 
     def _recent_tokens_per_s(self) -> float:
         """Tokens sampled per second over about the last RATE_WINDOW_S seconds."""
@@ -309,7 +316,9 @@ class RolloutWorker:
                       uncommitted=self._commits.outstanding())
             return
         log.info("worker.stopped", reason=reason, seconds=round(time.monotonic() - started, 3),
-                 groups_done=self.groups_done, handed_over=self.groups_handed_over)
+                 groups_done=self.groups_done, handed_over=self.groups_handed_over,
+                 engine_busy_s=round(self.engine_busy_s, 3), tokens_sampled=self.engine.tokens_sampled,
+                 uptime_s=round(time.monotonic() - self._started, 3))
 
     async def _handover(self, reason: str) -> None:
         """Publish every unfinished group as a partial, let in-flight records land, commit."""

@@ -90,6 +90,7 @@ def build_step_batch(groups: Sequence[GroupRecord], kind: AdvantageKind, version
         "samples": float(len(samples)),
         "tokens": float(batch.total_tokens),
         "lag_max": float(max(lags, default=0)),
+        "lag_mean": float(np.mean(lags)) if lags else 0.0,
     }
     return batch
 

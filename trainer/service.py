@@ -216,7 +216,8 @@ class Trainer:
         assert self.clients is not None
         timeout_s = self.config.kafka.request_timeout_s
         try:
-            await asyncio.wait_for(self.clients.producer(region).send("prompts", record.group_id, record), timeout_s)
+            await asyncio.wait_for(self.clients.send(region, "prompts", record.group_id, record),
+                                   timeout_s + self.clients.link_delay_s.get(region, 0.0))
         except TimeoutError as exc:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
@@ -262,7 +263,8 @@ class Trainer:
                  loss=round(stats.loss, 5), grad_norm=round(stats.grad_norm, 4), clip_fraction=stats.clip_fraction,
                  tis_truncated=stats.tis_truncated_fraction, tis_weight=round(stats.tis_weight_mean, 4), kl=stats.kl,
                  approx_kl=round(stats.approx_kl, 6), updates=stats.updates,
-                 tokens=stats.tokens, lag_max=batch.stats["lag_max"], seconds=round(seconds, 3))
+                 tokens=stats.tokens, lag_max=batch.stats["lag_max"],
+                 lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3))
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True

@@ -1,0 +1,391 @@
+"""The headline number: asynchronous training against the synchronous baseline on the same fleet.
+
+Runs the real system twice per seed on one fleet description, `algorithm.mode: sync` then `async`:
+one tansu broker per region, an MQTT broker, the trainer, and one region agent per node (each
+supervising its rollout worker process), all as processes started with the `fleetrl` CLI. Both runs
+train the same number of steps, so the same number of samples. The fleet is heterogeneous and
+unreliable, as the papers' settings are:
+
+* regions with different per-token speeds: `regions[].engine.emulate.step_delay_s` sleeps after
+  every decoding step of the real torch engine (a throttle: THIS IS EMULATED, and said so below);
+* a long-tailed completion-length distribution: `engine.emulate.tail_p` of the samples run to
+  `max_new_tokens`, the others stop after 1..`short_tokens` tokens (emulated lengths of the real
+  engine; the tiny random model has no length distribution of its own);
+* preemptions: every `--preempt-every` seconds a random live node gets a notice through its agent's
+  `--notice-file` (the agent hands its groups over as partials and exits 0), and a replacement node
+  starts, as a spot fleet does.
+
+* a link delay between home and every region: `regions[].emulate_link_delay_s` holds each prompt
+  that long in the trainer before it is produced to the region's Kafka, and each trajectory that long
+  after the trainer fetched it (a throttle in the trainer's transport: EMULATED, and said so below).
+  Weights are not delayed: the regions' stores are the home store (one directory) and the policy
+  announcement goes over loopback MQTT.
+
+Throughput is measured from the end of the first step to the end of the last, so that start-up
+(brokers, processes, Kafka group joins) counts in neither run.
+
+Printed per run: groups trained per second, tokens sampled per second, engine-idle fraction per
+region (1 - time in engine steps / worker uptime, over the measured window), trainer-idle fraction
+(1 - time stepping and publishing / window), mean and max staleness of the trained groups, tokens
+handed over at preemptions (resumed by another worker, not regenerated) and handovers that ran out
+of time (their tokens are regenerated), tokens sampled and trained, and the mean reward of the last
+3 steps (equal samples in both runs). The last line:
+
+    result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
+
+    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from fleetrl import devstack
+from fleetrl.hub.signing import generate_ed25519
+
+FLEETRL = [sys.executable, "-m", "fleetrl.cli"]
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """One fleet description; both modes run on it."""
+
+    slowdowns: tuple[float, ...] = (0.0, 0.03)
+    """Per region: seconds added to each decoding step (region 0 is the fast one)."""
+    nodes: int = 1
+    """Nodes per region."""
+    tail_p: float = 0.15
+    short_tokens: int = 4
+    max_new_tokens: int = 48
+    groups_per_step: int = 4
+    n_samples: int = 4
+    max_staleness: int = 2
+    steps: int = 12
+    preempt_every_s: float = 20.0
+    """Seconds between preemption notices to a random node that is up (0: none)."""
+    link_delay_s: float = 0.05
+    """One-way delay between home and every region (seconds)."""
+
+
+@dataclass
+class RunResult:
+    mode: str
+    wall_s: float
+    steps: int
+    groups: int
+    rewards: list[float]
+    lag_mean: float
+    lag_max: float
+    trainer_busy_s: float
+    tokens_sampled: int
+    tokens_trained: int
+    busy_s: dict[str, float] = field(default_factory=dict)
+    uptime_s: dict[str, float] = field(default_factory=dict)
+    preemptions: int = 0
+    tokens_handed_over: int = 0
+    handover_timeouts: int = 0
+
+    @property
+    def groups_per_s(self) -> float:
+        return self.groups / self.wall_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_sampled / self.wall_s
+
+    def engine_idle(self, region: str | None = None) -> float:
+        regions = [region] if region else list(self.uptime_s)
+        up = sum(self.uptime_s[r] for r in regions)
+        return 1.0 - sum(self.busy_s[r] for r in regions) / up if up else 1.0
+
+    @property
+    def trainer_idle(self) -> float:
+        return 1.0 - self.trainer_busy_s / self.wall_s
+
+    @property
+    def reward(self) -> float:
+        return statistics.fmean(self.rewards[-3:])
+
+
+def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: dict[str, int]) -> dict[str, Any]:
+    store = str(root / "store")
+    algo: dict[str, Any] = {"mode": mode, "groups_per_step": fleet.groups_per_step, "n_samples": fleet.n_samples,
+                            "lr": 1e-2, "max_new_tokens": fleet.max_new_tokens, "max_steps": fleet.steps}
+    if mode == "async":
+        algo["max_staleness"] = fleet.max_staleness
+    return {
+        "run": f"pipe-{mode}-{seed}",
+        "model": {"tiny": {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                           "seed": seed}},
+        "algorithm": algo,
+        "dataset": {"task": "reverse", "seed": seed},
+        "hub": {"home_store": store, "threads": 1, "poll_interval_s": 0.1, "anchor_interval": 32},
+        "mqtt": {"url": f"mqtt://127.0.0.1:{ports['mqtt']}", "heartbeat_interval_s": 1},
+        "kafka": {"partitions": {"prompts": 2, "partials": 2, "trajectories": 2, "dead_letter": 1}},
+        "trainer": {"checkpoint_dir": str(root / "ckpt"), "checkpoint_every": 1000, "throughput_window_s": 10},
+        "rollout": {"handover_timeout_s": 10, "max_groups_in_flight": 8, "stats_interval_s": 2,
+                    "weight_fallback_poll_s": 5},
+        "agent": {"progress_interval_s": 1, "restart_backoff_s": 0.5},
+        "regions": [
+            {"name": f"r{i}", "kafka": f"127.0.0.1:{ports[f'r{i}']}", "store": store,
+             "emulate_link_delay_s": fleet.link_delay_s,
+             "nodes": [{"name": f"n{j}"} for j in range(fleet.nodes)],
+             "engine": {"kind": "torch", "max_batch": 32,
+                        "emulate": {"step_delay_s": delay, "tail_p": fleet.tail_p,
+                                    "short_tokens": fleet.short_tokens}}}
+            for i, delay in enumerate(fleet.slowdowns)
+        ],
+    }
+
+
+def events(path: pathlib.Path) -> list[dict[str, Any]]:
+    """JSON log events of a daemon's log (a worker's are relayed in its agent's log)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+class Run:
+    """The processes of one run: brokers, trainer, agents (replaced after preemption)."""
+
+    def __init__(self, fleet: Fleet, mode: str, seed: int, root: pathlib.Path) -> None:
+        self.fleet, self.mode, self.seed, self.root = fleet, mode, seed, root
+        self.rng = random.Random(seed)
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True)
+        self.servers: list[devstack.ServerProcess] = []
+        self.agents: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+        self.generation: dict[tuple[str, str], int] = defaultdict(int)
+        self.agent_logs: list[tuple[str, pathlib.Path]] = []
+        self.preemptions = 0
+
+    def start(self) -> None:
+        ports = {"mqtt": devstack.free_port()}
+        self.servers.append(devstack.mqtt_broker(ports["mqtt"], self.root).start())
+        for i in range(len(self.fleet.slowdowns)):
+            ports[f"r{i}"] = devstack.free_port()
+            self.servers.append(devstack.tansu(ports[f"r{i}"]).start())
+        self.config = fleet_config(self.fleet, self.mode, self.seed, self.root, ports)
+        self.config_path = self.root / "fleet.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        subprocess.run([*FLEETRL, "topics", "create", "--config", str(self.config_path)], check=True,
+                       capture_output=True, timeout=60)
+        self.trainer_log = self.logs / "trainer.log"
+        self.trainer = self._spawn(["trainer", "--config", str(self.config_path)], self.trainer_log)
+        for region in self.config["regions"]:
+            for node in region["nodes"]:
+                self._start_agent(region["name"], node["name"])
+
+    def _spawn(self, argv: list[str], log: pathlib.Path) -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            return subprocess.Popen([*FLEETRL, *argv, "--log-json"], stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def _start_agent(self, region: str, node: str) -> None:
+        key = (region, node)
+        self.generation[key] += 1
+        notice = self.root / f"notice-{region}-{node}-{self.generation[key]}"
+        log = self.logs / f"agent-{region}-{node}-{self.generation[key]}.log"
+        self.agent_logs.append((region, log))
+        self.agents[key] = self._spawn(["agent", "--config", str(self.config_path), "--region", region, "--node",
+                                        node, "--notice-file", str(notice)], log)
+
+    def preempt_one(self) -> None:
+        """A notice to a random live node; its replacement starts once it has gone."""
+        live = [k for k, p in self.agents.items() if p.poll() is None and self._worker_up(k)]
+        if not live:
+            return
+        region, node = self.rng.choice(live)
+        notice = self.root / f"notice-{region}-{node}-{self.generation[(region, node)]}"
+        notice.write_text("bench/pipeline.py: spot preemption\n")
+        self.preemptions += 1
+        proc = self.agents[(region, node)]
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._start_agent(region, node)
+
+    def _worker_up(self, key: tuple[str, str]) -> bool:
+        log = self.logs / f"agent-{key[0]}-{key[1]}-{self.generation[key]}.log"
+        return log.exists() and '"worker.started"' in log.read_text(errors="replace")
+
+    def wait_trainer(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        next_preempt = time.monotonic() + self.fleet.preempt_every_s if self.fleet.preempt_every_s else None
+        while self.trainer.poll() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.mode} run did not finish within {timeout_s:.0f} s; see {self.trainer_log}")
+            for key, proc in list(self.agents.items()):
+                if proc.poll() not in (None, 0):
+                    raise RuntimeError(f"agent {key} died with {proc.returncode}; see {self.logs}")
+            if next_preempt is not None and time.monotonic() >= next_preempt:
+                self.preempt_one()
+                next_preempt = time.monotonic() + self.fleet.preempt_every_s
+            time.sleep(0.2)
+        if self.trainer.returncode != 0:
+            raise RuntimeError(f"trainer exited {self.trainer.returncode}; see {self.trainer_log}")
+
+    def stop(self) -> None:
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in [*self.agents.values(), self.trainer]:
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for server in self.servers:
+            server.stop()
+
+    def result(self) -> RunResult:
+        """The run's figures over the window from the end of its first step to the end of its last."""
+        steps = [e for e in events(self.trainer_log) if e["event"] == "step.done"]
+        if len(steps) < 2:
+            raise RuntimeError(f"{self.mode} run trained {len(steps)} step(s); see {self.trainer_log}")
+        t0, t1 = _ts(steps[0]), _ts(steps[-1])
+        window = steps[1:]
+        busy: dict[str, float] = defaultdict(float)
+        uptime: dict[str, float] = defaultdict(float)
+        sampled = handed = timeouts = 0
+        for region, log in self.agent_logs:
+            evs = events(log)
+            samples = [e for e in evs if e.get("event") in ("worker.stats", "worker.stopped")
+                       and "engine_busy_s" in e and t0 <= _ts(e) <= t1 + 1.0]
+            if len(samples) >= 2:  # cumulative counters: their growth inside the window
+                busy[region] += float(samples[-1]["engine_busy_s"]) - float(samples[0]["engine_busy_s"])
+                uptime[region] += float(samples[-1]["uptime_s"]) - float(samples[0]["uptime_s"])
+                sampled += int(samples[-1]["tokens_sampled"]) - int(samples[0]["tokens_sampled"])
+            handed += sum(int(e.get("tokens", 0)) for e in evs
+                          if e.get("event") == "worker.handed_over" and e.get("reason") == "preempted")
+            timeouts += sum(1 for e in evs if e.get("event") == "worker.handover_timeout")
+        return RunResult(
+            mode=self.mode, wall_s=t1 - t0, steps=len(steps), groups=sum(int(e["groups"]) for e in window),
+            rewards=[float(e["reward_mean"]) for e in steps],
+            lag_mean=statistics.fmean(float(e["lag_mean"]) for e in steps),
+            lag_max=max(float(e["lag_max"]) for e in steps),
+            trainer_busy_s=sum(float(e["seconds"]) for e in window),
+            tokens_sampled=sampled, tokens_trained=sum(int(e["tokens"]) for e in window),
+            busy_s=dict(busy), uptime_s=dict(uptime), preemptions=self.preemptions,
+            tokens_handed_over=handed, handover_timeouts=timeouts,
+        )
+
+
+def _ts(event: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def run_once(fleet: Fleet, mode: str, seed: int, timeout_s: float) -> RunResult:
+    keep = os.environ.get("FLEETRL_BENCH_KEEP")  # a folder: keep each run's logs there
+    with tempfile.TemporaryDirectory(prefix=f"fleetrl-pipe-{mode}-", dir=keep) as tmp:
+        root = pathlib.Path(tmp)
+        if keep:
+            root = pathlib.Path(keep) / f"{mode}-{seed}-{int(time.time())}"
+        run = Run(fleet, mode, seed, root)
+        try:
+            run.start()
+            run.wait_trainer(timeout_s)
+        finally:
+            run.stop()
+        return run.result()
+
+
+def show(r: RunResult) -> None:
+    regions = " ".join(f"{reg}={r.engine_idle(reg):.2f}" for reg in sorted(r.uptime_s))
+    print(f"  {r.mode:5s}: {r.groups} groups in {r.wall_s:.1f} s = {r.groups_per_s:.3f} groups/s, "
+          f"{r.tokens_per_s:.1f} tokens/s; engine idle {r.engine_idle():.2f} ({regions}); trainer idle "
+          f"{r.trainer_idle:.2f}; staleness mean {r.lag_mean:.2f} max {r.lag_max:.0f}; preemptions "
+          f"{r.preemptions}: tokens handed over and resumed {r.tokens_handed_over}, handovers timed out "
+          f"(their tokens regenerated) {r.handover_timeouts}; tokens sampled {r.tokens_sampled}, trained "
+          f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward:.3f}", flush=True)
+
+
+def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
+    pairs = []
+    for seed in range(seeds):
+        print(f"seed {seed}:", flush=True)
+        sync = run_once(fleet, "sync", seed, timeout_s)
+        show(sync)
+        asyn = run_once(fleet, "async", seed, timeout_s)
+        show(asyn)
+        pairs.append((sync, asyn))
+    ratios = [a.groups_per_s / s.groups_per_s for s, a in pairs]
+    out = {
+        "throughput_ratio": statistics.fmean(ratios),
+        "throughput_ratio_min": min(ratios), "throughput_ratio_max": max(ratios),
+        "reward_delta": statistics.fmean(a.reward - s.reward for s, a in pairs),
+        "reward_sync_spread": (max(s.reward for s, _ in pairs) - min(s.reward for s, _ in pairs)) if seeds > 1 else 0.0,
+        "engine_idle_async": statistics.fmean(a.engine_idle() for _, a in pairs),
+        "engine_idle_sync": statistics.fmean(s.engine_idle() for s, _ in pairs),
+        "trainer_idle_async": statistics.fmean(a.trainer_idle for _, a in pairs),
+        "trainer_idle_sync": statistics.fmean(s.trainer_idle for s, _ in pairs),
+        "staleness_async": statistics.fmean(a.lag_mean for _, a in pairs),
+    }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short fleet run (under two minutes on 2 cores)")
+    parser.add_argument("--seeds", type=int, default=1, help="repeat with this many seeds and report the spread")
+    parser.add_argument("--grid", action="store_true",
+                        help="the table: ratio as region slowdown x tail probability grow (3 x 3, one seed each)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 16, --quick 8)")
+    parser.add_argument("--slowdown", type=float, default=0.03, help="step delay of the slow region (s)")
+    parser.add_argument("--tail-p", type=float, default=0.15, help="share of samples that run to max_new_tokens")
+    parser.add_argument("--preempt-every", type=float, default=None,
+                        help="seconds between preemptions (0: none; default 20, --quick 15)")
+    parser.add_argument("--link-delay", type=float, default=0.05, help="one-way home-region link delay (s)")
+    args = parser.parse_args()
+    os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])
+    steps = args.steps or (8 if args.quick else 16)
+    preempt = args.preempt_every if args.preempt_every is not None else (15.0 if args.quick else 20.0)
+    base = {"steps": steps, "preempt_every_s": preempt, "link_delay_s": args.link_delay}
+    fleet = Fleet(slowdowns=(0.0, args.slowdown), tail_p=args.tail_p, **base)
+    print(f"fleet: {len(fleet.slowdowns)} regions x {fleet.nodes} node(s); per-step delay per region "
+          f"{list(fleet.slowdowns)} s (EMULATED: a sleep after each decoding step of the real torch engine); "
+          f"completion lengths EMULATED: {fleet.tail_p:.0%} run to max_new_tokens={fleet.max_new_tokens}, the rest "
+          f"stop after 1-{fleet.short_tokens} tokens; preemption every {fleet.preempt_every_s:g} s with replacement; "
+          f"link delay home<->region {fleet.link_delay_s:g} s each way (EMULATED in the trainer's Kafka clients; "
+          f"weights not delayed); {fleet.groups_per_step} groups x {fleet.n_samples} samples per step, "
+          f"{fleet.steps} steps per run; async max_staleness {fleet.max_staleness}", flush=True)
+    timeout_s = 150.0 if args.quick else 600.0
+    if args.grid:
+        print("| slow-region step delay \\ tail share | " + " | ".join(f"{p:.0%}" for p in (0.0, 0.15, 0.3)) + " |")
+        print("|---|---|---|---|")
+        for slow in (0.0, 0.03, 0.08):
+            cells = []
+            for tail in (0.0, 0.15, 0.3):
+                cell = Fleet(slowdowns=(0.0, slow), tail_p=tail, **base)
+                cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
+            print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
+    out = compare(fleet, args.seeds, timeout_s)
+    print("result: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
+
+
+if __name__ == "__main__":
+    main()
