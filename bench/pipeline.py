@@ -21,8 +21,9 @@ unreliable, as the papers' settings are:
   Weights are not delayed: the regions' stores are the home store (one directory) and the policy
   announcement goes over loopback MQTT.
 
-Throughput is measured from the end of the first step to the end of the last, so that start-up
-(brokers, processes, Kafka group joins) counts in neither run.
+Throughput is measured from the end of step `max_staleness + 2` to the end of the last: start-up
+(brokers, processes, Kafka group joins) counts in neither run, and the async run's window starts
+and ends with a full pipeline, so work it generated ahead before the window is no head start.
 
 Printed per run: groups trained per second, tokens sampled per second, engine-idle fraction per
 region (1 - time in engine steps / worker uptime, over the measured window), trainer-idle fraction
@@ -80,6 +81,12 @@ class Fleet:
     """Seconds between preemption notices to a random node that is up (0: none)."""
     link_delay_s: float = 0.05
     """One-way delay between home and every region (seconds)."""
+
+    @property
+    def warm_steps(self) -> int:
+        """Steps before the measured window: async fills its pipeline (1 + max_staleness steps of
+        work) by then, so the window starts and ends with a full pipeline and counts no head start."""
+        return self.max_staleness + 2
 
 
 @dataclass
@@ -181,10 +188,12 @@ class Run:
 
     def start(self) -> None:
         ports = {"mqtt": devstack.free_port()}
-        self.servers.append(devstack.mqtt_broker(ports["mqtt"], self.root).start())
+        self.servers.append(devstack.mqtt_broker(ports["mqtt"], self.root))
         for i in range(len(self.fleet.slowdowns)):
             ports[f"r{i}"] = devstack.free_port()
-            self.servers.append(devstack.tansu(ports[f"r{i}"]).start())
+            self.servers.append(devstack.tansu(ports[f"r{i}"]))
+        for server in self.servers:  # listed before started: stop() ends one that a signal interrupted
+            server.start()
         self.config = fleet_config(self.fleet, self.mode, self.seed, self.root, ports)
         self.config_path = self.root / "fleet.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config))
@@ -248,25 +257,32 @@ class Run:
             raise RuntimeError(f"trainer exited {self.trainer.returncode}; see {self.trainer_log}")
 
     def stop(self) -> None:
-        for proc in self.agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in [*self.agents.values(), self.trainer]:
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for server in self.servers:
-            server.stop()
+        """Stop every process this run started, by its id: agents (TERM: they hand over), trainer,
+        then the servers, whatever failed before."""
+        procs = [*self.agents.values(), *([self.trainer] if hasattr(self, "trainer") else [])]
+        try:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        finally:
+            for server in self.servers:
+                server.stop()
 
     def result(self) -> RunResult:
-        """The run's figures over the window from the end of its first step to the end of its last."""
+        """The run's figures over the window from the end of its warm-up steps to the end of its last."""
         steps = [e for e in events(self.trainer_log) if e["event"] == "step.done"]
-        if len(steps) < 2:
-            raise RuntimeError(f"{self.mode} run trained {len(steps)} step(s); see {self.trainer_log}")
-        t0, t1 = _ts(steps[0]), _ts(steps[-1])
-        window = steps[1:]
+        warm = self.fleet.warm_steps
+        if len(steps) <= warm:
+            raise RuntimeError(f"{self.mode} run trained {len(steps)} step(s), not more than the {warm} "
+                               f"warm-up steps; see {self.trainer_log}")
+        t0, t1 = _ts(steps[warm - 1]), _ts(steps[-1])
+        window = steps[warm:]
         busy: dict[str, float] = defaultdict(float)
         uptime: dict[str, float] = defaultdict(float)
         sampled = handed = timeouts = 0
@@ -354,15 +370,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="repeat with this many seeds and report the spread")
     parser.add_argument("--grid", action="store_true",
                         help="the table: ratio as region slowdown x tail probability grow (3 x 3, one seed each)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 16, --quick 8)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 20, --quick 10)")
     parser.add_argument("--slowdown", type=float, default=0.03, help="step delay of the slow region (s)")
     parser.add_argument("--tail-p", type=float, default=0.15, help="share of samples that run to max_new_tokens")
     parser.add_argument("--preempt-every", type=float, default=None,
                         help="seconds between preemptions (0: none; default 20, --quick 15)")
     parser.add_argument("--link-delay", type=float, default=0.05, help="one-way home-region link delay (s)")
     args = parser.parse_args()
+    # A hang-up or TERM ends the bench through its `finally`s, so every process it started is stopped.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])
-    steps = args.steps or (8 if args.quick else 16)
+    steps = args.steps or (10 if args.quick else 20)
     preempt = args.preempt_every if args.preempt_every is not None else (15.0 if args.quick else 20.0)
     base = {"steps": steps, "preempt_every_s": preempt, "link_delay_s": args.link_delay}
     fleet = Fleet(slowdowns=(0.0, args.slowdown), tail_p=args.tail_p, **base)
