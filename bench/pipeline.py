@@ -13,8 +13,7 @@ unreliable, as the papers' settings are:
   engine; the tiny random model has no length distribution of its own);
 * preemptions: every `--preempt-every` seconds a random live node gets a notice through its agent's
   `--notice-file` (the agent hands its groups over as partials and exits 0), and a replacement node
-  starts, as a spot fleet does.
-
+  starts, as a spot fleet does (only nodes whose worker is up are preempted);
 * a link delay between home and every region: `regions[].emulate_link_delay_s` holds each prompt
   that long in the trainer before it is produced to the region's Kafka, and each trajectory that long
   after the trainer fetched it (a throttle in the trainer's transport: EMULATED, and said so below).
@@ -34,7 +33,9 @@ of time (their tokens are regenerated), tokens sampled and trained, and the mean
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
 
-    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid]
+    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid tail|preempt]
+
+`FLEETRL_BENCH_KEEP=DIR` keeps every run's config and logs under DIR. Results: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -352,9 +353,10 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
     ratios = [a.groups_per_s / s.groups_per_s for s, a in pairs]
     out = {
         "throughput_ratio": statistics.fmean(ratios),
+        "throughput_ratio_median": statistics.median(ratios),
         "throughput_ratio_min": min(ratios), "throughput_ratio_max": max(ratios),
         "reward_delta": statistics.fmean(a.reward - s.reward for s, a in pairs),
-        "reward_sync_spread": (max(s.reward for s, _ in pairs) - min(s.reward for s, _ in pairs)) if seeds > 1 else 0.0,
+        "reward_sync_spread": max(s.reward for s, _ in pairs) - min(s.reward for s, _ in pairs),
         "engine_idle_async": statistics.fmean(a.engine_idle() for _, a in pairs),
         "engine_idle_sync": statistics.fmean(s.engine_idle() for s, _ in pairs),
         "trainer_idle_async": statistics.fmean(a.trainer_idle for _, a in pairs),
@@ -364,12 +366,29 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
     return out
 
 
+def grid(axis: str, base: dict[str, Any], fleet: Fleet, timeout_s: float) -> None:
+    """Print a markdown table of throughput_ratio: slow-region step delay x (tail share | preemption)."""
+    columns: list[float] = [0.0, 0.15, 0.3] if axis == "tail" else [0.0, 30.0, 15.0]
+    head = [f"{c:.0%}" for c in columns] if axis == "tail" else [f"every {c:g} s" if c else "none" for c in columns]
+    name = "tail share" if axis == "tail" else "preemption"
+    print(f"| slow-region step delay \\ {name} | " + " | ".join(head) + " |")
+    print("|---|---|---|---|", flush=True)
+    for slow in (0.0, 0.03, 0.08):
+        cells = []
+        for c in columns:
+            over = {"tail_p": c} if axis == "tail" else {"preempt_every_s": c}
+            cell = Fleet(**{**base, "slowdowns": (0.0, slow), "tail_p": fleet.tail_p, **over})
+            cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
+        print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short fleet run (under two minutes on 2 cores)")
     parser.add_argument("--seeds", type=int, default=1, help="repeat with this many seeds and report the spread")
-    parser.add_argument("--grid", action="store_true",
-                        help="the table: ratio as region slowdown x tail probability grow (3 x 3, one seed each)")
+    parser.add_argument("--grid", choices=["tail", "preempt"], default=None,
+                        help="a table first: the ratio as the slow region's step delay grows against the tail "
+                             "share or against the preemption rate (3 x 3 cells, one seed each)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 20, --quick 10)")
     parser.add_argument("--slowdown", type=float, default=0.03, help="step delay of the slow region (s)")
     parser.add_argument("--tail-p", type=float, default=0.15, help="share of samples that run to max_new_tokens")
@@ -394,14 +413,7 @@ def main() -> None:
           f"{fleet.steps} steps per run; async max_staleness {fleet.max_staleness}", flush=True)
     timeout_s = 150.0 if args.quick else 600.0
     if args.grid:
-        print("| slow-region step delay \\ tail share | " + " | ".join(f"{p:.0%}" for p in (0.0, 0.15, 0.3)) + " |")
-        print("|---|---|---|---|")
-        for slow in (0.0, 0.03, 0.08):
-            cells = []
-            for tail in (0.0, 0.15, 0.3):
-                cell = Fleet(slowdowns=(0.0, slow), tail_p=tail, **base)
-                cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
-            print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
+        grid(args.grid, base, fleet, timeout_s)
     out = compare(fleet, args.seeds, timeout_s)
     print("result: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
 
