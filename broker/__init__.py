@@ -24,7 +24,7 @@ from fleetrl.broker.errors import (
     TopicError,
 )
 from fleetrl.broker.lag import PartitionLag, end_offsets, group_lag
-from fleetrl.broker.logread import RawRecord, read_log
+from fleetrl.broker.logread import RawRecord, read_log, read_log_from
 from fleetrl.broker.mqtt import ControlPlane
 from fleetrl.broker.naming import (
     SCHEMA_HEADER,
@@ -37,6 +37,7 @@ from fleetrl.broker.naming import (
     rollout_group,
     topic_name,
     trainer_group,
+    trainer_handover_group,
 )
 from fleetrl.broker.producer import Producer
 from fleetrl.broker.records import (
@@ -113,6 +114,7 @@ __all__ = [
     "policy_topic",
     "read_dead_letters",
     "read_log",
+    "read_log_from",
     "replay_dead_letters",
     "replica_topic",
     "rle_versions",
@@ -120,4 +122,5 @@ __all__ = [
     "topic_name",
     "topic_specs",
     "trainer_group",
+    "trainer_handover_group",
 ]

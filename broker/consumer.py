@@ -23,6 +23,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import IllegalStateError
 from aiokafka.protocol.group import LeaveGroupRequest
 
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, translated
@@ -274,6 +275,28 @@ class Consumer:
         return {tp: batch for tp, batch in raw.items() if self._topics.index(tp.topic) == top}
 
     # -- offsets --------------------------------------------------------------------------------
+
+    async def lag(self) -> int | None:
+        """Records waiting in the partitions this member holds: log end minus read position, summed.
+
+        None while no fetch has answered for any of them (nothing is known yet). It costs no request:
+        the log end is the high watermark each fetch response carries (right where tansu's
+        ListOffsets is not, see `fleetrl.broker.lag`), and a fetched partition's position is local.
+        Unlike `fleetrl topics lag` (end - committed), records read but not yet committed do not count.
+        """
+        c = self._c
+        total: int | None = None
+        for tp in c.assignment():
+            end = c.highwater(tp)
+            if end is None:
+                continue
+            try:
+                position = await bounded(c.position(tp), self.config.kafka.request_timeout_s, "position")
+            except IllegalStateError:  # revoked by a rebalance meanwhile: its new owner reports it
+                continue
+            total = (total or 0) + max(0, end - position)
+        return total
+
 
     def committable_offsets(self, deliveries: list[Delivery] | None = None) -> dict[TP, int]:
         """Resume points per partition: what is committed, moved on by `deliveries` if given.

@@ -35,6 +35,17 @@ async def read_log(
     config: FleetConfig, region: str, topic: str, limit: int | None = None, client_id: str = "fleetrl-read"
 ) -> list[RawRecord]:
     """Every record of `topic` in `region` (at most `limit`), oldest first per partition."""
+    records, _ = await read_log_from(config, region, topic, None, limit, client_id)
+    return records
+
+
+async def read_log_from(
+    config: FleetConfig, region: str, topic: str, from_offsets: dict[int, int] | None,
+    limit: int | None = None, client_id: str = "fleetrl-read",
+) -> tuple[list[RawRecord], dict[int, int]]:
+    """The records of `topic` in `region` from `from_offsets[partition]` (or the log start, where
+    that is later or no offset is given) to the current end, and each partition's log start (where
+    retention has cut the log)."""
     states = await describe_topics(config, region, [topic])
     if topic not in states:
         raise TopicError(f"region {region!r} has no topic {topic}; run `fleetrl topics create` first")
@@ -46,9 +57,10 @@ async def read_log(
         consumer.assign(tps)
         ends = await log_ends(consumer, tps, timeout)
         starts = await bounded(consumer.beginning_offsets(tps), timeout, f"start offsets of {topic} ({region!r})")
+        begin = {tp: max(starts[tp], (from_offsets or {}).get(tp.partition, 0)) for tp in tps}
         for tp in tps:
-            consumer.seek(tp, starts[tp])
-        remaining = {tp for tp in tps if ends[tp] > starts[tp]}
+            consumer.seek(tp, begin[tp])
+        remaining = {tp for tp in tps if ends[tp] > begin[tp]}
         try:
             async with asyncio.timeout(timeout):
                 while remaining and len(out) < cap:
@@ -62,4 +74,4 @@ async def read_log(
         except TimeoutError as exc:
             raise KafkaError(f"region {region!r}: {topic} could not be read to its end within {timeout:.0f} s",
                              retriable=True) from exc
-    return out if limit is None else out[:limit]
+    return (out if limit is None else out[:limit]), {tp.partition: starts[tp] for tp in tps}

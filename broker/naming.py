@@ -26,6 +26,11 @@ def trainer_group(run: str) -> str:
     return f"fleetrl.{run}.trainer"
 
 
+def trainer_handover_group(run: str) -> str:
+    """Consumer group in which the trainer reads a gone region's `partials` to move them elsewhere."""
+    return f"{trainer_group(run)}.handover"
+
+
 def policy_topic(run: str) -> str:
     """Retained policy announcement."""
     return f"fleetrl/{run}/policy"

@@ -10,6 +10,8 @@ Compression is Kafka-level zstd (aiokafka uses cramjam for it) unless the config
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from types import TracebackType
 
 from aiokafka import AIOKafkaProducer
@@ -28,11 +30,19 @@ log = get_logger(__name__)
 
 
 class Producer:
-    """`async with Producer(config, region, client_id) as p: await p.send(stream, key, record)`."""
+    """`async with Producer(config, region, client_id) as p: await p.send(stream, key, record)`.
 
-    def __init__(self, config: FleetConfig, region: str, client_id: str) -> None:
+    `dead_lettered` counts the records this producer dead-lettered, by reason; `on_dead_letter`, if
+    given, is called with the reason of each once the broker acknowledged it (daemons count it in
+    their metrics: the broker package itself exposes none).
+    """
+
+    def __init__(self, config: FleetConfig, region: str, client_id: str,
+                 *, on_dead_letter: Callable[[str], None] | None = None) -> None:
         config.region(region)  # fail now, naming the regions, rather than at start
         self.config, self.region, self.client_id = config, region, client_id
+        self.dead_lettered: Counter[str] = Counter()
+        self._on_dead_letter = on_dead_letter
         self._producer: AIOKafkaProducer | None = None
         self._closed = False
 
@@ -87,8 +97,10 @@ class Producer:
     ) -> None:
         await self.close()
 
-    async def send(self, stream: Stream, key: str, record: Record) -> None:
-        """Encode `record`, refuse it if too large, produce it and wait for the broker's ack."""
+    async def send(self, stream: Stream, key: str, record: Record) -> tuple[int, int]:
+        """Encode `record`, refuse it if too large, produce it and wait for the broker's ack; returns
+        the (partition, offset) the broker gave it (the trainer's ledger keeps them: see its audit
+        watermark)."""
         if stream == "dead-letter":
             raise ValueError("dead letters are produced with dead_letter(), which adds the error headers")
         topic = topic_name(self.config.run, stream)
@@ -96,7 +108,7 @@ class Producer:
         headers = [(SCHEMA_HEADER, record.schema.encode())]
         key_bytes = key.encode()
         self._check_size(topic, key_bytes, value, headers, self.max_message_bytes, record.group_id)
-        await self._produce(topic, key_bytes, value, headers)
+        return await self._produce(topic, key_bytes, value, headers)
 
     async def send_raw(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]
@@ -120,6 +132,9 @@ class Producer:
         """Re-produce a refused record to the dead-letter topic with the reason and where it came from."""
         dl_headers = dead_letter_headers(error, topic, partition, offset, headers)
         await self.send_raw(self.dead_letter_topic, key, value, dl_headers)
+        self.dead_lettered[error.reason] += 1
+        if self._on_dead_letter is not None:
+            self._on_dead_letter(error.reason)
         log.warning("record.dead_lettered", topic=topic, partition=partition, offset=offset,
                     reason=error.reason, field=error.field, group_id=error.group_id)
 
@@ -134,19 +149,20 @@ class Producer:
 
     async def _produce(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]
-    ) -> None:
+    ) -> tuple[int, int]:
         producer = self._producer
         if producer is None:
             raise KafkaError(f"producer {self.client_id!r} is not started (use `async with`)")
         k = self.config.kafka
         what = f"produce to {topic} (region {self.region!r})"
 
-        async def once() -> None:
+        async def once() -> tuple[int, int]:
             with translated(what):
-                await producer.send_and_wait(topic, value, key=key, headers=headers)
+                meta = await producer.send_and_wait(topic, value, key=key, headers=headers)
+            return int(meta.partition), int(meta.offset)
 
         # aiokafka retries inside request_timeout; the outer bound only guards against a hang.
-        await with_retries(
+        return await with_retries(
             lambda: bounded(once(), k.request_timeout_s + 5.0, what),
             what=what, retries=k.retries, backoff_s=k.retry_backoff_s,
         )

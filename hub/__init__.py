@@ -21,7 +21,7 @@ from fleetrl.hub.hub import Hub
 from fleetrl.hub.lease import Lease
 from fleetrl.hub.manifest import Manifest, TensorEntry
 from fleetrl.hub.publisher import PublishedVersion
-from fleetrl.hub.replicator import Replicator
+from fleetrl.hub.replicator import Replicator, VersionHints
 from fleetrl.hub.sharded import ShardParts, ShardPlan, ShardPublisher, ShardReport
 from fleetrl.hub.stores import DirStore, ObjectStore, open_store
 
@@ -47,5 +47,6 @@ __all__ = [
     "StoreError",
     "TensorEntry",
     "VersionConflict",
+    "VersionHints",
     "open_store",
 ]

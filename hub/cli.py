@@ -23,7 +23,7 @@ from fleetrl.config import FleetConfig
 from fleetrl.hub.errors import HubError
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.reader import Progress
-from fleetrl.hub.replicator import Holding, Replicator
+from fleetrl.hub.replicator import Holding, Replicator, VersionHints
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -127,14 +127,16 @@ def gc(args: argparse.Namespace, config: FleetConfig) -> int:
     return 0
 
 
-def run_replicator(args: argparse.Namespace, config: FleetConfig, on_holding: Holding | None = None) -> int:
+def run_replicator(args: argparse.Namespace, config: FleetConfig, on_holding: Holding | None = None,
+                   hints: VersionHints | None = None) -> int:
     """The region's replicator daemon: contend for the lease, replicate, drain on SIGTERM. `on_holding`
-    hears the newest version the region store holds after each pass (`fleetrl replicator` announces it)."""
+    hears the newest version the region store holds after each pass (`fleetrl replicator` announces it);
+    `hints` carries the versions heard on the control plane (policy and peers' replica announcements)."""
     try:
         config.region(args.region)
     except KeyError as exc:
         raise HubError(str(exc.args[0])) from None
-    replicator = Replicator(config, args.region)
+    replicator = Replicator(config, args.region, hints=hints)
     replicator.on_holding = on_holding
     if config.hub.replicator_metrics_port is not None:
         port = replicator.metrics.serve(config.hub.replicator_metrics_port)

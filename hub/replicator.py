@@ -1,12 +1,19 @@
 """Replicator: copies each version into one region's store, crossing the WAN once per region.
 
 One replicator per region does the work, elected by a lease in the region store (see lease.py).
-For each version the home store has and the region lacks, it reads the peer references
-(`holders/<N>/` in the home store), picks the holder with the lowest link cost from this region,
-copies the manifest (verified) and every object the region does not have yet (each checked
-against its sha256 before it is written), and then writes the peer reference `holders/<N>/<region>`
-into the region store and the home store, and moves the region's `latest`. Rollout nodes of the
-region read only their region store.
+For each version the region lacks, it reads the peer references (`holders/<N>/` in the home store),
+picks the holder with the lowest link cost from this region, copies the manifest (verified) and
+every object the region does not have yet (each checked against its sha256 before it is written),
+and then writes the peer reference `holders/<N>/<region>` into the region store and the home store,
+and moves the region's `latest`. Rollout nodes of the region read only their region store.
+
+Home is not needed: the newest version is learned from the home store's `latest` and also from
+`VersionHints` (the retained policy announcement and the peers' replica announcements, fed by the
+`fleetrl replicator` daemon from the control plane), and a version is copied from any store that
+holds it: a peer that announced it, or whose own store carries its holder reference. The manifest
+is signed, so it is verified whichever store it came from. A region partitioned from home but not
+from a peer keeps receiving weights; the home holder references it could not write then are
+written once home answers again.
 
 An anchor's dense objects are not copied when the region holds the version before it: only the
 anchor's delta crosses the WAN, and the dense objects are rebuilt here from the region's own chain
@@ -28,7 +35,7 @@ import numpy as np
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import manifest as mf
-from fleetrl.hub.errors import HubError, IntegrityError, LeaseLost, ObjectExists, ObjectNotFound
+from fleetrl.hub.errors import HubError, IntegrityError, LeaseLost, ObjectExists, ObjectNotFound, StoreError
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.lease import Lease
 from fleetrl.hub.metrics import ReplicatorMetrics
@@ -46,12 +53,39 @@ Holding = Callable[[int, str, int], None]
 of the lease holder: the region agent's daemon announces it on the control plane (the hub knows no MQTT)."""
 
 
+class VersionHints:
+    """Newest versions heard of outside the home store (thread-safe): `policy` from the trainer's
+    announcement (home holds it), and each peer region's from its replica announcement (its store
+    holds it). Only ever moves forward."""
+
+    POLICY = "policy"
+
+    def __init__(self) -> None:
+        self._heard: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def hear(self, source: str, version: int) -> None:
+        """`source` (POLICY or a region name) holds `version`."""
+        with self._lock:
+            if version > self._heard.get(source, -1):
+                self._heard[source] = version
+
+    def newest(self) -> int | None:
+        with self._lock:
+            return max(self._heard.values(), default=None)
+
+    def holders(self, version: int) -> set[str]:
+        """Regions whose announced newest version is at least `version` (they likely hold it)."""
+        with self._lock:
+            return {s for s, v in self._heard.items() if s != self.POLICY and v >= version}
+
+
 class Replicator:
-    """Keeps the store of `region` up to date with the home store."""
+    """Keeps the store of `region` up to date with the newest version, from home or from peers."""
 
     def __init__(self, config: FleetConfig, region: str, stores: Mapping[str, ObjectStore] | None = None,
                  holder: str | None = None, keys: Keys | None = None,
-                 metrics: ReplicatorMetrics | None = None) -> None:
+                 metrics: ReplicatorMetrics | None = None, hints: VersionHints | None = None) -> None:
         self.config, self.run, self.region = config, config.run, region
         self.costs = config.region(region).link_costs
         given = dict(stores or {})
@@ -66,23 +100,51 @@ class Replicator:
         self._manifests: dict[int, tuple[mf.Manifest, bytes]] = {}
         self._hub: Hub | None = None
         self.rebuilt_bytes = 0
-        self.metrics = metrics or ReplicatorMetrics()
         """Bytes of dense anchor objects rebuilt in the region instead of copied (see rebuild.py)."""
+        self.metrics = metrics or ReplicatorMetrics()
+        self.hints = hints or VersionHints()
+        self._owed_home: set[int] = set()
+        """Versions whose holder reference could not be written into the home store (unreachable)."""
+        self._home_down = False
 
     # --- one pass ---------------------------------------------------------------------------
 
     def pending(self) -> list[int]:
         """Versions to copy, oldest first: from the region's latest on, or from the newest anchor."""
-        home_latest = read_latest(self.home, self.run)
-        if home_latest is None:
+        newest = self.newest()
+        if newest is None:
             return []
         have = read_latest(self.local, self.run)
-        if have is not None and have >= home_latest:
+        if have is not None and have >= newest:
             return []
-        start = (have + 1) if have is not None else home_latest
-        if have is None or home_latest - have > self.config.hub.anchor_interval:
-            start = self._manifest(self.home, home_latest)[0].anchor
-        return list(range(start, home_latest + 1))
+        start = (have + 1) if have is not None else newest
+        if have is None or newest - have > self.config.hub.anchor_interval:
+            start = self._manifest_anywhere(newest)[0].anchor
+        return list(range(start, newest + 1))
+
+    def newest(self) -> int | None:
+        """The newest version known: the home store's `latest`, or what the announcements said,
+        whichever is newer; home being unreachable is logged, not fatal."""
+        try:
+            home_latest = read_latest(self.home, self.run)
+        except StoreError as exc:
+            self._home_answered(exc)
+            home_latest = None
+        else:
+            self._home_answered(None)
+        known = [v for v in (home_latest, self.hints.newest()) if v is not None]
+        return max(known) if known else None
+
+    def _manifest_anywhere(self, version: int) -> tuple[mf.Manifest, bytes]:
+        """The verified manifest of `version` from the nearest store that has it."""
+        errors: list[str] = []
+        for source in self.sources(version):
+            try:
+                return self._manifest(source, version)
+            except (StoreError, IntegrityError) as exc:
+                errors.append(f"{source.name}: {exc}")
+        raise StoreError(f"no store could supply the manifest of version {version} to {self.region}: "
+                         f"{'; '.join(errors)}")
 
     def replicate_once(self, stop: threading.Event | None = None) -> list[int]:
         """Copy every pending version (the caller holds the lease); returns the versions copied.
@@ -90,6 +152,7 @@ class Replicator:
         With `stop` set, the version being copied is finished and the rest left for the next holder.
         """
         done: list[int] = []
+        self._pay_home()
         for version in self.pending():
             if stop is not None and stop.is_set():
                 break
@@ -118,21 +181,43 @@ class Replicator:
         self.on_holding(int(pointer["version"]), str(pointer["sha256"]), int(pointer["anchor"]))
 
     def sources(self, version: int) -> list[ObjectStore]:
-        """Stores holding `version`, nearest first by this region's link costs; home always last resort."""
+        """Stores holding `version`, nearest first by this region's link costs; home always last resort.
+
+        Holders are the peer references listed in the home store and the peers whose announcements
+        say they hold it; with home unreachable, also every peer whose own store carries its holder
+        reference for the version."""
         prefix = mf.holders_prefix(self.run, version)
-        names = {i.key[len(prefix):] for i in self.home.scan(prefix)} | {"home"}
+        peers = [n for n in self.stores if n not in ("home", self.region)]
+        try:
+            names = {i.key[len(prefix):] for i in self.home.scan(prefix)}
+        except StoreError as exc:
+            self._home_answered(exc)
+            names = {n for n in peers if self._holds(n, version)}
+        names |= self.hints.holders(version) | {"home"}
         names = {n for n in names if n in self.stores and n != self.region}
         ranked = sorted(names, key=lambda n: (self.costs.get(n, math.inf if n != "home" else 1e300), n))
         return [self.stores[n] for n in ranked]
 
+    def _holds(self, name: str, version: int) -> bool:
+        """Whether store `name` carries its own holder reference of `version` (False if unreachable)."""
+        try:
+            return self.stores[name].exists(mf.holder_key(self.run, version, name))
+        except StoreError as exc:
+            log.warning("replicator.peer_unreachable", region=self.region, peer=name, error=str(exc))
+            return False
+
     def copy_version(self, version: int) -> int:
         """Copy one version's manifest and missing objects; returns the object bytes copied."""
         errors: list[str] = []
+        unreachable = False
         started = time.monotonic()
         for source in self.sources(version):
             try:
                 copied = self._copy_from(source, version)
-            except (ObjectNotFound, IntegrityError) as exc:
+            except (StoreError, IntegrityError) as exc:
+                if isinstance(exc, ObjectExists) or (isinstance(exc, StoreError) and not exc.retriable):
+                    raise
+                unreachable |= not isinstance(exc, (ObjectNotFound, IntegrityError))
                 errors.append(f"{source.name}: {exc}")
                 continue
             log.info("replicator.copied", version=version, region=self.region, source=source.name, bytes=copied)
@@ -141,7 +226,9 @@ class Replicator:
             self.metrics.copy_seconds.labels(self.region).observe(time.monotonic() - started)
             self.metrics.version.labels(self.region).set(max(version, read_latest(self.local, self.run) or -1))
             return copied
-        raise ObjectNotFound(f"no store could supply version {version} to {self.region}: {'; '.join(errors)}")
+        message = f"no store could supply version {version} to {self.region}: {'; '.join(errors)}"
+        # A store that did not answer may hold it: try again later rather than skip the version.
+        raise StoreError(message) if unreachable else ObjectNotFound(message)
 
     def _manifest(self, store: ObjectStore, version: int) -> tuple[mf.Manifest, bytes]:
         """A verified manifest; cached, since every store holds the same signed bytes for a version."""
@@ -170,13 +257,34 @@ class Replicator:
             self.local.create(mf.version_key(self.run, version), raw)
         self._keep_lease()
         self.local.put(mf.holder_key(self.run, version, self.region), b"")
-        self.home.put(mf.holder_key(self.run, version, self.region), b"")
+        self._owed_home.add(version)
+        self._pay_home()
         if (read_latest(self.local, self.run) or -1) < version:
             pointer = {"version": version, "manifest": mf.version_key(self.run, version),
                        "anchor": manifest.anchor, "sha256": hashlib.sha256(raw).hexdigest(),
                        "published_at": manifest.published_at}
             self.local.put(mf.latest_key(self.run), json.dumps(pointer).encode())
         return copied
+
+    def _pay_home(self) -> None:
+        """Write the holder references the home store still lacks (it was unreachable); kept for later
+        while it still is."""
+        for version in sorted(self._owed_home):
+            try:
+                self.home.put(mf.holder_key(self.run, version, self.region), b"")
+            except StoreError as exc:
+                self._home_answered(exc)
+                return
+            self._owed_home.discard(version)
+
+    def _home_answered(self, error: StoreError | None) -> None:
+        """Log when the home store stops answering and when it answers again (not every poll)."""
+        if error is not None and not self._home_down:
+            log.warning("replicator.home_unreachable", region=self.region, owed=len(self._owed_home),
+                        error=str(error))
+        elif error is None and self._home_down:
+            log.info("replicator.home_reachable", region=self.region, owed=len(self._owed_home))
+        self._home_down = error is not None
 
     def _copy_object(self, source: ObjectStore, obj: str, size: int, version: int) -> int:
         """One object across the WAN, checked against its sha256 before it is written."""

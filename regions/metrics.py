@@ -8,15 +8,13 @@ plus the store requests the node's workers made (what event-driven weight pulls 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fleetrl.broker import Heartbeat
 from fleetrl.metrics import MetricsRegistry
-
-if TYPE_CHECKING:
-    from fleetrl.regions.supervisor import EngineSupervisor
+from fleetrl.regions.supervisor import DEAD_LETTERED, EngineSupervisor
 
 STATES = ("up", "draining", "offline")
 ENGINE_STATES = ("starting", "up", "restarting", "crashloop", "stopped")
@@ -43,6 +41,10 @@ class AgentMetrics(MetricsRegistry):
                                  "Unfinished groups handed over as partials by this agent's workers", registry=r)
         self.store_requests = Counter("fleetrl_rollout_store_requests_total", "Requests the node's workers made to "
                                     "the region store, by operation", ["op"], registry=r)
+        self.dead_lettered = Counter("fleetrl_rollout_dead_lettered_records_total",
+                                     "Records this agent's workers sent to the dead-letter topic, by reason "
+                                     "(malformed or out-of-bounds prompts, rewards that failed)", ["reason"],
+                                     registry=r)
         self._totals: dict[str, int] = {}
 
     def update(self, beat: Heartbeat, engines: Sequence[EngineSupervisor]) -> None:
@@ -56,6 +58,10 @@ class AgentMetrics(MetricsRegistry):
         self.in_flight.set(beat.in_flight)
         self._advance(self.groups_done, "groups_done", sum(e.totals["groups_done"] for e in engines))
         self._advance(self.handed_over, "handed_over", sum(e.totals["handed_over"] for e in engines))
+        reasons = {k for e in engines for k in e.totals if k.startswith(DEAD_LETTERED)}
+        for key in sorted(reasons):
+            self._advance(self.dead_lettered.labels(key.removeprefix(DEAD_LETTERED)), key,
+                          sum(e.totals.get(key, 0) for e in engines))
         for op in ("gets", "lists"):
             self._advance(self.store_requests.labels(op.rstrip("s")), op, sum(e.totals[op] for e in engines))
 

@@ -6,6 +6,10 @@ publishes it, retained, on `fleetrl/<run>/replicas/<region>` (DESIGN.md §4). Th
 forward it to their workers, which pull it from the region store: no node polls the store, and none
 reads across the WAN.
 
+The same client listens: the retained policy announcement and the other regions' replica
+announcements go into the replicator's `VersionHints`, so a region cut off from the home store
+still learns of new versions and copies them from a peer that holds them.
+
 The announcer runs its MQTT client on a loop of its own thread (the replicator is threaded, not
 async), publishes only what changed, and publishes again after every reconnect, so a broker that
 restarted without its retained state learns it back. MQTT being down never stops replication.
@@ -15,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import threading
 
 from fleetrl.broker import ControlPlane, ControlPlaneError, ReplicaAnnouncement
 from fleetrl.config import FleetConfig
+from fleetrl.hub import VersionHints
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
@@ -30,8 +34,10 @@ _CHECK_S = 1.0  # bound on how late a reconnect's re-announcement goes out
 class ReplicaAnnouncer:
     """Thread-safe `announce(version, manifest_sha256, anchor)`; `close()` stops its thread (bounded)."""
 
-    def __init__(self, config: FleetConfig, region: str) -> None:
+    def __init__(self, config: FleetConfig, region: str, hints: VersionHints | None = None) -> None:
         self.config, self.region = config, region
+        self.hints = hints or VersionHints()
+        """Versions heard on the control plane (policy, peers' replicas), for the replicator."""
         self.published: ReplicaAnnouncement | None = None
         self._wanted: ReplicaAnnouncement | None = None
         self._lock = threading.Lock()
@@ -63,9 +69,11 @@ class ReplicaAnnouncer:
         self._stop, self._poke = asyncio.Event(), asyncio.Event()
         self._ready.set()
         client_id = f"fleetrl-replicator-{self.region}-{os.getpid()}"
-        async with ControlPlane(self.config, client_id, watch_nodes=False, wait_connected=False) as cp:
+        async with ControlPlane(self.config, client_id, watch_nodes=False, watch_replicas=True,
+                                wait_connected=False) as cp:
             announced_on = 0  # the connection (cp.connections) that carried our last announcement
             while not self._stop.is_set():
+                self._listen(cp)
                 with self._lock:
                     wanted = self._wanted
                 if wanted is not None and cp.connected and (wanted != self.published or cp.connections != announced_on):
@@ -76,9 +84,29 @@ class ReplicaAnnouncer:
                     except ControlPlaneError as exc:
                         log.warning("replicator.announce_failed", region=self.region, error=str(exc))
                 self._poke.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_CHECK_S):
-                        await self._poke.wait()
+                await self._wait(cp)
+
+    def _listen(self, cp: ControlPlane) -> None:
+        """Pass what the control plane heard into the hints (our own announcement excluded)."""
+        if cp.policy is not None:
+            self.hints.hear(VersionHints.POLICY, cp.policy.version)
+        for region, replica in list(cp.replicas.items()):
+            if region != self.region:
+                self.hints.hear(region, replica.version)
+
+    async def _wait(self, cp: ControlPlane) -> None:
+        """Until a poke (something to announce), a change of the retained state, or _CHECK_S."""
+        assert self._poke is not None
+        poke = asyncio.ensure_future(self._poke.wait())
+        change = asyncio.ensure_future(cp.changed(timeout_s=_CHECK_S))
+        try:
+            await asyncio.wait({poke, change}, timeout=_CHECK_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (poke, change):
+                task.cancel()
+            failed = (await asyncio.gather(poke, change, return_exceptions=True))[1]
+        if isinstance(failed, ControlPlaneError):  # the client is gone: no change will wake us
+            await asyncio.sleep(_CHECK_S)
 
 
 def run_replicator(args: argparse.Namespace, config: FleetConfig) -> int:
@@ -92,6 +120,6 @@ def run_replicator(args: argparse.Namespace, config: FleetConfig) -> int:
         raise HubError(str(exc.args[0])) from None
     announcer = ReplicaAnnouncer(config, args.region)
     try:
-        return replicate(args, config, on_holding=announcer.announce)
+        return replicate(args, config, on_holding=announcer.announce, hints=announcer.hints)
     finally:
         announcer.close()

@@ -37,6 +37,8 @@ _TICK_S = 0.25  # how often a supervisor looks at its worker
 _LINE_LIMIT = 1 << 20  # longest line read from a worker (a traceback line is far shorter)
 _ERROR_CHARS = 300
 _COUNTERS = ("gets", "lists", "groups_done", "handed_over")
+DEAD_LETTERED = "dead_lettered:"
+"""Prefix of the totals of records dead-lettered, one per reason (`dead_lettered:<reason>`)."""
 
 
 class EngineSupervisor:
@@ -58,8 +60,8 @@ class EngineSupervisor:
         self.announced: int | None = None
         self.totals = dict.fromkeys(_COUNTERS, 0)
         """Counters summed over this engine's workers, the finished ones included: store requests
-        (`gets`, `lists`), `groups_done`, `handed_over`."""
-        self._retired = dict.fromkeys(_COUNTERS, 0)
+        (`gets`, `lists`), `groups_done`, `handed_over`, and `dead_lettered:<reason>` per reason."""
+        self._retired: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._stopping: str | None = None
         self._wake = asyncio.Event()
 
@@ -161,8 +163,10 @@ class EngineSupervisor:
                 continue
             report["_n"] = self.progress.get("_n", 0) + 1
             self.progress = report
-            current = {**report, **(report.get("store") or {})}
-            self.totals = {k: self._retired[k] + int(current.get(k, 0)) for k in _COUNTERS}
+            current = {**report, **(report.get("store") or {}),
+                       **{DEAD_LETTERED + r: n for r, n in (report.get("dead_lettered") or {}).items()}}
+            keys = {*_COUNTERS, *self._retired, *(k for k in current if k.startswith(DEAD_LETTERED))}
+            self.totals = {k: self._retired.get(k, 0) + int(current.get(k, 0)) for k in keys}
             if report.get("weights") is not None and self.state in ("starting", "restarting", "crashloop") \
                     and self._stopping is None:
                 self._set_state("up")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -105,6 +105,8 @@ class RolloutWorker:
         the engine was idle (no work, waiting for a version, or starting)."""
         self.groups_done = 0
         self.groups_handed_over = 0
+        self.dead_lettered: Counter[str] = Counter()
+        """Records this worker sent to the dead-letter topic, by reason (bad prompts, failed rewards)."""
         self.tokens_generated = 0
         self._started = self._last_stats = time.monotonic()
         # (time, engine.tokens_sampled) samples: the reported rate covers the recent window only,
@@ -124,7 +126,8 @@ class RolloutWorker:
 
     async def _run(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
         limits = RecordLimits.from_config(self.config)
-        async with Producer(self.config, self.region, self.client_id) as producer:
+        async with Producer(self.config, self.region, self.client_id,
+                            on_dead_letter=self._count_dead_letter) as producer:
             self.producer = producer
             async with Consumer(self.config, self.region, ["partials", "prompts"], rollout_group(self.config.run),
                                 limits, producer, self.client_id, priority=True) as consumer:
@@ -233,6 +236,7 @@ class RolloutWorker:
         """Counters for heartbeats and logs (the region agent reports them)."""
         in_flight = sum(self.engine.tokens_so_far(g) for g in self.engine.group_ids())
         return {"groups_done": self.groups_done, "handed_over": self.groups_handed_over,
+                "dead_lettered": dict(self.dead_lettered),
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version,
                 "weights": self.weights.have,
@@ -280,6 +284,9 @@ class RolloutWorker:
         log.info("worker.handed_over", group_id=job.group_id, reason=reason,
                  tokens=sum(len(s.completion_ids) for s in record.samples))
         await self._mark_done(job.delivery)
+
+    def _count_dead_letter(self, reason: str) -> None:
+        self.dead_lettered[reason] += 1
 
     async def _dead_letter(self, job: Job, exc: TaskError) -> None:
         d = job.delivery

@@ -6,8 +6,18 @@ buffer, still in flight, or dead-lettered with a reason. A group dispatched afte
 is not lost: the next start draws its prompt again. Anything else is lost; a group twice in the
 ledger was trained twice. Either makes the audit fail.
 
-The topic reader is group-less (assign + seek to the beginning, read to the end offsets), so an
-audit never moves any consumer group's offsets.
+Past retention: the checkpoint's ledger (`ledger.py`) folds old settled groups into ranges of group
+indices and records a settled watermark per region and `prompts` partition, below which every
+record belongs to a settled group (or to one with a later record). The audit reads each
+`prompts` partition from its watermark on (and `trajectories` from the trainer's committed
+offsets), so Kafka retention may delete what lies below; it proves exactly-once for the groups
+dispatched from the watermark on, and checks the folded part for consistency (counts match the
+ranges, no detailed row inside them). A partition whose log now starts after its watermark lost
+records the proof needs: that fails the audit, naming the partition. A checkpoint without
+watermarks (format 1, or the first checkpoints after resuming one) is audited from the beginning.
+
+The topic reader is group-less (assign + seek, read to the end offsets), so an audit never moves
+any consumer group's offsets.
 """
 
 from __future__ import annotations
@@ -26,10 +36,11 @@ from fleetrl.broker import (
     Stream,
     TopicError,
     decode_record,
-    read_log,
+    read_log_from,
     topic_name,
 )
 from fleetrl.config import FleetConfig
+from fleetrl.trainer.ledger import IndexRanges, group_index
 
 
 @dataclass(slots=True)
@@ -43,6 +54,10 @@ class TopicView:
     dead: dict[str, list[str]] = field(default_factory=dict)
     """group id (the record key) -> reasons of its dead letters."""
     dead_letters: int = 0
+    read_from: dict[str, dict[int, int]] = field(default_factory=dict)
+    """region -> `prompts` partition -> the offset the read began at (the settled watermark, or 0)."""
+    log_starts: dict[str, dict[int, int]] = field(default_factory=dict)
+    """region -> `prompts` partition -> where the log starts now (after retention)."""
 
 
 @dataclass(slots=True)
@@ -59,9 +74,21 @@ class AuditReport:
     trained_twice: list[str]
     trained_not_dispatched: list[str]
     checkpoint_step: int | None
+    settled_folded: int = 0
+    """Settled groups the ledger keeps only as index ranges (proven when they were folded)."""
+    watermarks: dict[str, dict[str, int]] = field(default_factory=dict)
+    """region -> `prompts` partition -> settled watermark: the proof covers records from it on."""
+    skipped_below_watermark: int = 0
+    """`prompts` records still in the topics below the watermarks, not read."""
+    cut_by_retention: list[str] = field(default_factory=list)
+    """Partitions whose log starts after their watermark: records the proof needs are gone."""
+    ledger_problems: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
-        out = []
+        out = list(self.ledger_problems)
+        if self.cut_by_retention:
+            out.append(f"records after the settled watermark were removed (retention?) in {self.cut_by_retention}: "
+                       f"the groups they held cannot be proven")
         if self.lost:
             out.append(f"{len(self.lost)} dispatched group(s) lost: {self.lost[:10]}")
         if self.trained_twice:
@@ -76,31 +103,65 @@ def reconcile(view: TopicView, state: dict[str, Any] | None, run: str) -> AuditR
     """Classify every dispatched group against the checkpoint state (None: no checkpoint yet)."""
     s = state or {"step": None, "collector": {"trained": [], "stale": {}, "pending": []},
                   "dispatcher": {"next_index": 0, "in_flight": {}}}
-    trained_rows = s["collector"]["trained"]
-    counts = Counter(row[0] for row in trained_rows)
+    ledger = s["collector"].get("ledger") or {}
+    folded, ledger_problems = _folded(ledger)
+    counts = Counter(row[0] for row in s["collector"]["trained"])
     trained = set(counts)
     stale = set(s["collector"]["stale"])
     pending = {_group_id(raw) for raw in s["collector"]["pending"]}
     in_flight = set(s["dispatcher"]["in_flight"])
     drawn = int(s["dispatcher"]["next_index"])
     dispatched = set(view.dispatched)
+
+    def is_folded(gid: str) -> bool:
+        index = group_index(gid, run)
+        return index is not None and index in folded
+
     lost, after = [], 0
     for gid in sorted(dispatched):
-        if gid in trained or gid in stale or gid in pending or gid in in_flight or gid in view.dead:
+        if gid in trained or gid in stale or gid in pending or gid in in_flight or gid in view.dead or is_folded(gid):
             continue
         if _index(gid, run) >= drawn:
             after += 1
         else:
             lost.append(gid)
+    marks = {r: {str(p): o for p, o in ps} for r, ps in (ledger.get("watermarks") or {}).items()}
     report = AuditReport(
-        ok=False, dispatched=len(dispatched), trained=len(trained), stale=len(stale), pending=len(pending),
+        ok=False, dispatched=len(dispatched), trained=len(trained) + int(ledger.get("folded_trained", 0)),
+        stale=len(stale) + int(ledger.get("folded_stale", 0)), pending=len(pending),
         in_flight=len(in_flight & dispatched), dead_lettered=len(set(view.dead) & dispatched),
         after_checkpoint=after, lost=lost,
-        trained_twice=sorted(g for g, n in counts.items() if n > 1),
+        trained_twice=sorted(g for g, n in counts.items() if n > 1 or is_folded(g)),
         trained_not_dispatched=sorted(trained - dispatched), checkpoint_step=s["step"],
+        settled_folded=len(folded), watermarks=marks,
+        skipped_below_watermark=sum(max(0, view.read_from.get(r, {}).get(p, 0) - start)
+                                    for r, starts in view.log_starts.items() for p, start in starts.items()),
+        cut_by_retention=[f"{r} prompts partition {p}: log starts at {start}, watermark {view.read_from[r][p]}"
+                          for r, starts in sorted(view.log_starts.items()) for p, start in sorted(starts.items())
+                          if start > view.read_from.get(r, {}).get(p, 0)],
+        ledger_problems=ledger_problems,
     )
     report.ok = not report.problems()
     return report
+
+
+def _folded(ledger: dict[str, Any]) -> tuple[IndexRanges, list[str]]:
+    """The folded group indices, and what is wrong with them (counts that do not match)."""
+    try:
+        folded = IndexRanges.from_rows(ledger.get("folded", []))
+    except ValueError as exc:
+        return IndexRanges(), [f"checkpoint ledger: folded groups unreadable: {exc}"]
+    n_trained, n_stale = int(ledger.get("folded_trained", 0)), int(ledger.get("folded_stale", 0))
+    if n_trained + n_stale != len(folded):
+        return folded, [f"checkpoint ledger: {n_trained} trained + {n_stale} stale folded groups, "
+                        f"but its ranges hold {len(folded)}"]
+    return folded, []
+
+
+def watermarks_of(state: dict[str, Any] | None) -> dict[str, dict[int, int]]:
+    """region -> `prompts` partition -> settled watermark, from a checkpoint state ({} if none)."""
+    ledger = ((state or {}).get("collector") or {}).get("ledger") or {}
+    return {str(r): {int(p): int(o) for p, o in ps} for r, ps in (ledger.get("watermarks") or {}).items()}
 
 
 def _group_id(raw: bytes) -> str:
@@ -121,17 +182,31 @@ def _index(gid: str, run: str) -> int:
 # -- reading the topics -----------------------------------------------------------------------
 
 
-async def read_topics(config: FleetConfig, timeout_s: float = 30.0) -> TopicView:
+async def read_topics(config: FleetConfig, timeout_s: float = 30.0, state: dict[str, Any] | None = None) -> TopicView:
+    """What the topics say; with a checkpoint `state`, `prompts` from its settled watermarks and
+    `trajectories` from its committed offsets on."""
     view = TopicView()
+    marks = watermarks_of(state)
+    consumed: dict[str, dict[int, int]] = {}
+    for region, rows in ((state or {}).get("offsets") or {}).items():
+        for topic, partition, offset in rows:
+            if topic == topic_name(config.run, "trajectories"):
+                consumed.setdefault(region, {})[int(partition)] = int(offset)
     for region in config.regions:
-        await _read_region(config, region.name, view, timeout_s)
+        starts = {"prompts": marks.get(region.name, {}), "trajectories": consumed.get(region.name, {})}
+        await _read_region(config, region.name, view, timeout_s, starts)
     return view
 
 
-async def _read_region(config: FleetConfig, region: str, view: TopicView, timeout_s: float) -> None:
+async def _read_region(config: FleetConfig, region: str, view: TopicView, timeout_s: float,
+                       starts: dict[str, dict[int, int]]) -> None:
     streams: tuple[Stream, ...] = ("prompts", "trajectories", "dead-letter")
     for stream in streams:
-        for raw in await _read_all(config, region, stream, timeout_s):
+        records, log_starts = await _read(config, region, stream, timeout_s, starts.get(stream))
+        if stream == "prompts":
+            view.log_starts[region] = log_starts
+            view.read_from[region] = {p: (starts.get(stream) or {}).get(p, 0) for p in log_starts}
+        for raw in records:
             if stream == "dead-letter":
                 dl = DeadLetter.from_record(raw.partition, raw.offset, raw.key, raw.value, raw.headers)
                 view.dead_letters += 1
@@ -147,10 +222,12 @@ async def _read_region(config: FleetConfig, region: str, view: TopicView, timeou
                 view.arrived.setdefault(record.group_id, []).append((region, record.attempt))
 
 
-async def _read_all(config: FleetConfig, region: str, stream: Stream, timeout_s: float) -> list[RawRecord]:
-    # read_log bounds itself by kafka.request_timeout_s; timeout_s bounds the whole topic
+async def _read(config: FleetConfig, region: str, stream: Stream, timeout_s: float,
+                start: dict[int, int] | None) -> tuple[list[RawRecord], dict[int, int]]:
+    # read_log_from bounds itself by kafka.request_timeout_s; timeout_s bounds the whole topic
     topic = topic_name(config.run, stream)
     try:
-        return await asyncio.wait_for(read_log(config, region, topic, client_id=f"{config.run}-audit"), timeout_s)
+        return await asyncio.wait_for(
+            read_log_from(config, region, topic, start, client_id=f"{config.run}-audit"), timeout_s)
     except TopicError:
-        return []  # a topic never created holds nothing to audit
+        return [], {}  # a topic never created holds nothing to audit

@@ -5,7 +5,7 @@ A checkpoint is a folder `step-<N:09d>/` holding
     weights/         fp32 model and AdamW state as torch.distributed.checkpoint shards: every rank
                      writes (and fsyncs) its own file, rank 0 the metadata (trainer checkpoints)
     weights.pt       or: the same state unsharded, one torch.save file (`save`, older checkpoints)
-    state.msgpack    run, step, version, the collector's ledger and buffer, the dispatcher's
+    state.msgpack    run, step, version, the collector's ledger (bounded: `ledger.py`) and buffer, the dispatcher's
                      cursor and groups in flight, and the next offset of every (region, topic,
                      partition) the trainer consumed
 
@@ -32,7 +32,10 @@ from fleetrl.trainer.errors import CheckpointError
 
 log = get_logger(__name__)
 
-FORMAT = "fleetrl.trainer.checkpoint/1"
+FORMAT = "fleetrl.trainer.checkpoint/2"
+"""Format 2 adds the collector's folded ledger and settled watermarks (`ledger.py`); format 1
+states (every ledger row detailed) are still read."""
+READABLE_FORMATS = ("fleetrl.trainer.checkpoint/1", FORMAT)
 STATE_FILE, WEIGHTS_FILE, WEIGHTS_DIR = "state.msgpack", "weights.pt", "weights"
 
 
@@ -150,8 +153,10 @@ def read_state(folder: pathlib.Path) -> dict[str, Any]:
         state = msgpack.unpackb((folder / STATE_FILE).read_bytes(), raw=False, strict_map_key=False)
     except (OSError, ValueError, msgpack.ExtraData) as exc:
         raise CheckpointError(f"checkpoint {folder / STATE_FILE}: unreadable: {exc}") from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {folder / STATE_FILE}: not a {FORMAT} state")
+    if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"checkpoint {folder / STATE_FILE}: format {found!r} is not one this version "
+                              f"reads ({', '.join(READABLE_FORMATS)})")
     return state
 
 

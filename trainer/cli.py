@@ -13,14 +13,15 @@ import json
 
 from fleetrl.config import FleetConfig
 from fleetrl.trainer import checkpoint
-from fleetrl.trainer.audit import read_topics, reconcile
+from fleetrl.trainer.audit import AuditReport, read_topics, reconcile
 
 
 def audit(args: argparse.Namespace, config: FleetConfig) -> int:
     """Exit 0 when every dispatched group is accounted for and none was trained twice, else 1."""
     ckpt = checkpoint.latest(config.trainer.checkpoint_dir, config.run)
-    view = asyncio.run(read_topics(config, timeout_s=config.kafka.request_timeout_s))
-    report = reconcile(view, ckpt.state if ckpt else None, config.run)
+    state = ckpt.state if ckpt else None
+    view = asyncio.run(read_topics(config, timeout_s=config.kafka.request_timeout_s, state=state))
+    report = reconcile(view, state, config.run)
     if getattr(args, "json", False):
         print(json.dumps({**dataclasses.asdict(report), "problems": report.problems(),
                           "checkpoint": str(ckpt.path) if ckpt else None}, indent=2))
@@ -29,7 +30,18 @@ def audit(args: argparse.Namespace, config: FleetConfig) -> int:
         print(f"audit of run {config.run!r} ({where}): {report.dispatched} dispatched, {report.trained} trained "
               f"once, {report.stale} stale, {report.dead_lettered} dead-lettered, {report.pending} buffered, "
               f"{report.in_flight} in flight, {report.after_checkpoint} dispatched after the checkpoint")
+        print(_watermark_line(report))
         for problem in report.problems():
             print(f"PROBLEM: {problem}")
         print("ok" if report.ok else "FAILED")
     return 0 if report.ok else 1
+
+
+def _watermark_line(report: AuditReport) -> str:
+    """Where the proof starts: the settled watermark per region (lowest and highest partition)."""
+    if not report.watermarks:
+        return "proved from the beginning of every topic (the checkpoint has no settled watermark)"
+    spans = ", ".join(f"{region} offsets {min(marks.values())}..{max(marks.values())} over {len(marks)} partition(s)"
+                      for region, marks in sorted(report.watermarks.items()) if marks)
+    return (f"proved from the settled watermark on ({spans}); {report.settled_folded} settled group(s) below "
+            f"it are kept folded in the ledger, {report.skipped_below_watermark} prompt record(s) below it not read")

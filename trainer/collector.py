@@ -10,44 +10,45 @@ rest itself) gets exactly one verdict:
   dropped and counted (a metric), and remembered so that a later copy is a duplicate;
 * `foreign`   - a record of another run (dead-lettered by the trainer with that reason).
 
-The ledger of trained groups (group, attempt, region, step) is append-only and goes into every
-checkpoint with the buffer, so after a restart `fleetrl audit` can prove from the topics and the
-checkpoint that every dispatched group was trained once.
+The ledger of settled groups (`ledger.py`: trained once or dropped stale, the newest in detail,
+older ones folded into ranges of group indices) goes into every checkpoint with the buffer, so
+after a restart `fleetrl audit` can prove from the topics and the checkpoint that every dispatched
+group was trained once, reading each `prompts` partition only from the ledger's settled watermark.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from fleetrl.broker import GroupRecord, decode_record, encode_record
+from fleetrl.trainer.ledger import Ledger, TrainedEntry
 
 Verdict = Literal["accepted", "duplicate", "stale", "foreign"]
 
-
-@dataclass(slots=True)
-class TrainedEntry:
-    group_id: str
-    attempt: int
-    region: str
-    step: int
-    version: int
-    lag: int
+__all__ = ["Collector", "TrainedEntry", "Verdict"]
 
 
 class Collector:
-    def __init__(self, run: str, max_staleness: int) -> None:
+    def __init__(self, run: str, max_staleness: int, ledger_detail_groups: int = 1024) -> None:
         self.run = run
         self.max_lag = max_staleness + 1
-        self.trained: list[TrainedEntry] = []
-        self.stale: dict[str, dict[str, Any]] = {}
+        self.ledger = Ledger(run, ledger_detail_groups)
         self.pending: OrderedDict[str, GroupRecord] = OrderedDict()
-        self._trained_ids: set[str] = set()
         self.duplicates = 0
 
+    @property
+    def trained(self) -> list[TrainedEntry]:
+        """The newest trained groups in detail (older ones are folded: `ledger.trained_count`)."""
+        return self.ledger.trained
+
+    @property
+    def stale(self) -> dict[str, dict[str, Any]]:
+        """The newest stale groups in detail (`ledger.stale_count` counts them all)."""
+        return self.ledger.stale
+
     def is_resolved(self, gid: str) -> bool:
-        return gid in self._trained_ids or gid in self.stale or gid in self.pending
+        return gid in self.pending or self.ledger.settled(gid)
 
     def lag(self, record: GroupRecord, version: int) -> int:
         return version - record.min_version
@@ -90,28 +91,32 @@ class Collector:
 
     def mark_trained(self, groups: list[GroupRecord], step: int, version: int) -> None:
         for g in groups:
-            assert g.group_id not in self._trained_ids, f"group {g.group_id} trained twice"
-            self._trained_ids.add(g.group_id)
-            self.trained.append(TrainedEntry(g.group_id, g.attempt, g.region, step, version, self.lag(g, version)))
+            self.ledger.add_trained(TrainedEntry(g.group_id, g.attempt, g.region, step, version, self.lag(g, version)))
+
+    def note_dispatched(self, gid: str, region: str, partition: int, offset: int) -> None:
+        """Where the prompt record of `gid` landed (the audit's settled watermark needs it)."""
+        self.ledger.note_dispatched(gid, region, partition, offset)
 
     def _drop_stale(self, record: GroupRecord, version: int) -> None:
-        self.stale[record.group_id] = {"attempt": record.attempt, "region": record.region,
-                                       "lag": self.lag(record, version), "version": version}
+        self.ledger.add_stale(record.group_id, {"attempt": record.attempt, "region": record.region,
+                                                "lag": self.lag(record, version), "version": version})
 
     # -- checkpoint ---------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
+        ledger = self.ledger.state()  # folds first: the detail rows below are what is left
         return {
             "trained": [[e.group_id, e.attempt, e.region, e.step, e.version, e.lag] for e in self.trained],
             "stale": self.stale,
+            "ledger": ledger,
             "pending": [encode_record(r) for r in self.pending.values()],
             "duplicates": self.duplicates,
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
-        self.trained = [TrainedEntry(*row) for row in state["trained"]]
-        self._trained_ids = {e.group_id for e in self.trained}
-        self.stale = dict(state["stale"])
+    def restore(self, state: dict[str, Any], drawn: int = 0) -> None:
+        """Continue after `state`; `drawn` is the dispatcher's count of prompts drawn by then (for
+        a checkpoint written before the ledger kept prompt positions)."""
+        self.ledger.restore(state["trained"], state["stale"], state.get("ledger"), drawn)
         self.pending = OrderedDict()
         for raw in state["pending"]:
             record = decode_record(raw)

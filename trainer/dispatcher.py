@@ -118,6 +118,32 @@ class Dispatcher:
             moved += await self._send(gid, f, now)
         return moved
 
+    async def redispatch_region(self, region: str, now: float, exclude: frozenset[str]) -> int:
+        """Send every group still in flight in `region` (a gone region, see handover.py) to another
+        region not in `exclude`, with a new attempt; returns how many were acknowledged."""
+        moved = 0
+        for gid, f in list(self.in_flight.items()):
+            if f.region != region or not f.sent:
+                continue
+            target = self.pick(now, exclude=exclude | {region})
+            if target in exclude or target == region:
+                return moved  # every other region is gone too: wait for one to come back
+            f.region, f.attempt, f.dispatched_at = target, f.attempt + 1, now
+            log.warning("dispatch.redispatched", group_id=gid, attempt=f.attempt, from_region=region,
+                        to_region=target, why="region_gone")
+            moved += await self._send(gid, f, now)
+        return moved
+
+    def pick(self, now: float, exclude: frozenset[str] = frozenset()) -> str:
+        """The region the next group would go to (credits), avoiding `exclude` where any other is left."""
+        return self.credits.pick(self._per_region(), now, exclude=exclude)
+
+    def moved(self, gid: str, region: str, now: float) -> None:
+        """The group was handed to `region` as a partial with the next attempt (see handover.py)."""
+        f = self.in_flight[gid]
+        f.region, f.attempt, f.dispatched_at, f.sent = region, f.attempt + 1, now, True
+        self.credits.on_dispatch(region, now)
+
     def resolve(self, gid: str) -> InFlight | None:
         """The group was consumed (trained, stale, or known dead): no longer in flight."""
         return self.in_flight.pop(gid, None)

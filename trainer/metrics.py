@@ -37,9 +37,21 @@ class TrainerMetrics(MetricsRegistry):
         self.dispatched = Counter("fleetrl_trainer_groups_dispatched_total", "Prompt records sent",
                                   ["region"], registry=r)
         self.redispatched = Counter("fleetrl_trainer_groups_redispatched_total",
-                                    "Groups sent again after their region went silent", registry=r)
+                                    "Groups sent again as prompts after their region went silent, drained or "
+                                    "offline", registry=r)
+        self.partials_moved = Counter("fleetrl_trainer_partials_moved_total",
+                                      "Partials of a gone region re-dispatched to another region with their tokens",
+                                      registry=r)
         self.foreign = Counter("fleetrl_trainer_foreign_records_total", "Records of another run dead-lettered",
                                ["region"], registry=r)
+        self.dead_lettered = Counter(
+            "fleetrl_trainer_dead_lettered_records_total",
+            "Records the trainer sent to a region's dead-letter topic, by reason (malformed, out of bounds, "
+            "another run's)", ["region", "reason"], registry=r)
+        self.consumer_lag = Gauge(
+            "fleetrl_trainer_consumer_lag_records",
+            "Records waiting in the region's trajectories topic: log end minus the trainer's read position, "
+            "over the partitions it holds", ["region"], registry=r)
         self.step_seconds = Histogram("fleetrl_trainer_step_seconds", "Wall time of one optimizer step",
                                       buckets=_STEP_BUCKETS, registry=r)
         self.publish_seconds = Histogram("fleetrl_trainer_weight_publish_seconds",

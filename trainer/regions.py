@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
@@ -31,10 +32,15 @@ from fleetrl.log import get_logger
 log = get_logger(__name__)
 
 
+DeadLetterHook = Callable[[str, str], None]
+"""Called with (region, reason) for each record the trainer dead-lettered."""
+
+
 class RegionClients:
     def __init__(self, config: FleetConfig, limits: RecordLimits, group: str,
-                 offsets: dict[str, dict[tuple[str, int], int]]) -> None:
+                 offsets: dict[str, dict[tuple[str, int], int]], on_dead_letter: DeadLetterHook | None = None) -> None:
         self.config, self.limits, self.group, self.start_offsets = config, limits, group, offsets
+        self._on_dead_letter = on_dead_letter
         self.producers: dict[str, Producer] = {}
         self.consumers: dict[str, Consumer] = {}
         self._handled: dict[str, list[Delivery]] = {r.name: [] for r in config.regions}
@@ -66,7 +72,10 @@ class RegionClients:
         run = self.config.run
         stack = AsyncExitStack()
         try:
-            p = await stack.enter_async_context(Producer(self.config, name, f"{run}-trainer-{name}"))
+            hook = self._on_dead_letter
+            p = await stack.enter_async_context(Producer(
+                self.config, name, f"{run}-trainer-{name}",
+                on_dead_letter=None if hook is None else (lambda reason: hook(name, reason))))
             c = await stack.enter_async_context(Consumer(self.config, name, ["trajectories"], self.group,
                                                          self.limits, p, f"{run}-trainer-{name}"))
         except BaseException:
@@ -102,12 +111,13 @@ class RegionClients:
             raise KafkaError(f"region {region!r}: cluster not connected", retriable=True)
         return p
 
-    async def send(self, region: str, stream: Stream, key: str, record: Record) -> None:
-        """Produce to the region's cluster (after the emulated link delay, where one is set)."""
+    async def send(self, region: str, stream: Stream, key: str, record: Record) -> tuple[int, int]:
+        """Produce to the region's cluster (after the emulated link delay, where one is set); returns
+        the record's (partition, offset)."""
         producer = self.producer(region)
         if self.link_delay_s.get(region):
             await asyncio.sleep(self.link_delay_s[region])
-        await producer.send(stream, key, record)
+        return await producer.send(stream, key, record)
 
     async def poll(self, max_records: int, timeout_s: float) -> dict[str, list[Delivery]]:
         """Poll every connected region at once; a retriable failure skips that region this round.
@@ -143,6 +153,22 @@ class RegionClients:
         while transit and transit[0][0] <= now:
             arrived.append(transit.popleft()[1])
         return arrived
+
+    async def lag(self) -> dict[str, int]:
+        """Records waiting in each connected region's trajectories topic (regions with no fetch answered
+        yet are left out); a retriable failure leaves that region out this round."""
+        out: dict[str, int] = {}
+        for name, consumer in list(self.consumers.items()):
+            try:
+                lag = await consumer.lag()
+            except KafkaError as exc:
+                if not exc.retriable:
+                    raise
+                log.warning("trainer.lag_failed", region=name, error=str(exc))
+                continue
+            if lag is not None:
+                out[name] = lag
+        return out
 
     def handled(self, region: str, delivery: Delivery) -> None:
         self._handled[region].append(delivery)

@@ -52,6 +52,7 @@ from fleetrl.trainer.batch import build_step_batch
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.handover import Handover
 from fleetrl.trainer.learner import Learner
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
@@ -84,7 +85,7 @@ class Trainer:
         self.metrics = metrics or TrainerMetrics()
         self.use_mqtt = use_mqtt
         a = config.algorithm
-        self.collector = Collector(config.run, a.max_staleness)
+        self.collector = Collector(config.run, a.max_staleness, config.trainer.ledger_detail_groups)
         self.credits = RegionCredits(
             {r.name: r.weight for r in config.regions}, window_s=config.trainer.throughput_window_s,
             tokens_per_group=a.n_samples * a.max_new_tokens,
@@ -113,12 +114,15 @@ class Trainer:
             await self._restore_or_start()
             limits = RecordLimits.from_config(self.config)
             self.clients = await stack.enter_async_context(
-                RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets))
+                RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets,
+                              on_dead_letter=self._count_dead_letter))
+            self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector.max_lag)
+            stack.push_async_callback(self.handover.close)
             await self._loop(target, stop)
             await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
         self.result.steps, self.result.version = self.step, self.version
-        self.result.trained_groups = len(self.collector.trained)
-        self.result.stale_groups, self.result.duplicates = len(self.collector.stale), self.collector.duplicates
+        self.result.trained_groups = self.collector.ledger.trained_count
+        self.result.stale_groups, self.result.duplicates = self.collector.ledger.stale_count, self.collector.duplicates
         return self.result
 
     async def _restore_or_start(self) -> None:
@@ -135,7 +139,7 @@ class Trainer:
             await asyncio.to_thread(self.learner.load_state, msd, osd)
         s = ckpt.state
         self.step, self.version, self._saved_step = int(s["step"]), int(s["version"]), int(s["step"])
-        self.collector.restore(s["collector"])
+        self.collector.restore(s["collector"], drawn=int(s["dispatcher"]["next_index"]))
         self.dispatcher.restore(s["dispatcher"], self._prompts())
         self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
         for r in self.config.regions:
@@ -163,9 +167,12 @@ class Trainer:
             self.metrics.redispatched.inc(moved)
             await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved)
             self._heartbeats(now)
+            await self._hand_over(now)
             for region, deliveries in (await self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S)).items():
                 for d in deliveries:
                     await self._on_group(region, d)
+            for region, lag in (await self.clients.lag()).items():
+                self.metrics.consumer_lag.labels(region).set(lag)
             while self.step < target and self.collector.ready(self.config.algorithm.groups_per_step):
                 if not await self._train_one():
                     break
@@ -206,6 +213,9 @@ class Trainer:
         assert self.clients is not None
         self.clients.handled(region, delivery)
 
+    def _count_dead_letter(self, region: str, reason: str) -> None:
+        self.metrics.dead_lettered.labels(region, reason).inc()
+
     def _count_stale(self, region: str, record: GroupRecord) -> None:
         self.metrics.stale_dropped.labels(region).inc()
         log.warning("group.stale", group_id=record.group_id, region=region, lag=self.version - record.min_version,
@@ -216,13 +226,22 @@ class Trainer:
         assert self.clients is not None
         timeout_s = self.config.kafka.request_timeout_s
         try:
-            await asyncio.wait_for(self.clients.send(region, "prompts", record.group_id, record),
-                                   timeout_s + self.clients.link_delay_s.get(region, 0.0))
+            partition, offset = await asyncio.wait_for(
+                self.clients.send(region, "prompts", record.group_id, record),
+                timeout_s + self.clients.link_delay_s.get(region, 0.0))
         except TimeoutError as exc:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
                              retriable=True) from exc
+        self.collector.note_dispatched(record.group_id, region, partition, offset)
         self.metrics.dispatched.labels(region).inc()
+
+    async def _hand_over(self, now: float) -> None:
+        """Move the work of regions whose nodes are all draining, offline or silent (handover.py)."""
+        nodes = self.announcer.nodes if self.announcer is not None else {}
+        partials, prompts = await self.handover.tick(now, self.version, nodes)
+        self.metrics.partials_moved.inc(partials)
+        self.metrics.redispatched.inc(prompts)
 
     def _heartbeats(self, now: float) -> None:
         nodes = self.announcer.nodes if self.announcer is not None else {}

@@ -311,10 +311,15 @@ class TrainerConfig(Model):
     """Steps between checkpoints; offsets are committed only after the checkpoint is durable."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk; older ones are deleted after a new one is durable."""
+    ledger_detail_groups: int = Field(1024, ge=1)
+    """Settled groups (trained, and stale) the checkpoint's ledger keeps row by row; older ones are
+    folded into ranges of group indices, so checkpoints stay small over any run length."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Prometheus port of the trainer (0 picks a free port; None disables)."""
     silent_region_timeout_s: float = Field(300.0, gt=0)
-    """A group dispatched to a region that stays silent this long is redispatched (new attempt)."""
+    """A group dispatched to a region that stays silent this long is redispatched (new attempt). A region
+    whose nodes are all draining, offline or without heartbeats for two `mqtt.heartbeat_interval_s` is
+    handled sooner: its partials and groups move to another region (docs/trainer.md, handover)."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads of the learner on CPU."""
     drain_timeout_s: float = Field(30.0, gt=0)

@@ -54,6 +54,11 @@ class Outcome:
     dead: dict[str, DeadLetter]
     lag_after_commit: int
     limits: RecordLimits
+    reasons_counted: list[str]
+    """What the producer's `on_dead_letter` hook was called with, in order."""
+    producer_counts: dict[str, int]
+    member_lag: list[int | None]
+    """`Consumer.lag()`: after reading all, with 3 unread records, after reading them too."""
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +70,9 @@ async def _scenario(bootstrap: str) -> Outcome:
     config = make_config(fleet_yaml(f"t{uuid.uuid4().hex[:10]}", bootstrap))
     limits = RecordLimits.from_config(config)
     await ensure_topics(config, "r1")
-    async with Producer(config, "r1", "dl-producer") as producer:
+    reasons: list[str] = []
+    member_lag: list[int | None] = []
+    async with Producer(config, "r1", "dl-producer", on_dead_letter=reasons.append) as producer:
         for key in [*GOOD[:2], *BAD, *GOOD[2:]]:
             spec = dict(BAD.get(key, {}))
             n_samples = spec.pop("n_samples", 2)
@@ -78,9 +85,28 @@ async def _scenario(bootstrap: str) -> Outcome:
             delivered = await poll_until(consumer, len(GOOD))
             delivered += await consumer.poll(max_records=100, timeout_s=1.0)  # anything fetched late
             await consumer.commit(delivered)
+            member_lag.append(await consumer.lag())
+            await _unread_lag(config.run, producer, consumer, member_lag)
     dead = {(d.key or b"").decode(): d for d in await read_dead_letters(config, "r1", limit=100)}
     lag = sum(row.lag for row in await group_lag(config, "r1") if row.topic.endswith("trajectories"))
-    return Outcome(config.run, delivered, dead, lag, limits)
+    return Outcome(config.run, delivered, dead, lag, limits, reasons, dict(producer.dead_lettered), member_lag)
+
+
+async def _unread_lag(run: str, producer: Producer, consumer: Consumer, member_lag: list[int | None]) -> None:
+    """Three more records in one partition: the member's lag shows them (the fetcher learns the log end
+    in the background) until it reads them."""
+    for i in range(3):
+        await producer.send("trajectories", "late", make_group(f"late-{i}", run=run, n_samples=2, n_tokens=3))
+    seen: int | None = None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while seen != 3 and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+        seen = await consumer.lag()
+    member_lag.append(seen)
+    late = await poll_until(consumer, 3)
+    await consumer.commit(late)
+    member_lag.append(await consumer.lag())
 
 
 def assert_dead_lettered(outcome: Outcome, key: str, reason: str, field: str) -> DeadLetter:
@@ -135,3 +161,14 @@ def test_nothing_is_lost_and_dead_letters_are_committed(outcome: Outcome) -> Non
     assert set(outcome.dead) == {*BAD, "bad-bytes"}
     # ... and committing the good ones also covered the dead letters around them: no lag is left.
     assert outcome.lag_after_commit == 0
+
+
+def test_the_producer_counts_dead_letters_by_reason(outcome: Outcome) -> None:
+    expected = {"token_range": 2, "samples_bound": 1, "logprob_bound": 2, "unknown_task": 1, "malformed": 1}
+    assert outcome.producer_counts == expected
+    assert sorted(outcome.reasons_counted) == sorted(r for r, n in expected.items() for _ in range(n))
+
+
+def test_a_members_lag_counts_the_records_it_has_not_read(outcome: Outcome) -> None:
+    # all read: 0; three produced and not read: 3; read: 0
+    assert outcome.member_lag == [0, 3, 0]

@@ -63,3 +63,31 @@ def test_every_dashboard_query_names_a_documented_metric() -> None:
         assert used, expr
         for name in used:
             assert re.sub(r"_(bucket|sum|count)$", "", name) in names, f"{name} in {expr!r} is not a FleetRL metric"
+
+
+# What the board must show (issue 16), each by a metric that some panel queries.
+BOARD_MUST_SHOW = {
+    "mean reward": "fleetrl_trainer_reward_mean",
+    "staleness": "fleetrl_trainer_staleness_versions",
+    "groups/s per region": "fleetrl_trainer_groups_received_total",
+    "Kafka consumer lag per region": "fleetrl_trainer_consumer_lag_records",
+    "stale groups": "fleetrl_trainer_stale_groups_dropped_total",
+    "dead-lettered by the trainer": "fleetrl_trainer_dead_lettered_records_total",
+    "dead-lettered by rollout workers": "fleetrl_rollout_dead_lettered_records_total",
+    "hub bytes per version": "fleetrl_trainer_weight_publish_last_bytes",
+    "WAN copies": "fleetrl_replicator_versions_copied_total",
+    "node states": "fleetrl_agent_state",
+}
+
+
+def test_the_dashboard_shows_what_an_operator_needs() -> None:
+    board = json.loads((ROOT / "deploy" / "grafana" / "fleetrl.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+    def queried(name: str) -> bool:
+        return any(re.search(rf"\b{name}(_bucket|_sum|_count)?\b", e) for e in exprs)
+
+    missing = [what for what, name in BOARD_MUST_SHOW.items() if not queried(name)]
+    assert not missing, f"the board shows no {missing}"
+    lag = [e for e in exprs if "fleetrl_trainer_consumer_lag_records" in e]
+    assert all("by (region)" in e for e in lag), f"lag must be shown per region: {lag}"
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"]), "panel ids must be unique"

@@ -15,7 +15,7 @@ from tf_support import TF_ROOT, Terraform, resources
 
 from fleetrl.config import parse_config
 
-PROVIDER_FREE = ["modules/fleet-config", "modules/node-bootstrap"]
+PROVIDER_FREE = ["modules/fleet-config", "modules/node-bootstrap", "modules/kafka-acls"]
 AWS_DIRS = [
     "modules/s3-store",
     "modules/generated-secret",
@@ -140,3 +140,18 @@ def test_mosquitto_cloud_config(mock_apply: dict[str, Any]) -> None:
     spec = json.loads(files["/etc/fleetrl/secrets.json"])
     assert spec["env"]["MQTT_PASSWORD"]["json_key"] == "password"
     assert "mosquitto" in cloud["packages"]
+
+
+def test_each_region_renders_its_kafka_acls(mock_apply: dict[str, Any]) -> None:
+    state = mock_apply["state"]
+    config = parse_config(state["outputs"]["fleet_yaml"]["value"], env={})
+    commands = state["outputs"]["kafka_acl_commands"]["value"]
+    assert set(commands) == {r.name for r in config.regions}
+    for region in config.regions:
+        # one SCRAM user per region (the default): every role's grants go to it
+        user = f"User:{region.kafka.sasl_username}"
+        assert commands[region.name] and all(f"--allow-principal {user} " in c for c in commands[region.name])
+        assert any(f"--topic fleetrl.{config.run}.trajectories " in c for c in commands[region.name])
+    # enforcement is opt-in (kafka.enforce_acls) until the ACLs are applied
+    msk = [r["values"] for r in resources(state["root_module"]) if r["type"] == "aws_msk_configuration"]
+    assert len(msk) == 2 and all("allow.everyone.if.no.acl.found=true\n" in v["server_properties"] for v in msk)

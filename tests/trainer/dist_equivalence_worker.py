@@ -27,19 +27,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ppo-epochs", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     ctx = DistContext.from_env("cpu")
     try:
-        train(ctx, args.steps, args.out)
+        train(ctx, args.steps, args.out, args.ppo_epochs)
     finally:
         ctx.close()  # after the learner is gone (see DistContext.close)
 
 
-def train(ctx: DistContext, steps: int, out: str) -> None:
+def train(ctx: DistContext, steps: int, out: str, ppo_epochs: int = 1) -> None:
     # 3 groups of 3 samples = 9 samples: ranks get 5 and 4, micro-batches of 2 -> rank 1 runs a
     # zero-loss stand-in in its third micro-batch. KL and clipping are on, so every path is used.
-    algo = AlgorithmConfig(lr=1e-2, micro_batch_samples=2, kl_coef=0.05, grad_clip=0.5, aggregation="seq_mean")
+    # With ppo_epochs 2 (one mini-batch: the same samples per update on any number of ranks), the
+    # step's old logprobs are computed on every rank and the second update's ratio moves off 1.
+    algo = AlgorithmConfig(lr=1e-2, micro_batch_samples=2, kl_coef=0.05, grad_clip=0.5, aggregation="seq_mean",
+                           ppo_epochs=ppo_epochs)
     learner = Learner(ModelConfig(), algo, ctx)
     if not ctx.is_leader:
         learner.follow()
@@ -50,7 +54,8 @@ def train(ctx: DistContext, steps: int, out: str) -> None:
     ckpt_dir = pathlib.Path(out).parent / "ckpt"
     for step in range(steps):
         stats = learner.train_step(batches[step])
-        history.append([stats.loss, stats.grad_norm, stats.kl, float(stats.tokens)])
+        history.append([stats.loss, stats.grad_norm, stats.kl, float(stats.tokens), stats.approx_kl,
+                        stats.clip_fraction])
         if step == half:
             learner.load_state(*learner.checkpoint_state())
             tmp = checkpoint.begin(ckpt_dir, step + 1)

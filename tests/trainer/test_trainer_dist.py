@@ -27,10 +27,10 @@ measures ~2e-5 here. A wrong loss scale or a lost shard moves them by far more (
 pre-clip gradient norm, compared at 1e-4 relative)."""
 
 
-def _run(cmd: list[str], tmp: Path) -> dict[str, object]:
+def _run(cmd: list[str], tmp: Path, *extra: str) -> dict[str, object]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = tmp / "out.pt"
-    proc = subprocess.run([*cmd, str(WORKER), "--out", str(out), "--steps", "3"], env=env, cwd=tmp,
+    proc = subprocess.run([*cmd, str(WORKER), "--out", str(out), "--steps", "3", *extra], env=env, cwd=tmp,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, object] = torch.load(out)
@@ -66,6 +66,23 @@ def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     assert sharded is not None and sharded.shards is not None
     model, optimizer = sharded.weights()
     assert model.keys() == p1.keys() and optimizer["state"]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_with_two_ppo_epochs(tmp_path: Path) -> None:
+    """Two updates per step: the old logprobs (one no-grad pass on every rank, padded alike) and the
+    step-wide totals of each update add up across ranks as in one process."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = _run([sys.executable], tmp_path / "one", "--ppo-epochs", "2")
+    two = _run(TORCHRUN, tmp_path / "two", "--ppo-epochs", "2")
+    p1, p2 = one["params"], two["params"]
+    assert isinstance(p1, dict) and isinstance(p2, dict) and p1.keys() == p2.keys()
+    for k in p1:
+        torch.testing.assert_close(p2[k], p1[k], atol=PARAM_ATOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+    stats1, stats2 = torch.tensor(one["stats"]), torch.tensor(two["stats"])
+    torch.testing.assert_close(stats2, stats1, rtol=1e-3, atol=1e-6)
+    assert (stats1[:, 4] > 0).all()  # approx KL: the second update's ratio is not 1
 
 
 def _initial_params() -> dict[str, torch.Tensor]:

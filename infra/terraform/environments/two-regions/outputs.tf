@@ -25,3 +25,11 @@ output "trainer_instance_id" {
   description = "Instance id of the trainer (Session Manager target when enable_ssm is on)."
   value       = module.home.trainer_instance_id
 }
+
+output "kafka_acl_commands" {
+  description = "kafka-acls.sh commands that grant each role its ACLs, by FleetRL region (run them with an admin client config)."
+  value = {
+    (var.regions[0].name) = module.region_a.kafka_acls.commands
+    (var.regions[1].name) = module.region_b.kafka_acls.commands
+  }
+}

@@ -46,10 +46,11 @@ resource "aws_msk_configuration" "kafka" {
   kafka_versions = [var.kafka.version]
   # Topics are created by `fleetrl topics create` with their own max.message.bytes (16 MiB); the
   # broker limits are raised to match so replication of large trajectory records never stalls.
-  # SCRAM authenticates every client and FleetRL uses no ACLs, hence allow.everyone.if.no.acl.found.
+  # SCRAM authenticates every client. Kafka ACLs are not an AWS resource: the kafka_acls output
+  # renders them (kafka-acls.sh commands); once applied, kafka.enforce_acls = true denies the rest.
   server_properties = <<-EOT
     auto.create.topics.enable=false
-    allow.everyone.if.no.acl.found=true
+    allow.everyone.if.no.acl.found=${!var.kafka.enforce_acls}
     message.max.bytes=${var.max_message_bytes}
     replica.fetch.max.bytes=${var.max_message_bytes}
     replica.fetch.response.max.bytes=${max(var.max_message_bytes, 10485760)}
@@ -143,5 +144,18 @@ locals {
   kafka_password_secret_arn = local.msk ? aws_secretsmanager_secret.kafka[0].arn : var.kafka.password_secret_arn
   kafka_password_secret = local.kafka_password_secret_arn == null ? {} : {
     (local.kafka_password_env) = { arn = local.kafka_password_secret_arn, json_key = local.msk ? "password" : var.kafka.password_json_key }
+  }
+}
+
+# The ACLs each role needs on this cluster (trainer, rollout nodes, operator tools), rendered: neither
+# the AWS provider nor MSK's API manages Kafka ACLs. With one SCRAM user per region (the default) every
+# role maps to it, so the grants are the union; give roles their own users to separate them.
+module "kafka_acls" {
+  source    = "../kafka-acls"
+  run       = var.run
+  bootstrap = local.kafka_bootstrap
+  principals = {
+    for role in ["trainer", "rollout", "operator"] :
+    role => coalesce(var.kafka.acl_principals[role], "User:${var.kafka.sasl_username}")
   }
 }

@@ -18,6 +18,11 @@ output "kafka_kms_key_arn" {
   value       = local.msk ? aws_kms_key.kafka[0].arn : null
 }
 
+output "kafka_acls" {
+  description = "The Kafka ACLs each role needs on this region's cluster: bindings (acls) and kafka-acls.sh commands that add them."
+  value       = { acls = module.kafka_acls.acls, commands = module.kafka_acls.commands }
+}
+
 output "store_url" {
   description = "URL of the region store as fleet.yaml writes it (s3://bucket/hub)."
   value       = module.store.url

@@ -62,6 +62,14 @@ variable "kafka" {
     broker_volume_gb     = optional(number, 500)
     sasl_username        = optional(string, "fleetrl")
     log_retention_days   = optional(number, 30)
+    # Kafka ACLs (rendered as the kafka_acls output): each role's principal, User:<sasl_username> by
+    # default; enforce_acls = true sets allow.everyone.if.no.acl.found=false on MSK once they are applied.
+    acl_principals = optional(object({
+      trainer  = optional(string)
+      rollout  = optional(string)
+      operator = optional(string)
+    }), {})
+    enforce_acls = optional(bool, false)
     # mode = "external": an existing cluster (Redpanda, Confluent, self-managed brokers).
     bootstrap           = optional(string)
     security_protocol   = optional(string, "SASL_SSL")
@@ -71,7 +79,7 @@ variable "kafka" {
     external_cidrs      = optional(list(string), [])
   })
   default     = {}
-  description = "The region's Kafka: an MSK cluster with SASL/SCRAM (mode = \"msk\") or an existing cluster (mode = \"external\")."
+  description = "The region's Kafka: an MSK cluster with SASL/SCRAM (mode = \"msk\") or an existing cluster (mode = \"external\"), and the principal of each role for its ACLs."
   validation {
     condition     = contains(["msk", "external"], var.kafka.mode)
     error_message = "kafka.mode must be msk or external."

@@ -1,0 +1,129 @@
+"""Which regions are gone, from the heartbeats, and how fast their groups move (trainer/handover.py).
+
+The trainer's clock is passed in, so the timing is exact: a region whose heartbeats all stop has its
+groups re-dispatched within 3 heartbeat intervals, never while it still beats.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from fleetrl.broker import PromptRecord, RecordLimits
+from fleetrl.config import FleetConfig
+from fleetrl.trainer.credits import RegionCredits
+from fleetrl.trainer.dispatcher import Dispatcher
+from fleetrl.trainer.handover import Handover, RegionWatch
+from fleetrl.trainer.regions import RegionClients
+
+INTERVAL_S = 1.0
+
+
+@dataclass
+class Beat:
+    state: str
+    ts: float
+
+
+def config(handover_timeout_s: float = 4.0) -> FleetConfig:
+    return FleetConfig.model_validate({
+        "run": "ho", "algorithm": {"max_staleness": 1, "groups_per_step": 4, "n_samples": 2},
+        "mqtt": {"heartbeat_interval_s": INTERVAL_S},
+        "rollout": {"handover_timeout_s": handover_timeout_s},
+        "regions": [{"name": r, "kafka": "127.0.0.1:9", "store": f"/tmp/{r}"} for r in ("a", "b")],
+    })
+
+
+class Fleet:
+    """A dispatcher with 8 groups spread over a and b, and the trainer's handover over them. The
+    region clients are never connected: a gone region's partials are unreachable, so its groups move
+    as prompts (the partials path is the e2e test's)."""
+
+    def __init__(self, cfg: FleetConfig) -> None:
+        self.sent: list[tuple[str, PromptRecord]] = []
+        self.credits = RegionCredits({"a": 1.0, "b": 1.0}, window_s=10, tokens_per_group=1)
+        self.dispatcher = Dispatcher(cfg, itertools.repeat(("reverse", "ab=", "ba")), self._send, self.credits)
+        limits = RecordLimits.from_config(cfg)
+        self.handover = Handover(cfg, RegionClients(cfg, limits, "g", {}), self.dispatcher, limits, max_lag=2)
+        self.nodes: dict[tuple[str, str], Any] = {}
+
+    async def _send(self, region: str, record: PromptRecord) -> None:
+        self.sent.append((region, record))
+
+    def beat(self, region: str, state: str, now: float) -> None:
+        self.nodes[(region, "n1")] = Beat(state, now)
+        self.credits.on_heartbeat(region, "n1", state, 10.0, now)
+
+    def held_by(self, region: str) -> set[str]:
+        return {g for g, f in self.dispatcher.in_flight.items() if f.region == region}
+
+
+async def test_a_region_whose_heartbeats_stop_has_its_groups_redispatched_within_3_intervals() -> None:
+    fleet = Fleet(config())
+    now = 0.0
+    fleet.beat("a", "up", now)
+    fleet.beat("b", "up", now)
+    await fleet.dispatcher.dispatch(1, 0, now, lambda gid: False)
+    held = fleet.held_by("a")
+    assert held and fleet.held_by("b")
+    last_beat_a = 0.0
+    moved_at = None
+    while now < 20.0:  # the trainer's loop: one tick per 0.2 s; a beats until t=10, b always
+        now = round(now + 0.2, 1)
+        if now % INTERVAL_S == 0:
+            fleet.beat("b", "up", now)
+            if now <= 10.0:
+                fleet.beat("a", "up", now)
+                last_beat_a = now
+        _, prompts = await fleet.handover.tick(now, 0, fleet.nodes)
+        if prompts:
+            assert moved_at is None  # moved once
+            moved_at = now
+    assert moved_at is not None and last_beat_a == 10.0
+    assert 2 * INTERVAL_S < moved_at - last_beat_a <= 3 * INTERVAL_S  # not while it beat, within 3
+    assert not fleet.held_by("a")
+    for gid in held:
+        f = fleet.dispatcher.in_flight[gid]
+        assert f.region == "b" and f.attempt == 1
+    resent = [r for region, r in fleet.sent if r.group_id in held and r.attempt == 1]
+    assert len(resent) == len(held) and all(region == "b" for region, r in fleet.sent if r.attempt == 1)
+    assert fleet.handover.watch.gone["a"][1] == "silent"
+
+    fleet.beat("a", "up", now + 0.5)  # a comes back: no longer gone, nothing moves again
+    assert await fleet.handover.tick(now + 0.5, 0, fleet.nodes) == (0, 0)
+    assert "a" not in fleet.handover.watch.gone
+    await fleet.handover.close()
+
+
+async def test_a_draining_region_keeps_its_groups_for_the_handover_then_they_move() -> None:
+    fleet = Fleet(config(handover_timeout_s=4.0))
+    fleet.beat("a", "up", 0.0)
+    fleet.beat("b", "up", 0.0)
+    await fleet.dispatcher.dispatch(1, 0, 0.0, lambda gid: False)
+    held = fleet.held_by("a")
+    fleet.beat("a", "draining", 1.0)  # the agent keeps beating `draining` while its workers hand over
+    fleet.beat("b", "up", 1.0)
+    assert await fleet.handover.tick(1.0, 0, fleet.nodes) == (0, 0)
+    assert fleet.handover.watch.gone["a"] == (1.0, "drain")
+    fleet.beat("a", "draining", 4.0)
+    fleet.beat("b", "up", 4.0)
+    assert await fleet.handover.tick(4.9, 0, fleet.nodes) == (0, 0)  # partials may still be on their way
+    _, prompts = await fleet.handover.tick(5.0, 0, fleet.nodes)
+    assert prompts == len(held) and not fleet.held_by("a")
+    await fleet.handover.close()
+
+
+def test_region_watch_reasons() -> None:
+    watch = RegionWatch(["a", "b", "c"], heartbeat_interval_s=1.0)
+    watch.observe("a", "n1", "offline", 5.0, 5.0)
+    watch.observe("a", "n2", "offline", 5.0, 5.0)
+    watch.observe("b", "n1", "up", 5.0, 5.0)
+    watch.observe("b", "n2", "draining", 5.0, 5.0)
+    assert watch.update(5.0) == (["a"], [])  # b still has a node up; c was never heard of
+    assert watch.gone["a"][1] == "offline"
+    watch.observe("b", "n1", "draining", 5.5, 5.5)
+    assert watch.update(5.5) == (["b"], []) and watch.gone["b"][1] == "drain"
+    # A retained "up" from long ago (a trainer restarted after the region died) is silent at once.
+    watch.observe("c", "n1", "up", 1.0, 100.0)
+    assert "c" in watch.update(100.0)[0] and watch.gone["c"][1] == "silent"

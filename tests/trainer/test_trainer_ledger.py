@@ -1,0 +1,166 @@
+"""The bounded ledger: folded index ranges, settled watermarks, checkpoint size, and the audit's use of them."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+
+import pytest
+from trainer_groups import make_group
+
+from fleetrl.broker import encode_record
+from fleetrl.trainer import checkpoint
+from fleetrl.trainer.audit import TopicView, reconcile
+from fleetrl.trainer.collector import Collector
+from fleetrl.trainer.errors import CheckpointError
+from fleetrl.trainer.ledger import IndexRanges, group_index
+
+RUN = "r"
+PARTITIONS = 4
+
+
+def gid(i: int) -> str:
+    return f"{RUN}-{i:09d}"
+
+
+def test_index_ranges_merge_and_refuse_overlaps() -> None:
+    r = IndexRanges()
+    for i in (0, 2, 1, 5, 4, 9):
+        assert r.add(i)
+    assert not r.add(1)
+    assert r.rows() == [[0, 3], [4, 6], [9, 10]] and len(r) == 6
+    assert 4 in r and 3 not in r and 10 not in r
+    assert r.covers_below(3) and not r.covers_below(4)
+    assert IndexRanges.from_rows(r.rows()).rows() == r.rows()
+    with pytest.raises(ValueError, match="overlaps"):
+        IndexRanges.from_rows([[0, 3], [2, 5]])
+
+
+def test_group_index_only_for_dispatcher_ids() -> None:
+    assert group_index("r-000000042", "r") == 42
+    assert group_index("r-x1", "r") is None and group_index("other-000000001", "r") is None
+
+
+def _run(n: int, tmp: pathlib.Path, stuck: int | None = None) -> tuple[Collector, pathlib.Path]:
+    """`n` groups dispatched round-robin over the partitions and settled in order (one in 20 stale),
+    except `stuck` (dead-lettered, never settles); a checkpoint state written with checkpoint.commit."""
+    rng = random.Random(0)
+    c = Collector(RUN, max_staleness=1, ledger_detail_groups=256)
+    offsets = [0] * PARTITIONS
+    for i in range(n):
+        p = i % PARTITIONS
+        c.note_dispatched(gid(i), "a", p, offsets[p])
+        offsets[p] += 1
+        if i == stuck:
+            continue
+        g = make_group(gid(i), RUN, version=0 if rng.random() < 0.05 else 5, n=2)
+        assert c.offer(g, version=5) in ("accepted", "stale")
+        batch, _ = c.take(1, version=5)
+        c.mark_trained(batch, step=i, version=5)
+    tmp.mkdir()
+    folder = checkpoint.commit(tmp, checkpoint.begin(tmp, 1), {"run": RUN, "step": 1, "collector": c.state()}, keep=1)
+    return c, folder / checkpoint.STATE_FILE
+
+
+def test_checkpoint_after_20000_groups_within_2x_of_2000(tmp_path: pathlib.Path) -> None:
+    _, small_file = _run(2_000, tmp_path / "small", stuck=7)
+    big, big_file = _run(20_000, tmp_path / "big", stuck=7)
+    small_bytes, big_bytes = small_file.stat().st_size, big_file.stat().st_size
+    print(f"ledger state bytes: 2000 groups {small_bytes}, 20000 groups {big_bytes}, "
+          f"ratio {big_bytes / small_bytes:.2f}")
+    assert big_bytes <= 2 * small_bytes
+    # Nothing is forgotten: every group is still settled (a redelivery is a duplicate), the counts add up.
+    assert big.ledger.trained_count + big.ledger.stale_count == 20_000 - 1
+    assert big.ledger.stale_count > 500 and len(big.trained) <= 256
+    again = make_group(gid(3), RUN, version=5, n=2)
+    assert big.offer(again, version=5) == "duplicate"
+    stuck = make_group(gid(7), RUN, version=5, n=2)
+    assert big.offer(stuck, version=5) == "accepted"  # the dead-lettered one may still arrive, once
+
+
+def test_watermark_stops_at_an_unsettled_group_in_its_partition_only(tmp_path: pathlib.Path) -> None:
+    c, state_file = _run(2_000, tmp_path / "ck", stuck=7)
+    marks = checkpoint.read_state(state_file.parent)["collector"]["ledger"]["watermarks"]
+    # group 7 went to partition 3 at offset 1: that partition's watermark waits for it; the others
+    # are past everything folded (their oldest unfolded group is among the newest 256 rows)
+    by_p = dict(marks["a"])
+    assert by_p[3] == 1
+    assert all(400 < by_p[p] <= 500 for p in (0, 1, 2))
+    # once the stuck group settles and is folded, its partition moves on, never back
+    c.ledger.detail_groups = 1
+    for i in (7, 2_000):
+        c.note_dispatched(gid(i), "a", 0, 500) if i == 2_000 else None
+        c.offer(make_group(gid(i), RUN, version=5, n=2), version=5)
+        c.mark_trained(c.take(1, 5)[0], step=9_999 + i, version=5)
+    after = dict(c.state()["ledger"]["watermarks"]["a"])
+    assert after[3] == 500 and all(after[p] >= by_p[p] for p in by_p)
+
+
+def test_restore_round_trip_and_format_1(tmp_path: pathlib.Path) -> None:
+    c, _ = _run(3_000, tmp_path / "ck")
+    state = c.state()
+    back = Collector(RUN, 1, ledger_detail_groups=256)
+    back.restore(state)
+    assert back.state()["ledger"] == state["ledger"] and back.ledger.trained_count == c.ledger.trained_count
+    # A format-1 state (every row detailed, no positions): no watermark until everything drawn
+    # before the resume is folded.
+    old = {"trained": [[gid(i), 0, "a", i, 5, 0] for i in range(10)], "stale": {}, "pending": [], "duplicates": 0}
+    legacy = Collector(RUN, 1, ledger_detail_groups=1)
+    legacy.restore(old, drawn=12)
+    assert legacy.state()["ledger"]["watermarks"] == {}
+    for i in (10, 11, 12):
+        legacy.note_dispatched(gid(i), "a", 0, 100 + i)
+        assert legacy.state()["ledger"]["watermarks"] == {}  # 10 and 11 were drawn before the resume
+        legacy.offer(make_group(gid(i), RUN, version=5, n=2), version=5)
+        legacy.mark_trained(legacy.take(1, 5)[0], step=20 + i, version=5)
+    legacy.note_dispatched(gid(13), "a", 0, 113)  # in flight
+    assert legacy.state()["ledger"]["watermarks"] == {"a": [[0, 112]]}  # 12's row is still detailed
+    bad = dict(state, ledger={**state["ledger"], "folded_trained": 1})
+    with pytest.raises(CheckpointError, match="folded groups"):
+        Collector(RUN, 1).restore(bad)
+
+
+def _view(dispatched: list[int], start: int = 0, watermark: int = 0) -> TopicView:
+    view = TopicView(dispatched={gid(i): [("a", 0)] for i in dispatched})
+    view.log_starts, view.read_from = {"a": {0: start}}, {"a": {0: watermark}}
+    return view
+
+
+def _state(c: Collector, drawn: int) -> dict[str, object]:
+    return {"step": 3, "collector": c.state(), "dispatcher": {"next_index": drawn, "in_flight": {}}}
+
+
+def test_audit_counts_folded_groups_and_catches_rows_inside_them(tmp_path: pathlib.Path) -> None:
+    c, _ = _run(600, tmp_path / "ck")
+    state = _state(c, 600)
+    report = reconcile(_view(list(range(300, 600)), watermark=75), state, RUN)
+    assert report.ok, report.problems()
+    assert report.trained + report.stale == 600 and report.settled_folded == 600 - 256 - len(c.stale)
+    assert report.watermarks == {"a": {str(p): o for p, o in state["collector"]["ledger"]["watermarks"]["a"]}}
+    # A detailed trained row of a group the ranges already hold: trained twice.
+    twice = dict(state, collector={**state["collector"],
+                                   "trained": [*state["collector"]["trained"], [gid(0), 1, "a", 99, 5, 0]]})
+    assert reconcile(_view([]), twice, RUN).trained_twice == [gid(0)]
+    # Counts that do not match the ranges: the ledger is not to be trusted.
+    ledger = state["collector"]["ledger"]
+    lying_ledger = {**ledger, "folded_trained": ledger["folded_trained"] + 1}
+    lying = dict(state, collector={**state["collector"], "ledger": lying_ledger})
+    assert any("folded groups" in p for p in reconcile(_view([]), lying, RUN).problems())
+
+
+def test_audit_fails_when_retention_cut_above_the_watermark(tmp_path: pathlib.Path) -> None:
+    c, _ = _run(40, tmp_path / "ck")
+    state = _state(c, 40)
+    everything = list(range(40))
+    assert reconcile(_view(everything, start=5, watermark=5), state, RUN).ok  # cut exactly at it: fine
+    cut = reconcile(_view(everything, start=6, watermark=5), state, RUN)
+    assert not cut.ok and cut.cut_by_retention == ["a prompts partition 0: log starts at 6, watermark 5"]
+
+
+def test_pending_groups_survive_a_checkpoint() -> None:
+    c = Collector(RUN, 1)
+    g = make_group(gid(1), RUN, version=5, n=2)
+    c.offer(g, version=5)
+    back = Collector(RUN, 1)
+    back.restore(c.state())
+    assert list(back.pending) == [gid(1)] and encode_record(back.pending[gid(1)]) == encode_record(g)
