@@ -107,6 +107,11 @@ class RunResult:
     preemptions: int = 0
     tokens_handed_over: int = 0
     handover_timeouts: int = 0
+    tokens_moved: int = 0
+    """Tokens of partials the trainer moved from a gone region to another (kept, not regenerated)."""
+    groups_restarted: int = 0
+    """Groups dispatched again from scratch (a gone region's, or partials too stale to move): their
+    sampled tokens are regenerated."""
 
     @property
     def groups_per_s(self) -> float:
@@ -277,7 +282,8 @@ class Run:
 
     def result(self) -> RunResult:
         """The run's figures over the window from the end of its warm-up steps to the end of its last."""
-        steps = [e for e in events(self.trainer_log) if e["event"] == "step.done"]
+        trainer = events(self.trainer_log)
+        steps = [e for e in trainer if e["event"] == "step.done"]
         warm = self.fleet.warm_steps
         if len(steps) <= warm:
             raise RuntimeError(f"{self.mode} run trained {len(steps)} step(s), not more than the {warm} "
@@ -307,6 +313,8 @@ class Run:
             tokens_sampled=sampled, tokens_trained=sum(int(e["tokens"]) for e in window),
             busy_s=dict(busy), uptime_s=dict(uptime), preemptions=self.preemptions,
             tokens_handed_over=handed, handover_timeouts=timeouts,
+            tokens_moved=sum(int(e.get("tokens", 0)) for e in trainer if e["event"] == "handover.partial_moved"),
+            groups_restarted=sum(1 for e in trainer if e["event"] in ("dispatch.redispatched", "handover.too_stale")),
         )
 
 
@@ -336,8 +344,9 @@ def show(r: RunResult) -> None:
     print(f"  {r.mode:5s}: {r.groups} groups in {r.wall_s:.1f} s = {r.groups_per_s:.3f} groups/s, "
           f"{r.tokens_per_s:.1f} tokens/s; engine idle {r.engine_idle():.2f} ({regions}); trainer idle "
           f"{r.trainer_idle:.2f}; staleness mean {r.lag_mean:.2f} max {r.lag_max:.0f}; preemptions "
-          f"{r.preemptions}: tokens handed over and resumed {r.tokens_handed_over}, handovers timed out "
-          f"(their tokens regenerated) {r.handover_timeouts}; tokens sampled {r.tokens_sampled}, trained "
+          f"{r.preemptions}: tokens handed over {r.tokens_handed_over}, moved to another region {r.tokens_moved} "
+          f"(kept), groups restarted from scratch {r.groups_restarted} and handovers timed out "
+          f"{r.handover_timeouts} (their tokens regenerated); tokens sampled {r.tokens_sampled}, trained "
           f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward:.3f}", flush=True)
 
 
