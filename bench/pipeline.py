@@ -26,10 +26,11 @@ and ends with a full pipeline, so work it generated ahead before the window is n
 
 Printed per run: groups trained per second, tokens sampled per second, engine-idle fraction per
 region (1 - time in engine steps / worker uptime, over the measured window), trainer-idle fraction
-(1 - time stepping and publishing / window), mean and max staleness of the trained groups, tokens
-handed over at preemptions (resumed by another worker, not regenerated) and handovers that ran out
-of time (their tokens are regenerated), tokens sampled and trained, and the mean reward of the last
-3 steps (equal samples in both runs). The last line:
+(1 - time stepping and publishing / window), mean and max staleness of the trained groups; at
+preemptions, the tokens workers handed over and the trainer moved to another region (kept, not
+regenerated), the groups restarted from scratch and the handovers that ran out of time (their
+tokens are regenerated); tokens sampled and trained, and the mean reward of the last 3 steps (equal
+samples in both runs). The last line:
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
 
