@@ -13,21 +13,30 @@ unreliable, as the papers' settings are:
   engine; the tiny random model has no length distribution of its own);
 * preemptions: every `--preempt-every` seconds a random live node gets a notice through its agent's
   `--notice-file` (the agent hands its groups over as partials and exits 0), and a replacement node
-  starts, as a spot fleet does.
+  starts, as a spot fleet does (only nodes whose worker is up are preempted);
+* a link delay between home and every region: `regions[].emulate_link_delay_s` holds each prompt
+  that long in the trainer before it is produced to the region's Kafka, and each trajectory that long
+  after the trainer fetched it (a throttle in the trainer's transport: EMULATED, and said so below).
+  Weights are not delayed: the regions' stores are the home store (one directory) and the policy
+  announcement goes over loopback MQTT.
 
-Not emulated: link delay between regions and home (the regions' stores are the home store and the
-brokers are on loopback); say so in the output.
+Throughput is measured from the end of step `max_staleness + 2` to the end of the last: start-up
+(brokers, processes, Kafka group joins) counts in neither run, and the async run's window starts
+and ends with a full pipeline, so work it generated ahead before the window is no head start.
 
-Printed per run, over the steady state (from the end of step 1 to the end of the last step): groups
-trained per second, completion tokens trained per second, engine-idle fraction per
-region (1 - time in engine steps / worker lifetime), trainer-idle fraction (1 - time stepping and
-publishing / wall), mean and max staleness of the trained groups, tokens sampled and not trained
-(regenerated after preemptions, dropped stale or left over at the end), and the mean reward of the
-last 3 steps (equal samples in both runs). The last line:
+Printed per run: groups trained per second, tokens sampled per second, engine-idle fraction per
+region (1 - time in engine steps / worker uptime, over the measured window), trainer-idle fraction
+(1 - time stepping and publishing / window), mean and max staleness of the trained groups; at
+preemptions, the tokens workers handed over and the trainer moved to another region (kept, not
+regenerated), the groups restarted from scratch and the handovers that ran out of time (their
+tokens are regenerated); tokens sampled and trained, and the mean reward of the last 3 steps (equal
+samples in both runs). The last line:
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
 
-    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid]
+    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid tail|preempt]
+
+`FLEETRL_BENCH_KEEP=DIR` keeps every run's config and logs under DIR. Results: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -61,8 +70,8 @@ class Fleet:
 
     slowdowns: tuple[float, ...] = (0.0, 0.03)
     """Per region: seconds added to each decoding step (region 0 is the fast one)."""
-    nodes: int = 2
-    """Nodes per region (a preempted node's partials are finished by the other until its replacement is up)."""
+    nodes: int = 1
+    """Nodes per region."""
     tail_p: float = 0.15
     short_tokens: int = 4
     max_new_tokens: int = 48
@@ -70,8 +79,16 @@ class Fleet:
     n_samples: int = 4
     max_staleness: int = 2
     steps: int = 12
-    preempt_every_s: float = 15.0
-    """0: no preemptions."""
+    preempt_every_s: float = 20.0
+    """Seconds between preemption notices to a random node that is up (0: none)."""
+    link_delay_s: float = 0.05
+    """One-way delay between home and every region (seconds)."""
+
+    @property
+    def warm_steps(self) -> int:
+        """Steps before the measured window: async fills its pipeline (1 + max_staleness steps of
+        work) by then, so the window starts and ends with a full pipeline and counts no head start."""
+        return self.max_staleness + 2
 
 
 @dataclass
@@ -86,11 +103,16 @@ class RunResult:
     trainer_busy_s: float
     tokens_sampled: int
     tokens_trained: int
-    tokens_window: int
-    """Completion tokens trained by the steps of the measured window."""
     busy_s: dict[str, float] = field(default_factory=dict)
     uptime_s: dict[str, float] = field(default_factory=dict)
     preemptions: int = 0
+    tokens_handed_over: int = 0
+    handover_timeouts: int = 0
+    tokens_moved: int = 0
+    """Tokens of partials the trainer moved from a gone region to another (kept, not regenerated)."""
+    groups_restarted: int = 0
+    """Groups dispatched again from scratch (a gone region's, or partials too stale to move): their
+    sampled tokens are regenerated."""
 
     @property
     def groups_per_s(self) -> float:
@@ -98,7 +120,7 @@ class RunResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_window / self.wall_s
+        return self.tokens_sampled / self.wall_s
 
     def engine_idle(self, region: str | None = None) -> float:
         regions = [region] if region else list(self.uptime_s)
@@ -135,6 +157,7 @@ def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: 
         "agent": {"progress_interval_s": 1, "restart_backoff_s": 0.5},
         "regions": [
             {"name": f"r{i}", "kafka": f"127.0.0.1:{ports[f'r{i}']}", "store": store,
+             "emulate_link_delay_s": fleet.link_delay_s,
              "nodes": [{"name": f"n{j}"} for j in range(fleet.nodes)],
              "engine": {"kind": "torch", "max_batch": 32,
                         "emulate": {"step_delay_s": delay, "tail_p": fleet.tail_p,
@@ -172,10 +195,12 @@ class Run:
 
     def start(self) -> None:
         ports = {"mqtt": devstack.free_port()}
-        self.servers.append(devstack.mqtt_broker(ports["mqtt"], self.root).start())
+        self.servers.append(devstack.mqtt_broker(ports["mqtt"], self.root))
         for i in range(len(self.fleet.slowdowns)):
             ports[f"r{i}"] = devstack.free_port()
-            self.servers.append(devstack.tansu(ports[f"r{i}"]).start())
+            self.servers.append(devstack.tansu(ports[f"r{i}"]))
+        for server in self.servers:  # listed before started: stop() ends one that a signal interrupted
+            server.start()
         self.config = fleet_config(self.fleet, self.mode, self.seed, self.root, ports)
         self.config_path = self.root / "fleet.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config))
@@ -203,7 +228,7 @@ class Run:
 
     def preempt_one(self) -> None:
         """A notice to a random live node; its replacement starts once it has gone."""
-        live = [k for k, p in self.agents.items() if p.poll() is None]
+        live = [k for k, p in self.agents.items() if p.poll() is None and self._worker_up(k)]
         if not live:
             return
         region, node = self.rng.choice(live)
@@ -217,6 +242,10 @@ class Run:
             proc.kill()
             proc.wait()
         self._start_agent(region, node)
+
+    def _worker_up(self, key: tuple[str, str]) -> bool:
+        log = self.logs / f"agent-{key[0]}-{key[1]}-{self.generation[key]}.log"
+        return log.exists() and '"worker.started"' in log.read_text(errors="replace")
 
     def wait_trainer(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -235,47 +264,58 @@ class Run:
             raise RuntimeError(f"trainer exited {self.trainer.returncode}; see {self.trainer_log}")
 
     def stop(self) -> None:
-        for proc in self.agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in [*self.agents.values(), self.trainer]:
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for server in self.servers:
-            server.stop()
+        """Stop every process this run started, by its id: agents (TERM: they hand over), trainer,
+        then the servers, whatever failed before."""
+        procs = [*self.agents.values(), *([self.trainer] if hasattr(self, "trainer") else [])]
+        try:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=40)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        finally:
+            for server in self.servers:
+                server.stop()
 
     def result(self) -> RunResult:
-        """Figures over the steady state: from the first step's end to the last's (start-up, the same
-        in both modes, is left out)."""
+        """The run's figures over the window from the end of its warm-up steps to the end of its last."""
         trainer = events(self.trainer_log)
         steps = [e for e in trainer if e["event"] == "step.done"]
-        window = steps[1:]
-        wall = _ts(steps[-1]) - _ts(steps[0])
+        warm = self.fleet.warm_steps
+        if len(steps) <= warm:
+            raise RuntimeError(f"{self.mode} run trained {len(steps)} step(s), not more than the {warm} "
+                               f"warm-up steps; see {self.trainer_log}")
+        t0, t1 = _ts(steps[warm - 1]), _ts(steps[-1])
+        window = steps[warm:]
         busy: dict[str, float] = defaultdict(float)
-        active: dict[str, float] = defaultdict(float)
-        sampled = 0
+        uptime: dict[str, float] = defaultdict(float)
+        sampled = handed = timeouts = 0
         for region, log in self.agent_logs:
-            started: float | None = None
-            for e in events(log):
-                if e.get("event") == "worker.started":
-                    started = _ts(e)
-                elif e.get("event") == "worker.stopped" and started is not None:
-                    busy[region] += float(e.get("engine_busy_s", 0.0))
-                    active[region] += _ts(e) - started  # from its first weights to its stop
-                    sampled += int(e.get("tokens_sampled", 0))
-                    started = None
+            evs = events(log)
+            samples = [e for e in evs if e.get("event") in ("worker.stats", "worker.stopped")
+                       and "engine_busy_s" in e and t0 <= _ts(e) <= t1 + 1.0]
+            if len(samples) >= 2:  # cumulative counters: their growth inside the window
+                busy[region] += float(samples[-1]["engine_busy_s"]) - float(samples[0]["engine_busy_s"])
+                uptime[region] += float(samples[-1]["uptime_s"]) - float(samples[0]["uptime_s"])
+                sampled += int(samples[-1]["tokens_sampled"]) - int(samples[0]["tokens_sampled"])
+            handed += sum(int(e.get("tokens", 0)) for e in evs
+                          if e.get("event") == "worker.handed_over" and e.get("reason") == "preempted")
+            timeouts += sum(1 for e in evs if e.get("event") == "worker.handover_timeout")
         return RunResult(
-            mode=self.mode, wall_s=wall, steps=len(steps), groups=sum(int(e["groups"]) for e in window),
+            mode=self.mode, wall_s=t1 - t0, steps=len(steps), groups=sum(int(e["groups"]) for e in window),
             rewards=[float(e["reward_mean"]) for e in steps],
             lag_mean=statistics.fmean(float(e["lag_mean"]) for e in steps),
             lag_max=max(float(e["lag_max"]) for e in steps),
             trainer_busy_s=sum(float(e["seconds"]) for e in window),
-            tokens_sampled=sampled, tokens_trained=sum(int(e["tokens"]) for e in steps),
-            tokens_window=sum(int(e["tokens"]) for e in window),
-            busy_s=dict(busy), uptime_s=dict(active), preemptions=self.preemptions,
+            tokens_sampled=sampled, tokens_trained=sum(int(e["tokens"]) for e in window),
+            busy_s=dict(busy), uptime_s=dict(uptime), preemptions=self.preemptions,
+            tokens_handed_over=handed, handover_timeouts=timeouts,
+            tokens_moved=sum(int(e.get("tokens", 0)) for e in trainer if e["event"] == "handover.partial_moved"),
+            groups_restarted=sum(1 for e in trainer if e["event"] in ("dispatch.redispatched", "handover.too_stale")),
         )
 
 
@@ -302,11 +342,13 @@ def run_once(fleet: Fleet, mode: str, seed: int, timeout_s: float) -> RunResult:
 
 def show(r: RunResult) -> None:
     regions = " ".join(f"{reg}={r.engine_idle(reg):.2f}" for reg in sorted(r.uptime_s))
-    print(f"  {r.mode:5s}: {r.groups} groups in {r.wall_s:.1f} s (steps 2-{r.steps}) = {r.groups_per_s:.3f} groups/s, "
-          f"{r.tokens_per_s:.1f} trained tokens/s; engine idle {r.engine_idle():.2f} ({regions}); trainer idle "
-          f"{r.trainer_idle:.2f}; staleness mean {r.lag_mean:.2f} max {r.lag_max:.0f}; tokens sampled not "
-          f"trained {r.tokens_sampled - r.tokens_trained} of {r.tokens_sampled}; preemptions {r.preemptions}; "
-          f"reward(last 3 steps) {r.reward:.3f}", flush=True)
+    print(f"  {r.mode:5s}: {r.groups} groups in {r.wall_s:.1f} s = {r.groups_per_s:.3f} groups/s, "
+          f"{r.tokens_per_s:.1f} tokens/s; engine idle {r.engine_idle():.2f} ({regions}); trainer idle "
+          f"{r.trainer_idle:.2f}; staleness mean {r.lag_mean:.2f} max {r.lag_max:.0f}; preemptions "
+          f"{r.preemptions}: tokens handed over {r.tokens_handed_over}, moved to another region {r.tokens_moved} "
+          f"(kept), groups restarted from scratch {r.groups_restarted} and handovers timed out "
+          f"{r.handover_timeouts} (their tokens regenerated); tokens sampled {r.tokens_sampled}, trained "
+          f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward:.3f}", flush=True)
 
 
 def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
@@ -321,9 +363,10 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
     ratios = [a.groups_per_s / s.groups_per_s for s, a in pairs]
     out = {
         "throughput_ratio": statistics.fmean(ratios),
+        "throughput_ratio_median": statistics.median(ratios),
         "throughput_ratio_min": min(ratios), "throughput_ratio_max": max(ratios),
         "reward_delta": statistics.fmean(a.reward - s.reward for s, a in pairs),
-        "reward_sync_spread": (max(s.reward for s, _ in pairs) - min(s.reward for s, _ in pairs)) if seeds > 1 else 0.0,
+        "reward_sync_spread": max(s.reward for s, _ in pairs) - min(s.reward for s, _ in pairs),
         "engine_idle_async": statistics.fmean(a.engine_idle() for _, a in pairs),
         "engine_idle_sync": statistics.fmean(s.engine_idle() for s, _ in pairs),
         "trainer_idle_async": statistics.fmean(a.trainer_idle for _, a in pairs),
@@ -333,51 +376,55 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
     return out
 
 
-def grid(steps: int, preempt: float, nodes: int, timeout_s: float) -> dict[str, float]:
-    """The ratio as the slow region gets slower and the tail longer (one seed a cell), as a table."""
-    slows, tails = (0.0, 0.03, 0.08), (0.0, 0.15, 0.3)
-    cells: dict[str, float] = {}
-    rows = []
-    for slow in slows:
-        row = []
-        for tail in tails:
-            cell = Fleet(slowdowns=(0.0, slow), tail_p=tail, steps=steps, preempt_every_s=preempt, nodes=nodes)
-            ratio = compare(cell, 1, timeout_s)["throughput_ratio"]
-            cells[f"ratio_s{slow:g}_t{tail:g}"] = ratio
-            row.append(f"{ratio:.2f}")
-        rows.append(f"| {slow:g} s | " + " | ".join(row) + " |")
-    print("| slow-region delay per step \\ share of samples to max_new_tokens | "
-          + " | ".join(f"{t:.0%}" for t in tails) + " |")
-    print("|---|---|---|---|")
-    print("\n".join(rows), flush=True)
-    return cells
+def grid(axis: str, base: dict[str, Any], fleet: Fleet, timeout_s: float) -> None:
+    """Print a markdown table of throughput_ratio: slow-region step delay x (tail share | preemption)."""
+    columns: list[float] = [0.0, 0.15, 0.3] if axis == "tail" else [0.0, 30.0, 15.0]
+    head = [f"{c:.0%}" for c in columns] if axis == "tail" else [f"every {c:g} s" if c else "none" for c in columns]
+    name = "tail share" if axis == "tail" else "preemption"
+    print(f"| slow-region step delay \\ {name} | " + " | ".join(head) + " |")
+    print("|---|---|---|---|", flush=True)
+    for slow in (0.0, 0.03, 0.08):
+        cells = []
+        for c in columns:
+            over = {"tail_p": c} if axis == "tail" else {"preempt_every_s": c}
+            cell = Fleet(**{**base, "slowdowns": (0.0, slow), "tail_p": fleet.tail_p, **over})
+            cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
+        print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short fleet run (under two minutes on 2 cores)")
     parser.add_argument("--seeds", type=int, default=1, help="repeat with this many seeds and report the spread")
-    parser.add_argument("--grid", action="store_true",
-                        help="the table: ratio as region slowdown x tail probability grow (3 x 3, one seed each)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 16, --quick 6)")
+    parser.add_argument("--grid", choices=["tail", "preempt"], default=None,
+                        help="a table first: the ratio as the slow region's step delay grows against the tail "
+                             "share or against the preemption rate (3 x 3 cells, one seed each)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 20, --quick 10)")
     parser.add_argument("--slowdown", type=float, default=0.03, help="step delay of the slow region (s)")
     parser.add_argument("--tail-p", type=float, default=0.15, help="share of samples that run to max_new_tokens")
-    parser.add_argument("--preempt-every", type=float, default=None, help="seconds between preemptions (0: none)")
+    parser.add_argument("--preempt-every", type=float, default=None,
+                        help="seconds between preemptions (0: none; default 20, --quick 15)")
+    parser.add_argument("--link-delay", type=float, default=0.05, help="one-way home-region link delay (s)")
     args = parser.parse_args()
+    # A hang-up or TERM ends the bench through its `finally`s, so every process it started is stopped.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])
-    steps = args.steps or (6 if args.quick else 16)
-    preempt = args.preempt_every if args.preempt_every is not None else (20.0 if args.quick else 15.0)
-    nodes = 1 if args.quick else 2
-    fleet = Fleet(slowdowns=(0.0, args.slowdown), tail_p=args.tail_p, steps=steps, preempt_every_s=preempt,
-                  nodes=nodes)
+    steps = args.steps or (10 if args.quick else 20)
+    preempt = args.preempt_every if args.preempt_every is not None else (15.0 if args.quick else 20.0)
+    base = {"steps": steps, "preempt_every_s": preempt, "link_delay_s": args.link_delay}
+    fleet = Fleet(slowdowns=(0.0, args.slowdown), tail_p=args.tail_p, **base)
     print(f"fleet: {len(fleet.slowdowns)} regions x {fleet.nodes} node(s); per-step delay per region "
           f"{list(fleet.slowdowns)} s (EMULATED: a sleep after each decoding step of the real torch engine); "
           f"completion lengths EMULATED: {fleet.tail_p:.0%} run to max_new_tokens={fleet.max_new_tokens}, the rest "
           f"stop after 1-{fleet.short_tokens} tokens; preemption every {fleet.preempt_every_s:g} s with replacement; "
-          f"link delay: none (loopback); {fleet.groups_per_step} groups x {fleet.n_samples} samples per step, "
+          f"link delay home<->region {fleet.link_delay_s:g} s each way (EMULATED in the trainer's Kafka clients; "
+          f"weights not delayed); {fleet.groups_per_step} groups x {fleet.n_samples} samples per step, "
           f"{fleet.steps} steps per run; async max_staleness {fleet.max_staleness}", flush=True)
-    timeout_s = 110.0 if args.quick else 600.0
-    out = grid(steps, preempt, nodes, timeout_s) if args.grid else compare(fleet, args.seeds, timeout_s)
+    timeout_s = 150.0 if args.quick else 600.0
+    if args.grid:
+        grid(args.grid, base, fleet, timeout_s)
+    out = compare(fleet, args.seeds, timeout_s)
     print("result: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
 
 

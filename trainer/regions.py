@@ -8,18 +8,24 @@ has acted on are kept here until a checkpoint covers them; only then are they co
 A region whose cluster cannot be reached when the trainer starts does not stop it: the others are
 used, and the missing one is retried in the background every `kafka.request_timeout_s` (its groups
 wait in its own Kafka meanwhile; the dispatcher sends it nothing until it is connected).
+
+`regions[].emulate_link_delay_s` emulates a slow link between home and a region on one machine: a
+prompt is held that long before it is produced, and a fetched trajectory that long before the
+trainer sees it (its offset is only committed after it was seen and checkpointed, as any other).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
-from fleetrl.broker import Consumer, Delivery, KafkaError, Producer, RecordLimits
+from fleetrl.broker import Consumer, Delivery, KafkaError, Producer, Record, RecordLimits, Stream
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
@@ -40,6 +46,9 @@ class RegionClients:
         self._handled: dict[str, list[Delivery]] = {r.name: [] for r in config.regions}
         self._stacks: dict[str, AsyncExitStack] = {}
         self._reopen: asyncio.Task[None] | None = None
+        self.link_delay_s = {r.name: r.emulate_link_delay_s for r in config.regions}
+        self._in_transit: dict[str, deque[tuple[float, Delivery]]] = {r.name: deque() for r in config.regions}
+        """Per region: (due at, delivery) fetched but not yet across the emulated link, in fetch order."""
 
     async def __aenter__(self) -> RegionClients:
         names = [r.name for r in self.config.regions]
@@ -102,20 +111,48 @@ class RegionClients:
             raise KafkaError(f"region {region!r}: cluster not connected", retriable=True)
         return p
 
+    async def send(self, region: str, stream: Stream, key: str, record: Record) -> tuple[int, int]:
+        """Produce to the region's cluster (after the emulated link delay, where one is set); returns
+        the record's (partition, offset)."""
+        producer = self.producer(region)
+        if self.link_delay_s.get(region):
+            await asyncio.sleep(self.link_delay_s[region])
+        return await producer.send(stream, key, record)
+
     async def poll(self, max_records: int, timeout_s: float) -> dict[str, list[Delivery]]:
-        """Poll every connected region at once; a retriable failure skips that region this round."""
+        """Poll every connected region at once; a retriable failure skips that region this round.
+
+        Deliveries on an emulated slow link come out once their delay has passed; while some are in
+        transit the poll waits no longer than until the first is due.
+        """
         names = list(self.consumers)
+        now = time.monotonic()
+        due = [q[0][0] for n, q in self._in_transit.items() if q and n in self.consumers]
+        if due:
+            timeout_s = max(0.0, min(timeout_s, min(due) - now))
         results = await asyncio.gather(
             *(self.consumers[n].poll(max_records, timeout_s) for n in names), return_exceptions=True)
         out: dict[str, list[Delivery]] = {}
+        now = time.monotonic()
         for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
                 if not getattr(result, "retriable", False):
                     raise result
                 log.warning("trainer.poll_failed", region=name, error=str(result))
                 continue
-            out[name] = result
+            out[name] = self._across_link(name, result, now)
         return out
+
+    def _across_link(self, region: str, fetched: list[Delivery], now: float) -> list[Delivery]:
+        delay = self.link_delay_s.get(region, 0.0)
+        if not delay:
+            return fetched
+        transit = self._in_transit[region]
+        transit.extend((now + delay, d) for d in fetched)
+        arrived = []
+        while transit and transit[0][0] <= now:
+            arrived.append(transit.popleft()[1])
+        return arrived
 
     async def lag(self) -> dict[str, int]:
         """Records waiting in each connected region's trajectories topic (regions with no fetch answered

@@ -227,7 +227,8 @@ class Trainer:
         timeout_s = self.config.kafka.request_timeout_s
         try:
             partition, offset = await asyncio.wait_for(
-                self.clients.producer(region).send("prompts", record.group_id, record), timeout_s)
+                self.clients.send(region, "prompts", record.group_id, record),
+                timeout_s + self.clients.link_delay_s.get(region, 0.0))
         except TimeoutError as exc:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",

@@ -283,6 +283,10 @@ class RegionConfig(Model):
     """Default engine of the region's nodes."""
     weight: float = Field(1.0, gt=0)
     """Initial share of admission credits before throughput is measured."""
+    emulate_link_delay_s: float = Field(0.0, ge=0, le=10)
+    """Emulated one-way delay of the link between home and this region, for benchmarks and drills on
+    one machine (`bench/pipeline.py`): the trainer holds each prompt this long before producing it to
+    the region's cluster, and each trajectory this long after fetching it. 0 (the default): off."""
     preemption: PreemptionConfig = Field(default_factory=NoPreemptionConfig)
     """Where the region's nodes learn they are about to be preempted: `{source: none | file | aws | gcp |
     azure, ...}`. On a notice the agent hands its unfinished groups over, goes offline and exits 0 inside

@@ -76,13 +76,18 @@ async def test_sync_mode_trains_each_step_on_its_own_version_and_nothing_generat
     learner.train_step = recording_step  # type: ignore[method-assign]
     trainer.collector.offer = recording_offer  # type: ignore[method-assign]
     stop = asyncio.Event()
-    worker = asyncio.create_task(RolloutWorker(config, REGION, "node-1").run(stop))
+    rollout = RolloutWorker(config, REGION, "node-1")
+    worker = asyncio.create_task(rollout.run(stop))
     try:
         result = await asyncio.wait_for(trainer.run(max_steps=STEPS), 300)
     finally:
         stop.set()
         await asyncio.wait_for(worker, 60)
     assert result.steps == STEPS and len(trained) == STEPS
+    # The worker's engine-busy time (what bench/pipeline.py reads as engine idle) is real and bounded.
+    stats = rollout.stats()
+    assert 0 < stats["engine_busy_s"] <= stats["uptime_s"], stats
+    assert stats["tokens_sampled"] >= sum(len(s.completion_ids) for g in arrived for s in g.samples) > 0
     # Every token of step k was sampled with version k: the step's own version, nothing older or newer.
     assert [versions for _, versions in trained] == [{v} for v, _ in trained], trained
     assert [v for v, _ in trained] == list(range(STEPS))
