@@ -475,7 +475,9 @@ class Demo:
         from fleetrl.demo.fuzz import KEY_PREFIX
 
         reasons: dict[str, int] = {}
-        total = fuzz = 0
+        total = 0
+        fuzz_keys: set[bytes] = set()
+        fuzz_records = 0
         for r in self.config.regions:
             raws = await asyncio.wait_for(read_log(self.config, r.name, topic_name(self.config.run, "dead-letter"),
                                                    client_id=f"{self.config.run}-demo-dlq"), _AUDIT_TIMEOUT_S)
@@ -483,8 +485,13 @@ class Demo:
                 dl = DeadLetter.from_record(raw.partition, raw.offset, raw.key, raw.value, raw.headers)
                 total += 1
                 reasons[dl.reason] = reasons.get(dl.reason, 0) + 1
-                fuzz += (raw.key or b"").startswith(KEY_PREFIX.encode()) and dl.reason != "unknown"
-        return {"total": total, "fuzz": fuzz, "reasons": dict(sorted(reasons.items()))}
+                if (raw.key or b"").startswith(KEY_PREFIX.encode()) and dl.reason != "unknown":
+                    fuzz_keys.add(raw.key or b"")
+                    fuzz_records += 1
+        # A hostile record is counted once: a worker killed after dead-lettering it and before committing
+        # reads it again and dead-letters it a second time (`fuzz_repeats`).
+        return {"total": total, "fuzz": len(fuzz_keys), "fuzz_repeats": fuzz_records - len(fuzz_keys),
+                "reasons": dict(sorted(reasons.items()))}
 
     def _summary(self, audit: dict[str, Any], wall_s: float, dead: dict[str, Any],
                  fuzz: dict[str, Any]) -> dict[str, Any]:
