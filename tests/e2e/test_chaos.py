@@ -14,50 +14,13 @@ import pathlib
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
-
-from fleetrl.devstack import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 4
 DEMO_TIMEOUT_S = 240
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@pytest.fixture
-def demo_config(tmp_path: pathlib.Path) -> pathlib.Path:
-    doc = yaml.safe_load((ROOT / "examples" / "fleet.demo.yaml").read_text())
-    for region in doc["regions"]:
-        region["kafka"] = f"127.0.0.1:{free_port()}"
-    doc["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
-    doc["trainer"]["checkpoint_every"] = 2  # a killed trainer redoes at most one step
-    path = tmp_path / "fleet.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
-@pytest.fixture
-def workdir(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
-    """The demo's work directory; whatever it started and left alive is killed by PID afterwards."""
-    work = tmp_path / "work"
-    yield work
-    pids_file = work / "pids.json"
-    if pids_file.exists():
-        for pid in json.loads(pids_file.read_text()).values():
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int = STEPS) -> dict[str, Any]:

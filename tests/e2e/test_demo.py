@@ -20,45 +20,11 @@ from typing import Any
 
 import pytest
 import yaml
-
-from fleetrl.devstack import free_port
+from demo_testkit import alive
 
 pytestmark = pytest.mark.e2e
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 4
 DEMO_TIMEOUT_S = 150  # bound of one demo run (it takes ~20 s on 2 cores)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@pytest.fixture
-def demo_config(tmp_path: pathlib.Path) -> pathlib.Path:
-    """The shipped demo config on free ports (and unchanged otherwise)."""
-    doc = yaml.safe_load((ROOT / "examples" / "fleet.demo.yaml").read_text())
-    for region in doc["regions"]:
-        region["kafka"] = f"127.0.0.1:{free_port()}"
-    doc["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
-    path = tmp_path / "fleet.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
-@pytest.fixture
-def workdir(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
-    """The demo's work directory; whatever it started and left alive is killed by PID afterwards."""
-    work = tmp_path / "work"
-    yield work
-    pids_file = work / "pids.json"
-    if pids_file.exists():
-        for pid in json.loads(pids_file.read_text()).values():
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(autouse=True)
@@ -134,7 +100,7 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
     assert {"trainer", "replicator-local-a", "replicator-local-b", "agent-local-a-node-1",
             "agent-local-b-node-1", "tansu-local-a", "tansu-local-b"} <= set(pids)
     assert summary["still_running"] == []
-    assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert [name for name, pid in pids.items() if alive(pid)] == []
     assert summary["exit_codes"] and all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
 
 
@@ -147,7 +113,7 @@ def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_confi
     out = _finish(proc)
     assert proc.returncode == 1, out[-4000:]
     assert "agent-local-b-node-1" in out and "exited with code -9" in out
-    assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert [name for name, pid in pids.items() if alive(pid)] == []
 
 
 def test_ctrl_c_mid_run_stops_everything(demo_config: pathlib.Path, workdir: pathlib.Path) -> None:
@@ -158,4 +124,4 @@ def test_ctrl_c_mid_run_stops_everything(demo_config: pathlib.Path, workdir: pat
     out = _finish(proc)
     assert proc.returncode == 130, out[-4000:]
     assert "interrupted" in out
-    assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert [name for name, pid in pids.items() if alive(pid)] == []

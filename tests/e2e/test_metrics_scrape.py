@@ -25,15 +25,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import yaml
+from demo_testkit import alive, demo_config, kill_leftovers
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetrl.broker import SCHEMA_HEADER, Producer, topic_name
 from fleetrl.config import FleetConfig, load_config
-from fleetrl.devstack import free_port
 from fleetrl.metrics_doc import metric_docs
 
 pytestmark = pytest.mark.e2e
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120  # until the trainer's first step on 2 shared cores (~10 s when idle)
 SCRAPE_TIMEOUT_S = 90  # until the scrapes show a working fleet
 # daemon -> (log file, event naming its metrics port)
@@ -45,23 +44,11 @@ DAEMONS = {
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture
 def demo(tmp_path: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], pathlib.Path, FleetConfig]]:
     """The demo on free ports, every daemon serving metrics, many steps (the test stops it)."""
-    doc = yaml.safe_load((ROOT / "examples" / "fleet.demo.yaml").read_text())
-    for region in doc["regions"]:
-        region["kafka"] = f"127.0.0.1:{free_port()}"
-    doc["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
+    doc, path = demo_config(tmp_path)
     doc["rollout"]["metrics_port"] = 0
-    path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(doc))
     work = tmp_path / "work"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -81,11 +68,7 @@ def demo(tmp_path: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], pathli
                 proc.wait(timeout=10)
         if proc.stdout is not None:
             proc.stdout.close()
-        pids_file = work / "pids.json"
-        if pids_file.exists():
-            for pid in json.loads(pids_file.read_text()).values():
-                if _alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+        kill_leftovers(work)
 
 
 def _events(log: pathlib.Path, event: str) -> list[dict[str, object]]:
@@ -198,4 +181,4 @@ def test_every_daemon_serves_its_documented_metrics_and_healthz_while_the_fleet_
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=90)
     assert proc.returncode == 130
-    assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert [name for name, pid in pids.items() if alive(pid)] == []
