@@ -42,7 +42,6 @@ samples in both runs). The last line:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import random
@@ -59,6 +58,7 @@ from typing import Any
 import yaml
 
 from fleetrl import devstack
+from fleetrl.demo.view import LogTail
 from fleetrl.hub.signing import generate_ed25519
 
 FLEETRL = [sys.executable, "-m", "fleetrl.cli"]
@@ -169,14 +169,7 @@ def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: 
 
 def events(path: pathlib.Path) -> list[dict[str, Any]]:
     """JSON log events of a daemon's log (a worker's are relayed in its agent's log)."""
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    return list(LogTail(path).events())
 
 
 class Run:

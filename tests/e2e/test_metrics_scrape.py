@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetrl.broker import SCHEMA_HEADER, Producer, topic_name
 from fleetrl.config import FleetConfig, load_config
+from fleetrl.demo.view import LogTail
 from fleetrl.metrics_doc import metric_docs
 
 pytestmark = pytest.mark.e2e
@@ -72,15 +73,7 @@ def demo(tmp_path: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], pathli
 
 
 def _events(log: pathlib.Path, event: str) -> list[dict[str, object]]:
-    found = []
-    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and doc.get("event") == event:
-            found.append(doc)
-    return found
+    return [doc for doc in LogTail(log).events() if doc.get("event") == event]
 
 
 def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[str], timeout_s: float) -> None:
