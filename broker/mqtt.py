@@ -175,6 +175,7 @@ class ControlPlane:
                     try:
                         if client is not None:
                             await client.publish(topic, payload, qos=1, retain=retain)
+                            _raise_swallowed_cancel()
                             return
                     except aiomqtt.MqttError as exc:
                         log.warning("control.publish_retry", topic=topic, error=str(exc))
@@ -238,6 +239,7 @@ class ControlPlane:
         if client is not None and self._connected.is_set():
             with contextlib.suppress(aiomqtt.MqttError):  # on failure, the reconnect subscribes it
                 await client.subscribe(topic_filter, qos=1)
+            _raise_swallowed_cancel()
 
     # -- the connection task --------------------------------------------------------------------
 
@@ -327,6 +329,19 @@ class ControlPlane:
                 queue.put_nowait(command)
             except asyncio.QueueFull:
                 log.error("control.command_dropped", region=region, cmd=command.cmd, reason="queue full")
+
+
+def _raise_swallowed_cancel() -> None:
+    """Re-raise a cancel that aiomqtt swallowed.
+
+    aiomqtt waits for PUBACK and SUBACK with `asyncio.wait_for`, which on Python 3.11 returns the result
+    when the cancel of the awaiting task lands in the same loop turn as the acknowledgement: the cancel
+    is lost, and a loop that publishes (the agent's heartbeats) outlives its shutdown. The task still
+    counts the request (`cancelling()`), so it is honoured here, right after the call that lost it.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 # CONNACK codes that mean "these credentials will never be accepted" (MQTT 3.1.1: 4, 5; MQTT 5: 134, 135).

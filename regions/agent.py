@@ -58,6 +58,7 @@ log = get_logger(__name__)
 State = Literal["up", "draining", "offline"]
 _HANDOVER_SLACK_S = 5.0  # beyond the worker's own bounds (intake h/2 + handover h) before we kill it
 _WINDOW_MARGIN_S = 5.0  # of a notice window, kept for killing stragglers and the last heartbeat
+_CANCEL_WAIT_S = 5.0  # for the agent's own tasks to end once cancelled
 _VERSION_CHECK_S = 1.0  # bound on how late an announcement missed between two waits is forwarded
 
 
@@ -131,9 +132,7 @@ class RegionAgent:
         finally:
             for engine in self.engines:
                 engine.kill()  # only stragglers are left here: a handover that ran out of time, a crash
-            for task in [*tasks, *self._running.values()]:
-                task.cancel()
-            await asyncio.gather(*tasks, *self._running.values(), return_exceptions=True)
+            await _cancel_all([*tasks, *self._running.values()], self.region, self.node)
             self._set_state("offline")
             with contextlib.suppress(ControlPlaneError):  # the last will says it anyway
                 await self._publish_heartbeat(timeout_s=2.0)
@@ -274,3 +273,16 @@ class RegionAgent:
         self.metrics.update(beat, self.engines)
         if self._cp is not None:
             await self._cp.heartbeat(self.region, self.node, beat, timeout_s=timeout_s)
+
+
+async def _cancel_all(tasks: list[asyncio.Task[Any]], region: str, node: str) -> None:
+    """Cancel the agent's tasks and wait for them, boundedly: a task that ignores its cancel (a library
+    that swallows it) is named with where it stands, and left behind rather than hanging the exit."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, stuck = await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
+    for task in stuck:
+        frames = "".join(f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}; " for f in task.get_stack())
+        log.error("agent.task_ignored_cancel", region=region, node=node, task=task.get_name(), stack=frames)

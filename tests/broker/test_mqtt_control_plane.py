@@ -188,3 +188,29 @@ async def test_a_dead_connection_task_surfaces_its_exception(
             await node.wait_for_policy(1, timeout_s=10)
         with pytest.raises(ControlPlaneError, match="died"):
             await node.announce_policy(_policy(2))
+
+
+async def test_a_cancel_lost_in_an_acknowledgement_wait_is_raised_again() -> None:
+    """aiomqtt waits for PUBACK with `asyncio.wait_for`; on Python 3.11 a cancel that lands in the same
+    loop turn as the acknowledgement is swallowed there. The publish path must still end cancelled (an
+    agent whose heartbeat loop lost its cancel never exited after SIGTERM)."""
+    from fleetrl.broker.mqtt import _raise_swallowed_cancel
+
+    async def publish(ack: asyncio.Future[None], guarded: bool) -> str:
+        await asyncio.wait_for(ack, timeout=10)  # the shape of aiomqtt's PUBACK wait
+        if guarded:
+            _raise_swallowed_cancel()
+        return "returned"
+
+    outcomes = {}
+    for guarded in (False, True):
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(publish(ack, guarded))
+        await asyncio.sleep(0)  # the task now waits for its acknowledgement
+        ack.set_result(None)  # the PUBACK arrives...
+        task.cancel()  # ...as the agent cancels its heartbeat loop
+        await asyncio.wait({task}, timeout=5)
+        outcomes[guarded] = "cancelled" if task.cancelled() else task.result()
+    assert outcomes[True] == "cancelled"
+    if sys.version_info < (3, 12):  # the library behaviour this guards against is real here
+        assert outcomes[False] == "returned"
