@@ -41,6 +41,8 @@ EXPECTED_SCHEMA: dict[str, str] = {"prompts": SCHEMA_PROMPT, "partials": SCHEMA_
 # Decoding is cheap (numpy views over the bytes), but a batch of multi-MB groups still blocks the
 # loop for a while: above this many bytes it runs in a thread.
 _DECODE_IN_THREAD_BYTES = 1 << 20
+# How many records one poll may read on while the ones it read were refused (see `Consumer.poll`).
+_REFILL_RECORDS = 1024
 
 
 def _check_schema_header(headers: Any, expect: str) -> None:
@@ -183,19 +185,46 @@ class Consumer:
     # -- polling --------------------------------------------------------------------------------
 
     async def poll(self, max_records: int, timeout_s: float) -> list[Delivery]:
-        """Up to `max_records` good records, waiting at most about `timeout_s` for the first."""
-        raw = await self._fetch(max_records, timeout_s)
-        messages = [m for batch in raw.values() for m in batch]
-        size = sum(len(m.value or b"") for m in messages)
-        if size > _DECODE_IN_THREAD_BYTES:
-            decoded = await asyncio.to_thread(self._decode_all, messages)
-        else:
-            decoded = self._decode_all(messages)
+        """Up to `max_records` good records, waiting at most about `timeout_s` for the first.
+
+        Refused records do not count against `max_records`: while a fetch brought some, the records
+        already buffered are read on (no waiting, up to `_REFILL_RECORDS` records in all), and their
+        dead letters are produced together, so a flood of hostile records is dead-lettered in large
+        batches instead of a few per poll.
+        """
+        fetched: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = {}
+        good: list[Delivery] = []
+        refused: list[tuple[ConsumerRecord[Any, Any], RecordError]] = []
+        read = 0
         try:
-            return await self._route(messages, decoded)
+            while True:
+                raw = await self._fetch(max_records - len(good), timeout_s if not fetched else 0.0)
+                messages = [m for batch in raw.values() for m in batch]
+                if not messages:
+                    break
+                for tp, batch in raw.items():
+                    fetched[tp] = fetched.get(tp, []) + batch
+                read += len(messages)
+                for m, result in zip(messages, await self._decode(messages), strict=True):
+                    if isinstance(result, RecordError):
+                        refused.append((m, result))
+                    else:
+                        good.append(self._delivery(m, result))
+                if len(good) >= max_records or not refused or read >= _REFILL_RECORDS:
+                    break
+            if refused:
+                await asyncio.gather(*(self._dead_letter_one(m, error) for m, error in refused))
         except BaseException:
-            self._rewind(raw)
+            self._rewind(fetched)
             raise
+        for d in good:
+            self._tracker.delivered(d.tp, d.offset)
+        return good
+
+    async def _decode(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
+        if sum(len(m.value or b"") for m in messages) > _DECODE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(self._decode_all, messages)
+        return self._decode_all(messages)
 
     def _decode_all(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
         out: list[Record | RecordError] = []
@@ -209,26 +238,16 @@ class Consumer:
                 out.append(err.at(m.topic, m.partition, m.offset))
         return out
 
-    async def _route(
-        self, messages: list[ConsumerRecord[Any, Any]], decoded: list[Record | RecordError]
-    ) -> list[Delivery]:
-        good: list[Delivery] = []
-        for m, result in zip(messages, decoded, strict=True):
-            tp = (m.topic, m.partition)
-            headers = list(m.headers or ())
-            if isinstance(result, RecordError):
-                await self._dead_letter.dead_letter(m.key, m.value or b"", result, m.topic, m.partition,
-                                                    m.offset, headers=headers)
-                self._tracker.dead(tp, m.offset)
-                continue
-            good.append(Delivery(
-                topic=m.topic, partition=m.partition, offset=m.offset,
-                key=m.key.decode(errors="replace") if m.key is not None else None,
-                record=result, headers=dict(headers), stream=self._stream_of[m.topic],
-            ))
-        for d in good:
-            self._tracker.delivered(d.tp, d.offset)
-        return good
+    def _delivery(self, m: ConsumerRecord[Any, Any], record: Record) -> Delivery:
+        return Delivery(topic=m.topic, partition=m.partition, offset=m.offset,
+                        key=m.key.decode(errors="replace") if m.key is not None else None,
+                        record=record, headers=dict(m.headers or ()), stream=self._stream_of[m.topic])
+
+    async def _dead_letter_one(self, m: ConsumerRecord[Any, Any], error: RecordError) -> None:
+        """Its offset is handled once the dead letter is acknowledged (the producer batches them)."""
+        await self._dead_letter.dead_letter(m.key, m.value or b"", error, m.topic, m.partition, m.offset,
+                                            headers=list(m.headers or ()))
+        self._tracker.dead((m.topic, m.partition), m.offset)
 
     def _rewind(self, raw: dict[TopicPartition, list[ConsumerRecord[Any, Any]]]) -> None:
         """Put the positions back to the start of a batch that is not returned (in full).

@@ -172,3 +172,42 @@ def test_the_producer_counts_dead_letters_by_reason(outcome: Outcome) -> None:
 def test_a_members_lag_counts_the_records_it_has_not_read(outcome: Outcome) -> None:
     # all read: 0; three produced and not read: 3; read: 0
     assert outcome.member_lag == [0, 3, 0]
+
+
+async def _flood(bootstrap: str, n_bad: int) -> tuple[list[Delivery], int, list[DeadLetter], int]:
+    """`n_bad` undecodable records, then one good group, all in one partition; a consumer polling one
+    record at a time. Returns what it delivered, how many polls that took, the dead letters and the
+    group's lag after the commit."""
+    config = make_config(fleet_yaml(f"t{uuid.uuid4().hex[:10]}", bootstrap))
+    await ensure_topics(config, "r1")
+    topic = topic_name(config.run, "trajectories")
+    async with Producer(config, "r1", "flood-producer") as producer:
+        await asyncio.gather(*(producer.send_raw(topic, b"flood", b"\xc1 hostile %d" % i,
+                                                 [(SCHEMA_HEADER, b"fleetrl.group/1")]) for i in range(n_bad)))
+        await producer.send("trajectories", "flood", make_group("flood-good", run=config.run, n_samples=2, n_tokens=3))
+        async with Consumer(config, "r1", ["trajectories"], trainer_group(config.run),
+                            RecordLimits.from_config(config), producer, "flood-consumer") as consumer:
+            delivered: list[Delivery] = []
+            polls = 0
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while not delivered and polls < 2 * n_bad and loop.time() < deadline:
+                delivered += await consumer.poll(max_records=1, timeout_s=0.5)
+                polls += 1
+            await consumer.commit(delivered)
+    letters = await read_dead_letters(config, "r1", limit=2 * n_bad)
+    lag = sum(row.lag for row in await group_lag(config, "r1") if row.topic.endswith("trajectories"))
+    return delivered, polls, letters, lag
+
+
+def test_a_flood_of_refused_records_is_dead_lettered_in_batches(tansu: devstack.ServerProcess) -> None:
+    """Refused records do not count against a poll's `max_records`: a consumer with room for one group
+    behind 600 hostile records reads through them in a few polls (one record per poll would take 601),
+    dead-letters every one, and the commit of the good one covers them all."""
+    n_bad = 600
+    delivered, polls, letters, lag = asyncio.run(_flood(f"127.0.0.1:{tansu.port}", n_bad))
+    assert [d.key for d in delivered] == ["flood"] and delivered[0].record.group_id == "flood-good"
+    assert polls < n_bad // 10, polls
+    assert len(letters) == n_bad and {dl.reason for dl in letters} == {"malformed"}
+    assert sorted(dl.original_offset or 0 for dl in letters) == list(range(n_bad))
+    assert lag == 0
