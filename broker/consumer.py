@@ -221,6 +221,36 @@ class Consumer:
             self._tracker.delivered(d.tp, d.offset)
         return good
 
+    async def skim(self) -> int:
+        """Dead-letter the refused records at the head of each partition without taking a good one:
+        what a member with no room for work calls, so that a flood of hostile records does not wait
+        in front of the good ones until room frees up. Reads only what is already buffered or comes
+        at once (no waiting); each partition whose head is a good record is put back to it. Returns
+        how many records were dead-lettered."""
+        raw = await self._getmany((), _REFILL_RECORDS, 0.0)
+        messages = [m for batch in raw.values() for m in batch]
+        if not messages:
+            return 0
+        refused: list[tuple[ConsumerRecord[Any, Any], RecordError]] = []
+        back: dict[TopicPartition, int] = {}
+        try:
+            for tp, batch in raw.items():
+                for m, result in zip(batch, await self._decode(batch), strict=True):
+                    if not isinstance(result, RecordError):
+                        back[tp] = m.offset
+                        break
+                    refused.append((m, result))
+            if refused:
+                await asyncio.gather(*(self._dead_letter_one(m, error) for m, error in refused))
+        except BaseException:
+            self._rewind(raw)
+            raise
+        assigned = self._c.assignment()
+        for tp, offset in back.items():
+            if tp in assigned:
+                self._c.seek(tp, offset)
+        return len(refused)
+
     async def _decode(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
         if sum(len(m.value or b"") for m in messages) > _DECODE_IN_THREAD_BYTES:
             return await asyncio.to_thread(self._decode_all, messages)

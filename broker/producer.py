@@ -27,6 +27,9 @@ from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
+# Records per partition sent in one request, up to this many bytes (aiokafka's default is 16 KiB, which
+# a burst of small records, e.g. a flood of dead letters, turns into hundreds of requests).
+_BATCH_BYTES = 256 * 1024
 
 
 class Producer:
@@ -68,6 +71,7 @@ class Producer:
             max_request_size=k.max_message_bytes + DEAD_LETTER_SLACK_BYTES,
             enable_idempotence=k.idempotent_producer,
             retry_backoff_ms=int(k.retry_backoff_s * 1000),
+            max_batch_size=_BATCH_BYTES,
         )
         try:
             await connect(self._producer.start(), self.config, self.region,

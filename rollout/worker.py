@@ -174,9 +174,15 @@ class RolloutWorker:
 
     async def _intake(self) -> None:
         """Poll Kafka beside the engine (a poll costs round trips) whenever a group slot is free."""
+        next_skim = 0.0
         while self._admitting:
             free = self.cfg.max_groups_in_flight - len(self._jobs) - len(self._waiting)
             if free <= 0:
+                # No room for a group, but hostile records at the head of the partitions need none:
+                # dead-letter them now rather than let a flood wait in front of the good prompts.
+                if time.monotonic() >= next_skim:
+                    next_skim = time.monotonic() + self.cfg.idle_poll_s
+                    await self.consumer.skim()
                 await asyncio.sleep(_IDLE_WAKE_S)
                 continue
             for d in await self.consumer.poll(free, self.cfg.idle_poll_s):

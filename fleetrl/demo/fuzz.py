@@ -43,6 +43,7 @@ from fleetrl.config import FleetConfig, load_config
 
 KINDS = ("bytes", "truncated", "wrong_type", "nan", "vocab", "oversized", "no_header")
 KEY_PREFIX = "fuzz-"
+_CHUNK = 500  # records in flight at once
 
 
 def _prompt(config: FleetConfig, gid: str, rng: random.Random, n_ids: int = 4) -> PromptRecord:
@@ -125,15 +126,21 @@ class Fuzzer:
             await p.close()
 
     async def send(self, count: int) -> None:
-        for _ in range(count):
-            stream = self.rng.choice(("prompts", "trajectories"))
-            kind = self.rng.choice(KINDS)
-            region = self.rng.choice(list(self.producers))
-            key = f"{KEY_PREFIX}{kind}-{self.n}"
-            value, headers = hostile(self.config, stream, kind, key, self.rng)
-            await self.producers[region].send_raw(topic_name(self.config.run, stream), key.encode(), value, headers)  # type: ignore[arg-type]
-            self.n += 1
-            self.sent[f"{stream}/{kind}"] += 1
+        """`count` hostile records, produced `_CHUNK` at a time without waiting for each ack (the
+        producer batches them): a flood as a misbehaving client would send it."""
+        topics = {stream: topic_name(self.config.run, stream) for stream in ("prompts", "trajectories")}
+        for start in range(0, count, _CHUNK):
+            sends = []
+            for _ in range(min(_CHUNK, count - start)):
+                stream = self.rng.choice(("prompts", "trajectories"))
+                kind = self.rng.choice(KINDS)
+                region = self.rng.choice(list(self.producers))
+                key = f"{KEY_PREFIX}{kind}-{self.n}"
+                value, headers = hostile(self.config, stream, kind, key, self.rng)
+                sends.append(self.producers[region].send_raw(topics[stream], key.encode(), value, headers))
+                self.n += 1
+                self.sent[f"{stream}/{kind}"] += 1
+            await asyncio.gather(*sends)
 
 
 def _event(name: str, **fields: Any) -> None:

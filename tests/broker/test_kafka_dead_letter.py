@@ -211,3 +211,46 @@ def test_a_flood_of_refused_records_is_dead_lettered_in_batches(tansu: devstack.
     assert len(letters) == n_bad and {dl.reason for dl in letters} == {"malformed"}
     assert sorted(dl.original_offset or 0 for dl in letters) == list(range(n_bad))
     assert lag == 0
+
+
+async def _skim(bootstrap: str) -> tuple[list[int], list[str], int]:
+    """In one partition: 50 hostile records, a good group, 50 more hostile ones. A member with no room
+    for work skims, polls one record, skims again. Returns the dead-letter counts after each skim, the
+    groups polled, and the dead letters in the topic."""
+    config = make_config(fleet_yaml(f"t{uuid.uuid4().hex[:10]}", bootstrap))
+    await ensure_topics(config, "r1")
+    topic = topic_name(config.run, "trajectories")
+    header = [(SCHEMA_HEADER, b"fleetrl.group/1")]
+    async with Producer(config, "r1", "skim-producer") as producer:
+        await asyncio.gather(*(producer.send_raw(topic, b"skim", b"\xc1 %d" % i, header) for i in range(50)))
+        await producer.send("trajectories", "skim", make_group("skim-good", run=config.run, n_samples=2, n_tokens=3))
+        await asyncio.gather(*(producer.send_raw(topic, b"skim", b"\xc1 %d" % i, header) for i in range(50, 100)))
+        async with Consumer(config, "r1", ["trajectories"], trainer_group(config.run),
+                            RecordLimits.from_config(config), producer, "skim-consumer") as consumer:
+            counts: list[int] = []
+
+            async def skim_until(n: int) -> None:  # the first fetch may not have answered yet
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 20
+                while sum(producer.dead_lettered.values()) < n and loop.time() < deadline:
+                    await consumer.skim()
+                    await asyncio.sleep(0.05)
+                for _ in range(3):  # and no further: the good record stops it
+                    await consumer.skim()
+                counts.append(sum(producer.dead_lettered.values()))
+
+            await skim_until(50)
+            polled = await poll_until(consumer, 1, max_records=1)
+            await skim_until(100)
+            await consumer.commit(polled)
+    letters = await read_dead_letters(config, "r1", limit=200)
+    return counts, [d.record.group_id for d in polled], len(letters)
+
+
+def test_skimming_dead_letters_the_head_of_a_partition_and_stops_at_a_good_record(
+    tansu: devstack.ServerProcess,
+) -> None:
+    counts, polled, letters = asyncio.run(_skim(f"127.0.0.1:{tansu.port}"))
+    assert counts == [50, 100]  # the first skim stopped at the good group; the second went on after it
+    assert polled == ["skim-good"]  # skimming left the good group to be polled
+    assert letters == 100
