@@ -42,7 +42,8 @@ EXPECTED_SCHEMA: dict[str, str] = {"prompts": SCHEMA_PROMPT, "partials": SCHEMA_
 # loop for a while: above this many bytes it runs in a thread.
 _DECODE_IN_THREAD_BYTES = 1 << 20
 # How many records one poll may read on while the ones it read were refused (see `Consumer.poll`).
-_REFILL_RECORDS = 1024
+_REFILL_RECORDS = 4096
+_REFILL_BATCH = 512
 
 
 def _check_schema_header(headers: Any, expect: str) -> None:
@@ -103,6 +104,7 @@ class Consumer:
         self._consumer: AIOKafkaConsumer | None = None
         self._closed = False
         self._tracker = OffsetTracker()
+        self._dead_count = 0
         self._pending_seeks: dict[TP, int] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -187,69 +189,77 @@ class Consumer:
     async def poll(self, max_records: int, timeout_s: float) -> list[Delivery]:
         """Up to `max_records` good records, waiting at most about `timeout_s` for the first.
 
-        Refused records do not count against `max_records`: while a fetch brought some, the records
-        already buffered are read on (no waiting, up to `_REFILL_RECORDS` records in all), and their
-        dead letters are produced together, so a flood of hostile records is dead-lettered in large
-        batches instead of a few per poll.
+        Refused records do not count against `max_records`: while a fetch brought some, the consumer
+        reads on through what is buffered (no waiting; up to `_REFILL_RECORDS` records, in batches of
+        `_REFILL_BATCH`) and produces their dead letters together, so a flood of hostile records is
+        dead-lettered in large batches instead of a few per poll. A partition that holds more good
+        records than there is room for is put back to the first one not taken.
         """
+        return await self._read(max_records, timeout_s)
+
+    async def skim(self) -> int:
+        """Dead-letter the refused records at the head of each partition without taking a good one:
+        what a member with no room for work calls, so that a flood of hostile records does not wait
+        in front of the good ones until room frees up. Reads only what is buffered or comes at once;
+        each partition whose head is a good record is put back to it. Returns how many records were
+        dead-lettered."""
+        before = self._dead_count
+        await self._read(0, 0.0)
+        return self._dead_count - before
+
+    async def _read(self, max_records: int, timeout_s: float) -> list[Delivery]:
         fetched: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = {}
         good: list[Delivery] = []
         refused: list[tuple[ConsumerRecord[Any, Any], RecordError]] = []
+        back: dict[TopicPartition, int] = {}
         read = 0
         try:
             while True:
-                raw = await self._fetch(max_records - len(good), timeout_s if not fetched else 0.0)
-                messages = [m for batch in raw.values() for m in batch]
-                if not messages:
+                first = not fetched
+                room = max_records - len(good)
+                raw = await self._fetch(room if first and room > 0 else _REFILL_BATCH, timeout_s if first else 0.0)
+                if not any(raw.values()):
                     break
                 for tp, batch in raw.items():
                     fetched[tp] = fetched.get(tp, []) + batch
-                read += len(messages)
-                for m, result in zip(messages, await self._decode(messages), strict=True):
-                    if isinstance(result, RecordError):
-                        refused.append((m, result))
-                    else:
-                        good.append(self._delivery(m, result))
-                if len(good) >= max_records or not refused or read >= _REFILL_RECORDS:
+                    read += len(batch)
+                await self._sort(raw, room, good, refused, back)
+                if back or (max_records > 0 and len(good) >= max_records) or not refused or read >= _REFILL_RECORDS:
                     break
             if refused:
                 await asyncio.gather(*(self._dead_letter_one(m, error) for m, error in refused))
         except BaseException:
             self._rewind(fetched)
             raise
-        for d in good:
-            self._tracker.delivered(d.tp, d.offset)
-        return good
-
-    async def skim(self) -> int:
-        """Dead-letter the refused records at the head of each partition without taking a good one:
-        what a member with no room for work calls, so that a flood of hostile records does not wait
-        in front of the good ones until room frees up. Reads only what is already buffered or comes
-        at once (no waiting); each partition whose head is a good record is put back to it. Returns
-        how many records were dead-lettered."""
-        raw = await self._getmany((), _REFILL_RECORDS, 0.0)
-        messages = [m for batch in raw.values() for m in batch]
-        if not messages:
-            return 0
-        refused: list[tuple[ConsumerRecord[Any, Any], RecordError]] = []
-        back: dict[TopicPartition, int] = {}
-        try:
-            for tp, batch in raw.items():
-                for m, result in zip(batch, await self._decode(batch), strict=True):
-                    if not isinstance(result, RecordError):
-                        back[tp] = m.offset
-                        break
-                    refused.append((m, result))
-            if refused:
-                await asyncio.gather(*(self._dead_letter_one(m, error) for m, error in refused))
-        except BaseException:
-            self._rewind(raw)
-            raise
         assigned = self._c.assignment()
         for tp, offset in back.items():
             if tp in assigned:
                 self._c.seek(tp, offset)
-        return len(refused)
+        for d in good:
+            self._tracker.delivered(d.tp, d.offset)
+        return good
+
+    async def _sort(self, raw: dict[TopicPartition, list[ConsumerRecord[Any, Any]]], room: int,
+                    good: list[Delivery], refused: list[tuple[ConsumerRecord[Any, Any], RecordError]],
+                    back: dict[TopicPartition, int]) -> None:
+        """Split a fetch into the good records there is `room` for and the refused ones before them;
+        a partition's first good record over the room goes into `back` (its later records are left
+        for the next read)."""
+        messages = [m for batch in raw.values() for m in batch]
+        results = iter(await self._decode(messages))
+        for tp, batch in raw.items():
+            for i, m in enumerate(batch):
+                result = next(results)
+                if isinstance(result, RecordError):
+                    refused.append((m, result))
+                elif room > 0:
+                    good.append(self._delivery(m, result))
+                    room -= 1
+                else:
+                    back[tp] = m.offset
+                    for _ in batch[i + 1:]:  # keep `results` in step with the next partition
+                        next(results)
+                    break
 
     async def _decode(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
         if sum(len(m.value or b"") for m in messages) > _DECODE_IN_THREAD_BYTES:
@@ -278,6 +288,7 @@ class Consumer:
         await self._dead_letter.dead_letter(m.key, m.value or b"", error, m.topic, m.partition, m.offset,
                                             headers=list(m.headers or ()))
         self._tracker.dead((m.topic, m.partition), m.offset)
+        self._dead_count += 1
 
     def _rewind(self, raw: dict[TopicPartition, list[ConsumerRecord[Any, Any]]]) -> None:
         """Put the positions back to the start of a batch that is not returned (in full).

@@ -57,13 +57,19 @@ class ServerProcess:
     env: dict[str, str] = field(default_factory=dict)
     log_path: pathlib.Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    owned: list[pathlib.Path] = field(default_factory=list)
+    """Temporary files and folders made for this server (its default log, its config folder): removed
+    when a `with` block around it ends without an error (kept for a look after one)."""
     _log: IO[bytes] | None = None
 
     def start(self, ready_timeout_s: float = 20.0) -> ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             raise DevStackError(f"{self.name} is already running (pid {self.proc.pid})")
         if self.log_path is None:
-            self.log_path = pathlib.Path(tempfile.mkstemp(prefix=f"fleetrl-{self.name}-", suffix=".log")[1])
+            fd, name = tempfile.mkstemp(prefix=f"fleetrl-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = pathlib.Path(name)
+            self.owned.append(self.log_path)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - held for the process's lifetime
         self.proc = subprocess.Popen(
             self.argv,
@@ -120,8 +126,14 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self if self.alive() else self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, et: type[BaseException] | None, *exc: object) -> None:
         self.stop()
+        if et is None:
+            for path in self.owned:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
 
 
 def tansu_binary() -> str:
@@ -181,19 +193,20 @@ def mqtt_broker(port: int | None = None, workdir: pathlib.Path | None = None,
     hashes, nothing in clear).
     """
     port = port or free_port()
-    workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="fleetrl-mqtt-"))
+    owned = [] if workdir is not None else [pathlib.Path(tempfile.mkdtemp(prefix="fleetrl-mqtt-"))]
+    workdir = workdir or owned[0]
     if users is not None or tls is not None:
         prefer = ("amqtt",)
     for kind in prefer:
         if kind == "mosquitto" and shutil.which("mosquitto"):
             conf = workdir / "mosquitto.conf"
             conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-            return ServerProcess("mosquitto", ["mosquitto", "-c", str(conf)], port)
+            return ServerProcess("mosquitto", ["mosquitto", "-c", str(conf)], port, owned=owned)
         if kind == "amqtt":
             amqtt = shutil.which("amqtt") or str(pathlib.Path(sys.executable).parent / "amqtt")
             conf = workdir / "amqtt.yaml"
             conf.write_text(_amqtt_config(port, workdir, users, tls))
-            return ServerProcess("amqtt", [amqtt, "-c", str(conf)], port)
+            return ServerProcess("amqtt", [amqtt, "-c", str(conf)], port, owned=owned)
     raise DevStackError(f"no MQTT broker among {list(prefer)} is available")
 
 

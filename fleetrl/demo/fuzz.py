@@ -48,9 +48,14 @@ _CHUNK = 500  # records in flight at once
 
 def _prompt(config: FleetConfig, gid: str, rng: random.Random, n_ids: int = 4) -> PromptRecord:
     vocab = config.model.tiny.vocab_size
-    ids = np.array([rng.randrange(vocab) for _ in range(n_ids)], dtype=np.int32)
+    ids = _ids(rng, n_ids, vocab)
     return PromptRecord(group_id=gid, run=config.run, task=config.dataset.task, n_samples=config.algorithm.n_samples,
                         sampling=Sampling(max_new_tokens=config.algorithm.max_new_tokens), prompt_ids=ids)
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> np.ndarray:
+    """`n` token ids below `vocab`, from `rng` (one call, not one per token: the fuzzer floods)."""
+    return (np.frombuffer(rng.randbytes(4 * n), dtype=np.uint32) % vocab).astype(np.int32)
 
 
 def _group(config: FleetConfig, gid: str, rng: random.Random, *, lp: float = -1.0, token: int | None = None,
@@ -59,7 +64,7 @@ def _group(config: FleetConfig, gid: str, rng: random.Random, *, lp: float = -1.
     n = n_tokens or a.max_new_tokens
     samples = []
     for _ in range(n_samples or a.n_samples):
-        ids = np.array([token if token is not None else rng.randrange(vocab) for _ in range(n)], dtype=np.int32)
+        ids = np.full(n, token, dtype=np.int32) if token is not None else _ids(rng, n, vocab)
         samples.append(Sample(completion_ids=ids, logprobs=np.full(n, lp, dtype=np.float32),
                               versions=np.zeros(n, dtype=np.int32), reward=rng.random(), finish_reason="length"))
     return GroupRecord(group_id=gid, run=config.run, task=config.dataset.task, attempt=0, region="fuzz",

@@ -254,3 +254,39 @@ def test_skimming_dead_letters_the_head_of_a_partition_and_stops_at_a_good_recor
     assert counts == [50, 100]  # the first skim stopped at the good group; the second went on after it
     assert polled == ["skim-good"]  # skimming left the good group to be polled
     assert letters == 100
+
+
+async def _room(bootstrap: str) -> tuple[list[str], list[str], int]:
+    """One partition: one hostile record, then 6 good groups interleaved with 20 more hostile ones. A
+    poll with room for 2 reads on past the refusals in one large batch, so it holds more good groups
+    than it has room for. Returns the groups of that poll, then of the polls after it, and the dead
+    letters produced."""
+    config = make_config(fleet_yaml(f"t{uuid.uuid4().hex[:10]}", bootstrap))
+    await ensure_topics(config, "r1")
+    topic = topic_name(config.run, "trajectories")
+    header = [(SCHEMA_HEADER, b"fleetrl.group/1")]
+    async with Producer(config, "r1", "room-producer") as producer:
+        await producer.send_raw(topic, b"room", b"\xc1 first", header)
+        for i in range(6):
+            await producer.send("trajectories", "room", make_group(f"room-{i}", run=config.run, n_samples=2, n_tokens=3))
+            await asyncio.gather(*(producer.send_raw(topic, b"room", b"\xc1 %d %d" % (i, j), header) for j in range(4)))
+        async with Consumer(config, "r1", ["trajectories"], trainer_group(config.run),
+                            RecordLimits.from_config(config), producer, "room-consumer") as consumer:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            first: list[Delivery] = []
+            while not first and loop.time() < deadline:
+                first = await consumer.poll(max_records=2, timeout_s=0.5)
+            rest = await poll_until(consumer, 6 - len(first), max_records=10)
+            await consumer.commit(first + rest)
+    letters = await read_dead_letters(config, "r1", limit=100)
+    return [d.record.group_id for d in first], [d.record.group_id for d in rest], len(letters)
+
+
+def test_a_poll_that_read_on_past_refusals_puts_back_the_good_records_it_has_no_room_for(
+    tansu: devstack.ServerProcess,
+) -> None:
+    first, rest, letters = asyncio.run(_room(f"127.0.0.1:{tansu.port}"))
+    assert len(first) <= 2
+    assert first + rest == [f"room-{i}" for i in range(6)]  # each once, in order: none skipped, none twice
+    assert letters == 25
