@@ -105,9 +105,7 @@ class RegionAgent:
                 self._cp = cp
                 await self._serve(cp)
         finally:
-            for task in watching:
-                task.cancel()
-            await asyncio.gather(*watching, return_exceptions=True)
+            await _cancel_all(watching, self.region, self.node)
             for w in self.watchers:
                 w.close()
             self.metrics.close()
