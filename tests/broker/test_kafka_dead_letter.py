@@ -268,7 +268,8 @@ async def _room(bootstrap: str) -> tuple[list[str], list[str], int]:
     async with Producer(config, "r1", "room-producer") as producer:
         await producer.send_raw(topic, b"room", b"\xc1 first", header)
         for i in range(6):
-            await producer.send("trajectories", "room", make_group(f"room-{i}", run=config.run, n_samples=2, n_tokens=3))
+            group = make_group(f"room-{i}", run=config.run, n_samples=2, n_tokens=3)
+            await producer.send("trajectories", "room", group)
             await asyncio.gather(*(producer.send_raw(topic, b"room", b"\xc1 %d %d" % (i, j), header) for j in range(4)))
         async with Consumer(config, "r1", ["trajectories"], trainer_group(config.run),
                             RecordLimits.from_config(config), producer, "room-consumer") as consumer:
