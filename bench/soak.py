@@ -64,6 +64,9 @@ def run(minutes: float, fuzz_rate: float, out: pathlib.Path, seed: int) -> dict[
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
         raise SystemExit("soak: the demo overran its time; see the logs in " + str(tmp / "work" / "logs")) from None
+    if not (out / "summary.json").exists():
+        raise SystemExit(f"soak: the demo failed (exit {rc}) before writing its summary; see the logs in "
+                         f"{tmp / 'work' / 'logs'}")
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["_rc"] = rc
     return summary

@@ -1,8 +1,12 @@
 """The dispatcher: turns prompts into `fleetrl.prompt/1` work, admitted under the staleness bound.
 
 Admission (DESIGN.md §6): a new group is admitted only while
-`in_flight + consumed <= (version + 1 + max_staleness) * groups_per_step`, where every admitted
-group is either in flight or consumed (trained, dropped stale, dead-lettered). So the dispatcher
+`in_flight + consumed <= (version + 1 + max_staleness) * groups_per_step`, where `version` counts
+learner steps and `consumed` the groups taken off the wire for training (trained, or buffered for
+the next step). A group dropped stale is settled without feeding a step, so it returns its place
+(`released`): otherwise every stale drop would shrink the window for good, and a run that dropped
+`(1 + max_staleness) * groups_per_step` of them over its life could admit nothing more and stall
+(seen in a 20-minute soak whose trainer restarts made in-flight work stale). So the dispatcher
 never runs more than `1 + max_staleness` steps of work ahead of the learner, and groups generated
 in order reach the learner at most `max_staleness` versions old. Admitted groups go to regions by
 credit (`credits.py`). A group whose region has been silent for `silent_region_timeout_s` is sent
@@ -73,21 +77,24 @@ class Dispatcher:
     def admitted(self) -> int:
         return self.next_index
 
-    def budget(self, step: int) -> int:
+    def budget(self, step: int, released: int) -> int:
+        """Groups that may be admitted now; `released`: admitted groups settled without training."""
         a, d = self.config.algorithm, self.config.dataset
-        room = admission_budget(step, self.admitted, a.max_staleness, a.groups_per_step)
+        room = admission_budget(step, self.admitted - released, a.max_staleness, a.groups_per_step)
         if d.num_prompts is not None:
             room = min(room, d.num_prompts - self.next_index)
         return max(room, 0)
 
-    async def dispatch(self, step: int, version: int, now: float, resolved: Callable[[str], bool]) -> int:
+    async def dispatch(self, step: int, version: int, now: float, resolved: Callable[[str], bool], *,
+                       released: int) -> int:
         """Admit and send as many groups as the bound allows; returns how many were sent.
 
         Admission counts in learner steps (the `version` of the bound: versions published since
-        start); `version` is the newest published policy, the least a worker may sample with.
+        start); `version` is the newest published policy, the least a worker may sample with;
+        `released` is how many admitted groups were dropped stale (they hold no place).
         """
         sent = await self._retry_unsent(now)
-        while not self.exhausted and self.budget(step) > 0:
+        while not self.exhausted and self.budget(step, released) > 0:
             item = next(self._prompts, None)
             if item is None:
                 self.exhausted = True

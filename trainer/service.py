@@ -165,7 +165,8 @@ class Trainer:
             now = time.time()
             moved = await self.dispatcher.redispatch_silent(now, self.config.trainer.silent_region_timeout_s)
             self.metrics.redispatched.inc(moved)
-            await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved)
+            await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
+                                           released=self.collector.ledger.stale_count)
             self._heartbeats(now)
             await self._hand_over(now)
             for region, deliveries in (await self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S)).items():

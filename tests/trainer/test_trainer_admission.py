@@ -44,9 +44,11 @@ class Sim:
         self.outstanding.append(record)
 
     async def admit(self) -> None:
-        await self.dispatcher.dispatch(self.version, self.version, 0.0, self.collector.is_resolved)
+        await self.dispatcher.dispatch(self.version, self.version, 0.0, self.collector.is_resolved,
+                                       released=self.collector.ledger.stale_count)
         a = self.cfg.algorithm
-        assert self.dispatcher.admitted <= (self.version + 1 + a.max_staleness) * a.groups_per_step
+        holding = self.dispatcher.admitted - self.collector.ledger.stale_count
+        assert holding <= (self.version + 1 + a.max_staleness) * a.groups_per_step
 
     def arrive(self, pick: int, gen: int) -> None:
         """Group `pick` of those outstanding finishes, sampled with a version in [min_version, now]."""
@@ -102,6 +104,36 @@ def test_in_order_arrivals_are_never_stale_and_lag_at_most_s(s: int, g: int, n: 
     assert not sim.collector.stale
     assert all(lag <= s for lag in sim.lags)
     assert sim.version >= 1 or n < g
+
+
+def test_groups_dropped_stale_return_their_place_so_a_run_never_stalls() -> None:
+    """Trainer restarts publish versions without steps, so the work in flight arrives stale. Those
+    groups are settled without feeding a step: they must free their admission, or the window
+    (here (1 + 1) x 2 = 4 groups) stays full of settled work and nothing is ever dispatched again."""
+    cfg = _config(1, 2)
+    sent: list[PromptRecord] = []
+
+    async def send(region: str, record: PromptRecord) -> None:
+        sent.append(record)
+
+    async def go() -> tuple[int, int, int]:
+        d = Dispatcher(cfg, itertools.repeat(("reverse", "abc=", "cba")),
+                       send, RegionCredits({"a": 1.0}, window_s=60, tokens_per_group=10))
+        collector = Collector("adm", 1)
+        first = await d.dispatch(0, 0, 0.0, collector.is_resolved, released=collector.ledger.stale_count)
+        for i, p in enumerate(list(sent)):  # sampled at version 0; the learner is at version 3 now
+            assert collector.offer(make_group(p.group_id, "adm", version=0, n=2, seed=i), 3) == "stale"
+            d.resolve(p.group_id)
+        again = await d.dispatch(0, 3, 0.0, collector.is_resolved, released=collector.ledger.stale_count)
+        for i, p in enumerate(sent[first:]):  # the new work is fresh and makes a step
+            assert collector.offer(make_group(p.group_id, "adm", version=3, n=2, seed=10 + i), 3) == "accepted"
+        return first, again, len(collector.pending)
+
+    first, again, buffered = asyncio.run(go())
+    assert first == 4
+    assert again == 4  # the 4 stale groups gave their places back
+    assert buffered == 4 and len({p.group_id for p in sent}) == 8
+    assert all(p.min_version == 3 for p in sent[4:])
 
 
 def test_admission_budget_formula() -> None:
@@ -195,7 +227,7 @@ def test_silent_region_is_redispatched_with_a_new_attempt() -> None:
     d = Dispatcher(cfg, itertools.repeat(("reverse", "ab=", "ba")), send, credits)
 
     async def go() -> None:
-        await d.dispatch(0, 0, 0.0, lambda gid: False)
+        await d.dispatch(0, 0, 0.0, lambda gid: False, released=0)
         assert len(sent) == 4 and {r for r, _ in sent} == {"a", "b"}
         credits.on_arrival("b", 50.0)  # b answers, a stays silent
         moved = await d.redispatch_silent(100.0, timeout_s=60.0)
@@ -227,16 +259,16 @@ def test_a_failing_region_cluster_is_skipped_and_unsent_groups_retried() -> None
     d = Dispatcher(cfg, itertools.repeat(("reverse", "ab=", "ba")), send, credits)
 
     async def go() -> None:
-        assert await d.dispatch(0, 0, 0.0, lambda gid: False) == 2
+        assert await d.dispatch(0, 0, 0.0, lambda gid: False, released=0) == 2
         assert {r for r, _ in sent} == {"b"}  # a failed once, then had no credit for a window
         down.add("b")  # now nothing is reachable: admitted groups wait unsent
         d.in_flight.clear()
         d.next_index = 0
         sent.clear()
-        assert await d.dispatch(0, 0, 1.0, lambda gid: False) == 0
+        assert await d.dispatch(0, 0, 1.0, lambda gid: False, released=0) == 0
         assert all(not f.sent for f in d.in_flight.values()) and len(d.in_flight) == 2
         down.clear()
-        assert await d.dispatch(0, 0, 30.0, lambda gid: False) == 2  # retried in the next round
+        assert await d.dispatch(0, 0, 30.0, lambda gid: False, released=0) == 2  # retried in the next round
         assert all(f.sent for f in d.in_flight.values()) and len(sent) == 2
 
     asyncio.run(go())

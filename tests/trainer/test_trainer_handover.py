@@ -64,7 +64,7 @@ async def test_a_region_whose_heartbeats_stop_has_its_groups_redispatched_within
     now = 0.0
     fleet.beat("a", "up", now)
     fleet.beat("b", "up", now)
-    await fleet.dispatcher.dispatch(1, 0, now, lambda gid: False)
+    await fleet.dispatcher.dispatch(1, 0, now, lambda gid: False, released=0)
     held = fleet.held_by("a")
     assert held and fleet.held_by("b")
     last_beat_a = 0.0
@@ -100,7 +100,7 @@ async def test_a_draining_region_keeps_its_groups_for_the_handover_then_they_mov
     fleet = Fleet(config(handover_timeout_s=4.0))
     fleet.beat("a", "up", 0.0)
     fleet.beat("b", "up", 0.0)
-    await fleet.dispatcher.dispatch(1, 0, 0.0, lambda gid: False)
+    await fleet.dispatcher.dispatch(1, 0, 0.0, lambda gid: False, released=0)
     held = fleet.held_by("a")
     fleet.beat("a", "draining", 1.0)  # the agent keeps beating `draining` while its workers hand over
     fleet.beat("b", "up", 1.0)
