@@ -24,7 +24,7 @@ from fleetrl.broker.errors import KafkaError, RecordError, RecordTooLarge
 from fleetrl.broker.naming import SCHEMA_HEADER, Stream, topic_name
 from fleetrl.broker.records import Record
 from fleetrl.config import FleetConfig
-from fleetrl.log import get_logger
+from fleetrl.log import LogBudget, get_logger
 
 log = get_logger(__name__)
 # Records per partition sent in one request, up to this many bytes (aiokafka's default is 16 KiB, which
@@ -37,7 +37,8 @@ class Producer:
 
     `dead_lettered` counts the records this producer dead-lettered, by reason; `on_dead_letter`, if
     given, is called with the reason of each once the broker acknowledged it (daemons count it in
-    their metrics: the broker package itself exposes none).
+    their metrics: the broker package itself exposes none). Each is logged as `record.dead_lettered`,
+    at most 20 lines in 10 s; the rest are summed in one `record.dead_lettered.suppressed` line.
     """
 
     def __init__(self, config: FleetConfig, region: str, client_id: str,
@@ -46,6 +47,7 @@ class Producer:
         self.config, self.region, self.client_id = config, region, client_id
         self.dead_lettered: Counter[str] = Counter()
         self._on_dead_letter = on_dead_letter
+        self._dead_letter_log = LogBudget("record.dead_lettered")  # a flood is not 100,000 log lines
         self._producer: AIOKafkaProducer | None = None
         self._closed = False
 
@@ -85,6 +87,7 @@ class Producer:
     async def close(self) -> None:
         """Flush and stop, within the request timeout; idempotent."""
         self._closed = True
+        self._dead_letter_log.flush(log)
         producer, self._producer = self._producer, None
         if producer is None:
             return
@@ -139,8 +142,8 @@ class Producer:
         self.dead_lettered[error.reason] += 1
         if self._on_dead_letter is not None:
             self._on_dead_letter(error.reason)
-        log.warning("record.dead_lettered", topic=topic, partition=partition, offset=offset,
-                    reason=error.reason, field=error.field, group_id=error.group_id)
+        self._dead_letter_log.warning(log, error.reason, topic=topic, partition=partition, offset=offset,
+                                      reason=error.reason, field=error.field, group_id=error.group_id)
 
     def _check_size(
         self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]], limit: int, group: str

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import MutableMapping
+import time
+from collections import Counter
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import structlog
@@ -103,3 +105,42 @@ def get_logger(name: str | None = None, **fields: Any) -> Any:
         configure()
     # Lazy: the logger is assembled on first use, with the configuration in force then.
     return structlog.get_logger(**({"component": name} if name else {}), **fields)
+
+
+class LogBudget:
+    """One event logged at most `per_window` times in each `window_s`; the rest are counted by key.
+
+    A flood of bad input would otherwise write one line per record (160,000 in the demo's fuzz run):
+    `warning(log, key, **fields)` logs the event while the window has room and counts it under `key`
+    once it has none; the counts come out as one `<event>.suppressed` line (`count`, `by` key,
+    `window_s`) when a later event finds its window over, or at `flush` (callers flush on close).
+    Metrics still count every event; this bounds only the log.
+    """
+
+    def __init__(self, event: str, *, per_window: int = 20, window_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if per_window < 0 or window_s <= 0:
+            raise ValueError(f"LogBudget({event!r}): per_window must be >= 0 and window_s > 0")
+        self.event, self.per_window, self.window_s = event, per_window, window_s
+        self._clock = clock
+        self._start = clock()
+        self._used = 0
+        self._suppressed: Counter[str] = Counter()
+
+    def warning(self, log: Any, key: str, **fields: Any) -> None:
+        now = self._clock()
+        if now - self._start >= self.window_s:
+            self.flush(log)
+            self._start, self._used = now, 0
+        if self._used < self.per_window:
+            self._used += 1
+            log.warning(self.event, **fields)
+        else:
+            self._suppressed[key] += 1
+
+    def flush(self, log: Any) -> None:
+        """Log the counts suppressed so far, if any, as one line."""
+        if self._suppressed:
+            log.warning(f"{self.event}.suppressed", count=sum(self._suppressed.values()),
+                        by=dict(self._suppressed), window_s=self.window_s)
+            self._suppressed.clear()

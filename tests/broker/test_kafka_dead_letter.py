@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from broker_testkit import VOCAB, fleet_yaml, make_config, make_group, poll_until
+from structlog.testing import capture_logs
 
 from fleetrl import devstack
 from fleetrl.broker import (
@@ -205,12 +206,19 @@ def test_a_flood_of_refused_records_is_dead_lettered_in_batches(tansu: devstack.
     behind 600 hostile records reads through them in a few polls (one record per poll would take 601),
     dead-letters every one, and the commit of the good one covers them all."""
     n_bad = 600
-    delivered, polls, letters, lag = asyncio.run(_flood(f"127.0.0.1:{tansu.port}", n_bad))
+    with capture_logs() as logs:
+        delivered, polls, letters, lag = asyncio.run(_flood(f"127.0.0.1:{tansu.port}", n_bad))
     assert [d.key for d in delivered] == ["flood"] and delivered[0].record.group_id == "flood-good"
     assert polls < n_bad // 10, polls
     assert len(letters) == n_bad and {dl.reason for dl in letters} == {"malformed"}
     assert sorted(dl.original_offset or 0 for dl in letters) == list(range(n_bad))
     assert lag == 0
+    # The log is bounded too, and still accounts for every dead letter.
+    lines = [e for e in logs if e["event"] == "record.dead_lettered"]
+    summed = [e for e in logs if e["event"] == "record.dead_lettered.suppressed"]
+    assert len(lines) <= 20 * (1 + len(summed))
+    assert len(lines) + sum(e["count"] for e in summed) == n_bad
+    assert all(set(e["by"]) == {"malformed"} for e in summed) and summed
 
 
 async def _skim(bootstrap: str) -> tuple[list[int], list[str], int]:
