@@ -28,6 +28,7 @@ from typing import Any
 from fleetrl.broker import (
     Consumer,
     Delivery,
+    KafkaError,
     Producer,
     RecordError,
     RecordLimits,
@@ -176,6 +177,7 @@ class RolloutWorker:
         """Poll Kafka beside the engine (a poll costs round trips) whenever a group slot is free."""
         next_skim = 0.0
         while self._admitting:
+            dead_before = sum(self.dead_lettered.values())
             free = self.cfg.max_groups_in_flight - len(self._jobs) - len(self._waiting)
             if free <= 0:
                 # No room for a group, but hostile records at the head of the partitions need none:
@@ -184,9 +186,21 @@ class RolloutWorker:
                     next_skim = time.monotonic() + self.cfg.idle_poll_s
                     await self.consumer.skim()
                 await asyncio.sleep(_IDLE_WAKE_S)
-                continue
-            for d in await self.consumer.poll(free, self.cfg.idle_poll_s):
-                self._take_on(d)
+            else:
+                for d in await self.consumer.poll(free, self.cfg.idle_poll_s):
+                    self._take_on(d)
+            if sum(self.dead_lettered.values()) > dead_before:
+                await self._commit_dead_letters()
+
+    async def _commit_dead_letters(self) -> None:
+        """Commit past dead letters now, up to the first offset still owed an effect: otherwise a worker
+        that completes no further group on that partition would leave them to be re-read and
+        dead-lettered again by whoever reads it next."""
+        try:
+            async with self._commit_lock:
+                await self.consumer.commit([])
+        except KafkaError as exc:  # the dead letters are safe in their topic; at worst they are re-read
+            log.warning("worker.dead_letter_commit_failed", error=str(exc))
 
     def _take_on(self, d: Delivery) -> None:
         self._commits.owe(d)
@@ -344,6 +358,7 @@ class RolloutWorker:
         if self._tasks:
             await asyncio.gather(*self._tasks)
         self._tasks.clear()
+        await self._commit_dead_letters()
 
 
 async def run_worker(config: FleetConfig, region: str, node: str, stop: asyncio.Event,

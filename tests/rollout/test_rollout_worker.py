@@ -30,6 +30,7 @@ from rollout_testkit import (
     setup_topics,
 )
 
+from fleetrl.broker import SCHEMA_HEADER, SCHEMA_PROMPT, Producer, group_lag, topic_name
 from fleetrl.config import FleetConfig
 from fleetrl.rollout.worker import RolloutWorker
 
@@ -76,6 +77,40 @@ async def test_n_prompts_become_n_groups(run_id: str, tansu_bootstrap: str, tmp_
     # Everything was committed: a new member of the rollout group finds no work.
     again = await read_stream(config, "prompts", 1, timeout_s=2, group=f"fleetrl.{run_id}.rollout")
     assert again == []
+
+
+async def _rollout_lag(config: FleetConfig) -> int:
+    return sum(row.lag for row in await group_lag(config, REGION) if row.group.endswith(".rollout"))
+
+
+async def test_dead_letters_are_committed_without_waiting_for_a_group(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path
+) -> None:
+    """Prompts that are all hostile complete no group, yet the worker commits past their dead letters
+    while it runs (a worker SIGKILLed afterwards leaves nothing to dead-letter twice)."""
+    config = make_config(fleet_dict(run_id, tansu_bootstrap, tmp_path / "store"))
+    publish_tiny(config)
+    await setup_topics(config)
+    topic = topic_name(config.run, "prompts")
+    async with Producer(config, REGION, "hostile") as producer:
+        await asyncio.gather(*(producer.send_raw(topic, b"h%d" % i, b"\xc1 not msgpack %d" % i,
+                                                 [(SCHEMA_HEADER, SCHEMA_PROMPT.encode())]) for i in range(40)))
+    worker, stop = RolloutWorker(config, REGION, "n1"), asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    loop = asyncio.get_running_loop()
+    deadline, lag = loop.time() + 60, -1
+    try:
+        while loop.time() < deadline and not task.done():
+            if sum(worker.dead_lettered.values()) == 40:
+                lag = await _rollout_lag(config)
+                if lag == 0:
+                    break
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+    assert worker.dead_lettered == {"malformed": 40} and worker.groups_done == 0
+    assert lag == 0, f"the rollout group still lags {lag} records behind its dead letters"
 
 
 def _spawn_worker(
