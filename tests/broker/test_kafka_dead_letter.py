@@ -96,8 +96,11 @@ async def _scenario(bootstrap: str) -> Outcome:
 async def _unread_lag(run: str, producer: Producer, consumer: Consumer, member_lag: list[int | None]) -> None:
     """Three more records in one partition: the member's lag shows them (the fetcher learns the log end
     in the background) until it reads them."""
-    for i in range(3):
-        await producer.send("trajectories", "late", make_group(f"late-{i}", run=run, n_samples=2, n_tokens=3))
+    # Sent together, so that they land in one produce request: a fetch answered between two separate
+    # sends would buffer the first record, and aiokafka fetches a partition again (learning the new
+    # log end) only once its buffer was read, which this member does not do here.
+    await asyncio.gather(*(producer.send("trajectories", "late", make_group(f"late-{i}", run=run, n_samples=2,
+                                                                            n_tokens=3)) for i in range(3)))
     seen: int | None = None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 15
