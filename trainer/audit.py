@@ -22,7 +22,6 @@ any consumer group's offsets.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,7 +189,8 @@ def _index(gid: str, run: str) -> int:
 
 async def read_topics(config: FleetConfig, timeout_s: float = 30.0, state: dict[str, Any] | None = None) -> TopicView:
     """What the topics say; with a checkpoint `state`, `prompts` from its settled watermarks and
-    `trajectories` from its committed offsets on."""
+    `trajectories` from its committed offsets on. A topic read fails when no record arrives for
+    `timeout_s`."""
     view = TopicView()
     marks = watermarks_of(state)
     consumed: dict[str, dict[int, int]] = {}
@@ -230,10 +230,10 @@ async def _read_region(config: FleetConfig, region: str, view: TopicView, timeou
 
 async def _read(config: FleetConfig, region: str, stream: Stream, timeout_s: float,
                 start: dict[int, int] | None) -> tuple[list[RawRecord], dict[int, int]]:
-    # read_log_from bounds itself by kafka.request_timeout_s; timeout_s bounds the whole topic
+    # fails when no record arrives for timeout_s, however long the log (a total bound would fail a long run)
     topic = topic_name(config.run, stream)
     try:
-        return await asyncio.wait_for(
-            read_log_from(config, region, topic, start, client_id=f"{config.run}-audit"), timeout_s)
+        return await read_log_from(config, region, topic, start, client_id=f"{config.run}-audit",
+                                   stall_timeout_s=timeout_s)
     except TopicError:
         return [], {}  # a topic never created holds nothing to audit

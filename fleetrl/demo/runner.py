@@ -63,7 +63,9 @@ from fleetrl.demo.view import LogTail, Progress, RegionView
 _POLL_S = 0.5
 _STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
 _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
-_AUDIT_TIMEOUT_S = 120.0
+# The audit's reads fail on their own when a broker stops answering; this only bounds a hung process. A long
+# durable run's logs come back from object storage one batch at a time, which takes minutes.
+_AUDIT_TIMEOUT_S = 900.0
 _SERVER_READY_S = 20.0
 _FUZZ_DRAIN_S = 30.0  # after the fuzzer's last batch, how long its records may take to be dead-lettered
 _DURATION_GRACE_S = 10.0  # after --duration: hostile records already sent are read before the trainer stops
@@ -155,6 +157,7 @@ class Demo:
             fuzz = self._stop_fuzzer()
             self._catch_up()
             self.exit_codes = {self.trainer.name: self.trainer.returncode(), **self._stop_children()}
+            self.console.print("auditing: reading every region's prompts, trajectories and dead letters ...")
             audit = self._audit()
             dead = asyncio.run(self._dead_letters())
             self._stop_servers()
@@ -479,8 +482,8 @@ class Demo:
         fuzz_keys: set[bytes] = set()
         fuzz_records = 0
         for r in self.config.regions:
-            raws = await asyncio.wait_for(read_log(self.config, r.name, topic_name(self.config.run, "dead-letter"),
-                                                   client_id=f"{self.config.run}-demo-dlq"), _AUDIT_TIMEOUT_S)
+            raws = await read_log(self.config, r.name, topic_name(self.config.run, "dead-letter"),
+                                  client_id=f"{self.config.run}-demo-dlq")  # fails if the broker stops answering
             for raw in raws:
                 dl = DeadLetter.from_record(raw.partition, raw.offset, raw.key, raw.value, raw.headers)
                 total += 1
