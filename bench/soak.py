@@ -35,6 +35,9 @@ import yaml
 from fleetrl.devstack import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# After --duration: the trainer drains and checkpoints, replicas catch up, the audit reads every topic
+# (bounded by the demo at 15 minutes), the servers stop.
+_AFTER_RUN_S = 1200.0
 
 
 def _config(tmp: pathlib.Path) -> pathlib.Path:
@@ -59,10 +62,9 @@ def run(minutes: float, fuzz_rate: float, out: pathlib.Path, seed: int) -> dict[
     print(f"soak: {minutes:g} min of {' '.join(argv[3:])}", flush=True)
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     try:
-        rc = proc.wait(timeout=minutes * 60 + 300)
+        rc = proc.wait(timeout=minutes * 60 + _AFTER_RUN_S)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=90)
+        _stop_group(proc)
         raise SystemExit("soak: the demo overran its time; see the logs in " + str(tmp / "work" / "logs")) from None
     if not (out / "summary.json").exists():
         raise SystemExit(f"soak: the demo failed (exit {rc}) before writing its summary; see the logs in "
@@ -70,6 +72,16 @@ def run(minutes: float, fuzz_rate: float, out: pathlib.Path, seed: int) -> dict[
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     summary["_rc"] = rc
     return summary
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT the demo's session (its own bounded clean-up), then SIGKILL whatever is left of it."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
 
 
 def _ledger_bytes(summary: dict[str, Any]) -> int:

@@ -24,9 +24,13 @@ is folded: the older records' places are unknown.
 
 A trainer killed after its checkpoint may have produced prompt records the checkpoint does not
 know of; the restarted trainer trains those groups when their trajectories arrive, without sending
-their prompts again. Such a group is "unplaced": its record lies at or after the checkpoint's end of
-each partition (`resume_ends`; offset 0 where the checkpoint produced nothing), so until it is
-folded every watermark is held at those ends.
+their prompts again. Such a group is "unplaced": nobody knows where its record lies. It is folded at
+once, however new (`fold` folds every unplaced group, and watermarks are taken only after a fold):
+below a watermark only folded groups' records may lie, so a folded group's record needs no place,
+and the audit counts the group as trained without looking for it. (Holding every watermark at the
+resumed checkpoint's ends until the group was folded in its turn, as before, kept them there for
+good when the trainer restarted before `detail_groups` newer groups settled: the 20-minute soak,
+trainer killed every ~75 s, had its audit read almost all of `prompts`.)
 """
 
 from __future__ import annotations
@@ -138,8 +142,8 @@ class Ledger:
         self.watermarks: dict[str, dict[int, int]] = {}
         self.blind_below = 0
         """Groups below this index were drawn before a resume from a checkpoint without positions."""
-        self.resume_ends: dict[str, dict[int, int]] | None = None
-        """The produced ends of the checkpoint this trainer resumed from (None: it started fresh)."""
+        self.resumed = False
+        """This trainer resumed a checkpoint (groups it did not dispatch itself may arrive)."""
         self.unplaced: set[str] = set()
         """Trained groups, not folded, whose prompt record a dead trainer produced after its checkpoint."""
         self._noted: set[str] = set()
@@ -158,7 +162,7 @@ class Ledger:
             raise AssertionError(f"group {entry.group_id} settled twice (trained)")
         self._trained_ids.add(entry.group_id)
         self.trained.append(entry)
-        if self.resume_ends is not None and entry.group_id not in self.positions \
+        if self.resumed and entry.group_id not in self.positions \
                 and entry.group_id not in self._noted:
             self.unplaced.add(entry.group_id)
         self._maybe_fold()
@@ -174,7 +178,7 @@ class Ledger:
         """The prompt record of `gid` landed at (region, partition, offset)."""
         if not self.settled(gid):
             self.positions.setdefault(gid, []).append((region, partition, offset))
-        if self.resume_ends is not None:
+        if self.resumed:
             self._noted.add(gid)
         ends = self.ends.setdefault(region, {})
         ends[partition] = max(ends.get(partition, 0), offset + 1)
@@ -195,10 +199,12 @@ class Ledger:
             self.fold()
 
     def fold(self) -> None:
-        """Fold all but the newest `detail_groups` rows of each layer into the ranges."""
+        """Fold all but the newest `detail_groups` rows of each layer into the ranges, and every unplaced
+        group however new."""
         keep: list[TrainedEntry] = []
         for n, entry in enumerate(self.trained):
-            if n >= len(self.trained) - self.detail_groups or not self._fold_one(entry.group_id):
+            recent = n >= len(self.trained) - self.detail_groups and entry.group_id not in self.unplaced
+            if recent or not self._fold_one(entry.group_id):
                 keep.append(entry)
             else:
                 self._trained_ids.discard(entry.group_id)
@@ -224,6 +230,8 @@ class Ledger:
 
     def settled_watermarks(self) -> dict[str, dict[int, int]]:
         """Per region and `prompts` partition: the offset the audit may start reading from."""
+        if self.unplaced:  # their records may lie anywhere: only folded, they may lie below a watermark
+            self.fold()
         if self.blind_below and not self.folded.covers_below(self.blind_below):
             return {}
         self.blind_below = 0
@@ -232,13 +240,10 @@ class Ledger:
             for region, partition, offset in places:
                 key = (region, partition)
                 oldest[key] = min(offset, oldest.get(key, offset))
-        held = self.resume_ends if self.unplaced else None
         for region, ends in self.ends.items():
             marks = self.watermarks.setdefault(region, {})
             for partition, end in ends.items():
                 mark = oldest.get((region, partition), end)
-                if held is not None:  # an unplaced record lies at or after the resumed checkpoint's end
-                    mark = min(mark, held.get(region, {}).get(partition, 0))
                 marks[partition] = max(mark, marks.get(partition, 0))
         return self.watermarks
 
@@ -252,8 +257,6 @@ class Ledger:
             "folded": self.folded.rows(), "folded_trained": self.folded_trained, "folded_stale": self.folded_stale,
             "positions": {g: [list(p) for p in ps] for g, ps in self.positions.items()},
             "ends": _by_partition(self.ends), "watermarks": _by_partition(marks), "blind_below": self.blind_below,
-            "unplaced": sorted(self.unplaced),
-            "resume_ends": _by_partition(self.resume_ends) if self.unplaced and self.resume_ends is not None else {},
         }
 
     def restore(self, trained: list[list[Any]], stale: dict[str, Any], ledger: dict[str, Any] | None,
@@ -279,14 +282,10 @@ class Ledger:
         self.ends = _from_partition(ledger["ends"])
         self.watermarks = _from_partition(ledger["watermarks"])
         self.blind_below = int(ledger.get("blind_below", 0))
-        # Groups still unplaced from an earlier resume keep that resume's (lower) ends; records a trainer
-        # killed after this checkpoint produced lie at or after this checkpoint's ends.
+        # Checkpoints written before unplaced groups were folded at once list them (with `resume_ends`,
+        # no longer needed): they fold at the next checkpoint.
         self.unplaced = set(ledger.get("unplaced", []))
-        earlier = _from_partition(ledger.get("resume_ends", {}))
-        self.resume_ends = {region: {p: min(end, earlier.get(region, {}).get(p, 0)) for p, end in ends.items()}
-                            for region, ends in self.ends.items()} if self.unplaced else \
-            {region: dict(ends) for region, ends in self.ends.items()}
-        self._noted = set()
+        self.resumed, self._noted = True, set()
 
 
 def _by_partition(marks: dict[str, dict[int, int]]) -> dict[str, list[list[int]]]:
