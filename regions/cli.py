@@ -3,18 +3,20 @@
 The config is parsed and the node's identity checked before torch is imported; a bad identity exits 2,
 any other fatal error 1, each with one line on stderr. SIGTERM, SIGINT, a `stop` command, the region's
 preemption notice source (`regions[].preemption`: aws, gcp, azure or file) or the `--notice-file`
-appearing end the agent with exit 0 after the handover (see `fleetrl.regions.agent`).
+appearing end the agent with exit 0 after the handover (see `fleetrl.regions.agent`). Leaving is
+bounded: tasks or threads still there 10 s after the agent stopped are logged and abandoned
+(`fleetrl.runtime.run_daemon`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from fleetrl.config import FleetConfig
 from fleetrl.regions.errors import AgentConfigError
 from fleetrl.regions.identity import check_identity
+from fleetrl.runtime import run_daemon
 
 
 def run_agent(args: argparse.Namespace, config: FleetConfig) -> int:
@@ -24,7 +26,7 @@ def run_agent(args: argparse.Namespace, config: FleetConfig) -> int:
         print(f"fleetrl agent: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(config, args.config, args.region, args.node, getattr(args, "notice_file", None)))
+        run_daemon(_serve(config, args.config, args.region, args.node, getattr(args, "notice_file", None)), "agent")
     except Exception as exc:  # the one place that turns a fatal error into one line
         if getattr(args, "debug", False):
             raise

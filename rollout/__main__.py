@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetrl rollout: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(config, args.region, args.node, args.engine_index, args.supervised))
+        from fleetrl.runtime import run_daemon
+
+        run_daemon(_serve(config, args.region, args.node, args.engine_index, args.supervised), "rollout")
     except Exception as exc:  # the one place that turns any fatal error into one clear line
         print(f"fleetrl rollout: fatal: {args.region}/{args.node}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
