@@ -168,3 +168,20 @@ async def bounded(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
                 return await awaitable
     except TimeoutError as exc:
         raise KafkaError(f"{what}: no answer within {timeout_s:.1f} s", retriable=True) from exc
+
+
+async def stop_client(stop: Awaitable[None], timeout_s: float, what: str) -> None:
+    """Await an aiokafka client's `stop()` within `timeout_s` (a timeout raises `KafkaError`).
+
+    aiokafka's fetcher, closing, cancels a fetch request task that is waiting out its retry backoff
+    (its broker just went away) and then awaits it, so `stop()` raises that task's `CancelledError`
+    although nobody cancelled the caller: a trainer that had drained and checkpointed crashed on it at
+    exit. Such a cancel is swallowed (and logged); a cancel of the calling task itself still propagates.
+    """
+    task = asyncio.current_task()
+    try:
+        await bounded(stop, timeout_s, what)
+    except asyncio.CancelledError:
+        if task is None or task.cancelling():
+            raise
+        log.warning("kafka.stop_leaked_cancel", what=what)

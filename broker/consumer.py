@@ -26,7 +26,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import IllegalStateError
 from aiokafka.protocol.group import LeaveGroupRequest
 
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, translated
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, stop_client, translated
 from fleetrl.broker.codec import decode_record
 from fleetrl.broker.errors import KafkaError, RecordError
 from fleetrl.broker.naming import SCHEMA_HEADER, Stream, topic_name
@@ -144,7 +144,7 @@ class Consumer:
             return
         await self._leave_generation_zero(consumer)
         try:
-            await bounded(consumer.stop(), self.config.kafka.request_timeout_s, f"stop consumer {self.client_id!r}")
+            await stop_client(consumer.stop(), self.config.kafka.request_timeout_s, f"stop consumer {self.client_id!r}")
         except KafkaError as exc:
             log.warning("consumer.stop_failed", group=self.group, client_id=self.client_id, error=str(exc))
 

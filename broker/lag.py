@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, stop_client
 from fleetrl.broker.errors import KafkaError
 from fleetrl.broker.naming import Stream, rollout_group, topic_name, trainer_group
 from fleetrl.broker.topics import admin_client, describe_topics
@@ -54,7 +54,7 @@ async def reader(
         await connect(consumer.start(), config, region, f"connect reader to region {region!r}")
         yield consumer
     finally:
-        await bounded(consumer.stop(), timeout, f"stop reader of region {region!r}")
+        await stop_client(consumer.stop(), timeout, f"stop reader of region {region!r}")
 
 
 async def end_offsets(config: FleetConfig, region: str, topic: str) -> dict[int, int]:

@@ -17,7 +17,15 @@ from types import TracebackType
 from aiokafka import AIOKafkaProducer
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, translated, with_retries
+from fleetrl.broker.clients import (
+    DEAD_LETTER_SLACK_BYTES,
+    bounded,
+    client_kwargs,
+    connect,
+    stop_client,
+    translated,
+    with_retries,
+)
 from fleetrl.broker.codec import encode_record
 from fleetrl.broker.deadletter import dead_letter_headers
 from fleetrl.broker.errors import KafkaError, RecordError, RecordTooLarge
@@ -92,7 +100,7 @@ class Producer:
         if producer is None:
             return
         try:
-            await bounded(producer.stop(), self.config.kafka.request_timeout_s, f"stop producer {self.client_id!r}")
+            await stop_client(producer.stop(), self.config.kafka.request_timeout_s, f"stop producer {self.client_id!r}")
         except KafkaError as exc:
             log.warning("producer.stop_failed", region=self.region, client_id=self.client_id, error=str(exc))
 

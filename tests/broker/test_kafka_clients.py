@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
 import numpy as np
 import pytest
-from broker_testkit import make_group, make_prompt, poll_until
+from broker_testkit import fleet_yaml, make_config, make_group, make_prompt, poll_until
 
+from fleetrl import devstack
 from fleetrl.broker import (
     SCHEMA_HEADER,
     Consumer,
@@ -18,6 +22,7 @@ from fleetrl.broker import (
     topic_name,
     trainer_group,
 )
+from fleetrl.broker.clients import stop_client
 from fleetrl.broker.lag import end_offsets
 from fleetrl.config import FleetConfig
 
@@ -121,3 +126,33 @@ def _partial(group_id: str, run: str) -> object:
     sample = PartialSample(ids([5, 6]), floats([-0.5, -0.25]), ids([0, 0]))
     return PartialRecord(prompt=make_prompt(group_id, run=run), samples=[sample],
                          handed_over_by=HandedOverBy(region="r1", node="n1", reason="preempted"))
+
+
+async def test_closing_a_consumer_whose_broker_just_died_raises_nothing(limits: RecordLimits) -> None:
+    """aiokafka's fetcher, closing, awaits the fetch task it cancelled while that task waited out its
+    retry backoff (its broker gone), and so leaked the CancelledError out of `stop()`: a trainer that
+    had drained and checkpointed died on it at exit. `close()` now returns; a real cancel still works."""
+    server = devstack.tansu().start()
+    try:
+        config = make_config(fleet_yaml(f"t{uuid.uuid4().hex[:10]}", f"127.0.0.1:{server.port}",
+                                        kafka={"retry_backoff_s": 5.0}))
+        await ensure_topics(config, "r1")
+        async with Producer(config, "r1", "dying-producer") as producer:
+            await producer.send("trajectories", "k", make_group("g0", run=config.run, n_samples=2, n_tokens=3))
+            consumer = await Consumer(config, "r1", ["trajectories"], trainer_group(config.run), limits, producer,
+                                      "dying-consumer").start()
+            assert await poll_until(consumer, 1)
+            server.kill()
+            await asyncio.sleep(2.0)  # the fetcher's next request fails and it sleeps its 5 s backoff
+            await consumer.close()  # raised CancelledError before
+
+        async def stopping() -> None:
+            await stop_client(asyncio.sleep(3600), 5.0, "a slow stop")
+
+        waiter = asyncio.create_task(stopping())
+        await asyncio.sleep(0.1)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):  # a cancel of the caller itself is not swallowed
+            await waiter
+    finally:
+        server.stop()
