@@ -111,6 +111,8 @@ async def test_cloud_notice_hands_over_goes_offline_and_exits_0_inside_the_windo
     handed = await read_partials(config, 4, timeout_s=20)
     assert handed and all(p.handed_over_by.reason == "preempted" and p.handed_over_by.node == "n1" for p in handed)
     assert sum(len(s.completion_ids) for p in handed for s in p.samples) > 0
+    if source != "aws":
+        return  # what follows a notice is the same code for every source: one finishing run proves it (20 s)
     await _finish_elsewhere(config, len(handed), timeout_s=120)
     out = [d.record for d in await read_stream(config, REGION, "trajectories", 4, timeout_s=20)]
     final = {g.group_id: g for g in out if isinstance(g, GroupRecord)}
