@@ -49,15 +49,11 @@ def _leave(loop: asyncio.AbstractEventLoop, name: str, grace_s: float, status: i
     """Close the loop within `grace_s` (twice: tasks, then threads); `os._exit(status)` if anything is stuck."""
     stuck = False
     try:
-        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for task in left:
-            task.cancel()
-        if left:
-            _, pending = loop.run_until_complete(asyncio.wait(left, timeout=grace_s))
-            if pending:
-                stuck = True
-                log.error("daemon.tasks_ignored_cancel", daemon=name, grace_s=grace_s,
-                          tasks=[describe_task(t) for t in pending])
+        pending = loop.run_until_complete(cancel_all([t for t in asyncio.all_tasks(loop) if not t.done()], grace_s))
+        if pending:
+            stuck = True
+            log.error("daemon.tasks_ignored_cancel", daemon=name, grace_s=grace_s,
+                      tasks=[describe_task(t) for t in pending])
         if not stuck:
             loop.run_until_complete(_bounded(loop.shutdown_asyncgens(), grace_s))
     finally:
@@ -76,6 +72,17 @@ def _leave(loop: asyncio.AbstractEventLoop, name: str, grace_s: float, status: i
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]], timeout_s: float) -> set[asyncio.Task[Any]]:
+    """Cancel `tasks` and wait up to `timeout_s` for them to end; returns those still running (tasks
+    that ignore their cancel: name them with `describe_task` and leave them behind)."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return set()
+    _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+    return stuck
 
 
 async def _bounded(coro: Coroutine[Any, Any, None], timeout_s: float) -> None:

@@ -53,6 +53,7 @@ from fleetrl.regions.preemption import Notice, PreemptionWatcher, SignalWatcher
 from fleetrl.regions.supervisor import EngineSupervisor
 from fleetrl.rollout.announcements import announced_version
 from fleetrl.rollout.worker import engine_config, engine_devices
+from fleetrl.runtime import cancel_all, describe_task
 
 log = get_logger(__name__)
 State = Literal["up", "draining", "offline"]
@@ -276,11 +277,5 @@ class RegionAgent:
 async def _cancel_all(tasks: list[asyncio.Task[Any]], region: str, node: str) -> None:
     """Cancel the agent's tasks and wait for them, boundedly: a task that ignores its cancel (a library
     that swallows it) is named with where it stands, and left behind rather than hanging the exit."""
-    for task in tasks:
-        task.cancel()
-    if not tasks:
-        return
-    _, stuck = await asyncio.wait(tasks, timeout=_CANCEL_WAIT_S)
-    for task in stuck:
-        frames = "".join(f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}; " for f in task.get_stack())
-        log.error("agent.task_ignored_cancel", region=region, node=node, task=task.get_name(), stack=frames)
+    for task in await cancel_all(tasks, _CANCEL_WAIT_S):
+        log.error("agent.task_ignored_cancel", region=region, node=node, task=describe_task(task))
