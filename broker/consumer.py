@@ -197,6 +197,11 @@ class Consumer:
         """
         return await self._read(max_records, timeout_s)
 
+    @property
+    def dead_count(self) -> int:
+        """Records this consumer has dead-lettered since it started."""
+        return self._dead_count
+
     async def skim(self) -> int:
         """Dead-letter the refused records at the head of each partition without taking a good one:
         what a member with no room for work calls, so that a flood of hostile records does not wait

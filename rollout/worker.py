@@ -177,7 +177,7 @@ class RolloutWorker:
         """Poll Kafka beside the engine (a poll costs round trips) whenever a group slot is free."""
         next_skim = 0.0
         while self._admitting:
-            dead_before = sum(self.dead_lettered.values())
+            dead_before = self.consumer.dead_count
             free = self.cfg.max_groups_in_flight - len(self._jobs) - len(self._waiting)
             if free <= 0:
                 # No room for a group, but hostile records at the head of the partitions need none:
@@ -189,7 +189,7 @@ class RolloutWorker:
             else:
                 for d in await self.consumer.poll(free, self.cfg.idle_poll_s):
                     self._take_on(d)
-            if sum(self.dead_lettered.values()) > dead_before:
+            if self.consumer.dead_count > dead_before:
                 await self._commit_dead_letters()
 
     async def _commit_dead_letters(self) -> None:
