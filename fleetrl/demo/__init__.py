@@ -1,6 +1,7 @@
 """`fleetrl demo`: the whole fleet on one machine, real processes, optionally under faults.
 
     runner   the `Demo`: starts the servers and daemons, watches them, stops them, audits
+    books    `fleetrl audit` as a process, and the dead-letter tally (read on incrementally)
     procs    the work directory, the children's config, `Child` processes and their stopping
     view     progress from the children's JSON log events (live table, one line per step)
     summary  summary.json and the table the demo ends with

@@ -29,7 +29,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -41,6 +40,7 @@ from rich.live import Live
 
 from fleetrl import devstack
 from fleetrl.config import FleetConfig, SecretField, StoreConfig
+from fleetrl.demo.books import DeadLetterTally, run_audit
 from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
 from fleetrl.demo.procs import (
     Child,
@@ -63,9 +63,6 @@ from fleetrl.demo.view import LogTail, Progress, RegionView
 _POLL_S = 0.5
 _STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
 _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
-# The audit's reads fail on their own when a broker stops answering; this only bounds a hung process. A long
-# durable run's logs come back from object storage one batch at a time, which takes minutes.
-_AUDIT_TIMEOUT_S = 900.0
 _SERVER_READY_S = 20.0
 _FUZZ_DRAIN_S = 30.0  # after the fuzzer's last batch, how long its records may take to be dead-lettered
 _DURATION_GRACE_S = 10.0  # after --duration: hostile records already sent are read before the trainer stops
@@ -140,6 +137,7 @@ class Demo:
         self.out = pathlib.Path(getattr(self.args, "out", None) or self.workdir).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
         self.config = effective_config(self.config, self.workdir)
+        self.dead_letters = DeadLetterTally(self.config)
         trainer_keys = signing_keys(self.config)
         self.progress = Progress(self.steps, {r.name: RegionView() for r in self.config.regions})
         self.faults = FaultLog(t0, self.workdir / "faults.jsonl")
@@ -158,8 +156,8 @@ class Demo:
             self._catch_up()
             self.exit_codes = {self.trainer.name: self.trainer.returncode(), **self._stop_children()}
             self.console.print("auditing: reading every region's prompts, trajectories and dead letters ...")
-            audit = self._audit()
-            dead = asyncio.run(self._dead_letters())
+            audit = run_audit(self.config_path, self.workdir, self.env)
+            dead = asyncio.run(self.dead_letters.update())
             self._stop_servers()
             wall_s = time.monotonic() - t0
             summary = self._summary(audit, wall_s, dead, fuzz)
@@ -377,7 +375,7 @@ class Demo:
         deadline = time.monotonic() + _FUZZ_DRAIN_S
         while time.monotonic() < deadline:
             self._check_alive()
-            if asyncio.run(self._dead_letters())["fuzz"] >= sent:
+            if asyncio.run(self.dead_letters.update())["fuzz"] >= sent:
                 break
             time.sleep(1.0)
         return {"sent": sent, "kinds": done[-1]["kinds"], "rate": self.plan.fuzz_rate}
@@ -455,46 +453,6 @@ class Demo:
                 self.relays.close()
             finally:
                 signal.signal(signal.SIGINT, previous)
-
-    def _audit(self) -> dict[str, Any]:
-        argv = [sys.executable, "-m", "fleetrl.cli", "audit", "--config", str(self.config_path), "--json",
-                "--log-json"]
-        log_path = self.workdir / "logs" / "audit.log"
-        with open(log_path, "wb") as log:
-            try:
-                out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, timeout=_AUDIT_TIMEOUT_S,
-                                     env=self.env, check=False)
-            except subprocess.TimeoutExpired:
-                raise DemoError(f"fleetrl audit took over {_AUDIT_TIMEOUT_S:.0f} s; see {log_path}") from None
-        try:
-            report: dict[str, Any] = json.loads(out.stdout)
-        except ValueError:
-            raise DemoError(f"fleetrl audit exited {out.returncode} without a report; see {log_path}") from None
-        return report
-
-    async def _dead_letters(self) -> dict[str, Any]:
-        """Every region's dead-letter topic: how many, why, and how many came from the fuzzer."""
-        from fleetrl.broker import DeadLetter, read_log, topic_name
-        from fleetrl.demo.fuzz import KEY_PREFIX
-
-        reasons: dict[str, int] = {}
-        total = 0
-        fuzz_keys: set[bytes] = set()
-        fuzz_records = 0
-        for r in self.config.regions:
-            raws = await read_log(self.config, r.name, topic_name(self.config.run, "dead-letter"),
-                                  client_id=f"{self.config.run}-demo-dlq")  # fails if the broker stops answering
-            for raw in raws:
-                dl = DeadLetter.from_record(raw.partition, raw.offset, raw.key, raw.value, raw.headers)
-                total += 1
-                reasons[dl.reason] = reasons.get(dl.reason, 0) + 1
-                if (raw.key or b"").startswith(KEY_PREFIX.encode()) and dl.reason != "unknown":
-                    fuzz_keys.add(raw.key or b"")
-                    fuzz_records += 1
-        # A hostile record is counted once: a worker killed after dead-lettering it and before committing
-        # reads it again and dead-letters it a second time (`fuzz_repeats`).
-        return {"total": total, "fuzz": len(fuzz_keys), "fuzz_repeats": fuzz_records - len(fuzz_keys),
-                "reasons": dict(sorted(reasons.items()))}
 
     def _summary(self, audit: dict[str, Any], wall_s: float, dead: dict[str, Any],
                  fuzz: dict[str, Any]) -> dict[str, Any]:
