@@ -342,12 +342,14 @@ class Demo:
 
     def _order_fuzz(self) -> None:
         """Keep the fuzzer at `fuzz_rate` of the records in prompts and trajectories (two valid records,
-        a prompt and its group, per finished group). It stops halfway through the run, so that the
-        consumers still read (and dead-letter) all it sent: a worker reads prompts only into a free slot,
-        and near the end its slots hold groups waiting for a version the trainer will not publish."""
+        a prompt and its group, per finished group). It stops a third of the way through the run, so
+        that the consumers still read (and dead-letter) all it sent: a worker reads prompts only into a
+        free slot, and near the end its slots hold groups waiting for a version the trainer will not
+        publish; the trainer reads a hostile trajectory only on its way to a group it still needs, and
+        with half the run left a big last batch could still sit behind the last one it needed."""
         if self.fuzzer is None or self.fuzzer.proc is None or self.fuzzer.proc.stdin is None:
             return
-        if self.progress.step >= max(1, self.steps // 2) or self.fuzz_stopped:
+        if self.progress.step >= max(1, self.steps // 3) or self.fuzz_stopped:
             return
         valid = 2 * sum(r.groups_done for r in self.progress.regions.values())
         rate = self.plan.fuzz_rate
