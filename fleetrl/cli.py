@@ -89,8 +89,11 @@ def _add_hub(sub: Any) -> None:
     p.add_argument("out", help="output .safetensors path")
     p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "verify", "fleetrl.hub.cli:verify", "check signature and every hash of a version")
-    p.add_argument("hub_version", metavar="version", help="version number or 'latest'")
-    p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
+    p.add_argument("hub_version", metavar="version", nargs="?", help="version number or 'latest'")
+    p.add_argument("--store", default="home",
+                   help="store to read from; with --all also a comma list or 'all' (default: %(default)s)")
+    p.add_argument("--all", action="store_true",
+                   help="every version of the store(s): gapless, `latest` the newest, each one verified")
     p = _cmd(hub, "ls", "fleetrl.hub.cli:ls", "list versions, their encodings, sizes and holders")
     p.add_argument("--store", default="home", help="store to list (default: %(default)s)")
     _json(p)
@@ -190,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--durable", action="store_true",
                        help="regions' tansu keep their log in S3 (a moto server), surviving a broker kill")
     chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and the fuzzer")
+    chaos.add_argument("--crash-at", action="append", default=None, metavar="POINT[@N][,POINT...]",
+                       help="crash the process that reaches each named crash point there (SIGKILL) and restart "
+                            "it; each process kind runs its points in order (docs/crashpoints.md); repeatable")
     for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations, _add_units):
         add(sub)
     return parser

@@ -82,12 +82,30 @@ def pull(args: argparse.Namespace, config: FleetConfig) -> int:
 
 
 def verify(args: argparse.Namespace, config: FleetConfig) -> int:
+    if args.all:
+        return _verify_all(args, config)
+    if args.hub_version is None:
+        raise HubError("fleetrl hub verify: give a version (a number or 'latest'), or --all")
     with Hub.from_config(config, store=args.store) as hub:
         version = _version(hub, args.hub_version)
         with _progress(f"verify v{version}", hub.reader.bytes_to_read(version)) as progress:
             state = hub.materialize(version, progress=progress)  # checks signature, parts and tensors
     print(json.dumps({"version": version, "store": args.store, "tensors": len(state), "ok": True}))
     return 0
+
+
+def _verify_all(args: argparse.Namespace, config: FleetConfig) -> int:
+    """Every version of every named store (default: the home store); exit 1 when any is not ok."""
+    stores = args.store.split(",") if args.store != "all" else list(config.stores())
+    reports = []
+    for name in stores:
+        with Hub.from_config(config, store=name) as hub:
+            n = len(hub.versions())
+            with _progress(f"verify {name} ({n} versions)", n) as progress:
+                check = hub.verify_store(lambda _v: progress(1))
+        reports.append(check.as_dict())
+    print(json.dumps(reports if len(reports) > 1 or args.store == "all" else reports[0]))
+    return 0 if all(r["ok"] for r in reports) else 1
 
 
 def ls(args: argparse.Namespace, config: FleetConfig) -> int:

@@ -9,19 +9,22 @@ One thread pool (`hub.threads`) serves hashing, compression, decoding and parall
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import inplace
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError
+from fleetrl.hub.parent import newest
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
 from fleetrl.hub.reader import Progress, Reader, Step, empty_words
 from fleetrl.hub.retention import GcReport, collect
@@ -106,7 +109,21 @@ class Hub:
     # --- reading ----------------------------------------------------------------------------
 
     def latest(self) -> int | None:
+        """The version the store's `latest` pointer names (None before the first publish)."""
         return read_latest(self.store, self.run)
+
+    def newest(self) -> int | None:
+        """The newest complete version: `latest`, or a later one whose manifest is there and verifies
+        (its publisher was killed before it moved `latest`); the version the next publish builds on."""
+        return newest(self.reader, self.latest())
+
+    def published(self, version: int) -> PublishedVersion:
+        """What publishing `version` returned, read back from its (verified) manifest."""
+        key = mf.version_key(self.run, version)
+        data = self.store.get(key)
+        manifest = self.reader.manifest(version)
+        return PublishedVersion(version, key, manifest.anchor, hashlib.sha256(data).hexdigest(),
+                                manifest.published_at, 0)
 
     def versions(self) -> list[int]:
         """Every version whose manifest is in this store, ascending."""
@@ -180,6 +197,27 @@ class Hub:
                if entries[n].encoding != "tied"}
         return _hand_out(out, entries, into)
 
+    def verify_store(self, progress: Callable[[int], None] | None = None) -> StoreCheck:
+        """Check every version in this hub's store, oldest first: numbers gapless, `latest` naming the
+        newest, and each version materialized along its chain with every tensor's sha256 checked
+        against its signed manifest. Errors are collected (one per version), not raised."""
+        versions = self.versions()
+        check = StoreCheck(self.store.name, versions, self.latest())
+        if versions:
+            check.gaps = sorted(set(range(versions[0], versions[-1] + 1)) - set(versions))
+        state: dict[str, torch.Tensor] | None = None
+        have: int | None = None
+        for v in versions:
+            try:
+                state = self.materialize(v, into=state, have_version=have, verify_full=True)
+                have = v
+            except HubError as exc:
+                check.bad[v] = f"{type(exc).__name__}: {exc}"
+                state, have = None, None
+            if progress is not None:
+                progress(v)
+        return check
+
     def materialize_to_safetensors(self, version: int, path: str | os.PathLike[str],
                                    progress: Progress | None = None) -> pathlib.Path:
         """Write `version` as a safetensors file (tied tensors once, as Hugging Face saves them)."""
@@ -218,6 +256,28 @@ class Hub:
             if owner.setdefault(t.data_ptr(), root[n]) != root[n] and t.numel():
                 return False
         return True
+
+
+@dataclass
+class StoreCheck:
+    """What `Hub.verify_store` found in one store."""
+
+    store: str
+    versions: list[int]
+    latest: int | None
+    gaps: list[int] = field(default_factory=list)
+    bad: dict[int, str] = field(default_factory=dict)
+    """Version -> why it does not verify."""
+
+    @property
+    def ok(self) -> bool:
+        newest = self.versions[-1] if self.versions else None
+        return not self.gaps and not self.bad and self.latest == newest
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"store": self.store, "ok": self.ok, "first": self.versions[0] if self.versions else None,
+                "newest": self.versions[-1] if self.versions else None, "latest": self.latest,
+                "versions": len(self.versions), "gaps": self.gaps, "bad": {str(k): v for k, v in self.bad.items()}}
 
 
 def _matches(into: Mapping[str, Any], entries: Mapping[str, mf.TensorEntry]) -> bool:

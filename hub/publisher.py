@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleetrl.config import HubConfig
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError, ObjectExists, VersionConflict
 from fleetrl.hub.parent import newest, read_parent
@@ -194,6 +195,7 @@ class Publisher:
         """Encode, upload, then create the manifest (conditional) and move `latest`."""
         entries, objects = self._encode(cur, anchor=reason is not None, with_delta=can_delta)
         written = self._upload(objects)
+        crash_point("hub.publish.objects_written")
         pv = self._commit(entries, {sha: len(o) for sha, o in objects.items()}, version, parent, reason, written)
         self._prev, self._prev_version, self._prev_anchor = cur, version, pv.anchor
         return pv
@@ -213,10 +215,12 @@ class Publisher:
         except ObjectExists as exc:
             self._prev, self._prev_version = None, None  # someone else's version N: ours is not the parent
             raise VersionConflict(f"version {version} already published at {self.store.where(key)}") from exc
+        crash_point("hub.publish.manifest_written")
         sha = hashlib.sha256(data).hexdigest()
         pointer = {"version": version, "manifest": key, "anchor": manifest.anchor,
                    "sha256": sha, "published_at": manifest.published_at}
         self.store.put(mf.holder_key(self.run, version, self.store.name), b"")
+        crash_point("hub.publish.holder_written")
         self.store.put(mf.latest_key(self.run), json.dumps(pointer).encode())
         log.info("hub.published", version=version, anchor=manifest.anchor, bytes=written + len(data),
                  tensors=len(entries), store=self.store.name, anchor_reason=reason)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from fleetrl.config import FleetConfig
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import HubError, IntegrityError, LeaseLost, ObjectExists, ObjectNotFound, StoreError
 from fleetrl.hub.hub import Hub
@@ -253,17 +254,22 @@ class Replicator:
             missing -= self._rebuild(manifest, missing)
         for obj in sorted(missing):
             copied += self._copy_object(source, obj, manifest.objects[obj], version)
+        crash_point("hub.replicate.objects_copied")
         with contextlib.suppress(ObjectExists):
             self.local.create(mf.version_key(self.run, version), raw)
+        crash_point("hub.replicate.manifest_copied")
         self._keep_lease()
         self.local.put(mf.holder_key(self.run, version, self.region), b"")
+        crash_point("hub.replicate.holder_written")
         self._owed_home.add(version)
         self._pay_home()
+        crash_point("hub.replicate.home_holder_written")
         if (read_latest(self.local, self.run) or -1) < version:
             pointer = {"version": version, "manifest": mf.version_key(self.run, version),
                        "anchor": manifest.anchor, "sha256": hashlib.sha256(raw).hexdigest(),
                        "published_at": manifest.published_at}
             self.local.put(mf.latest_key(self.run), json.dumps(pointer).encode())
+            crash_point("hub.replicate.latest_moved")
         return copied
 
     def _pay_home(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.publisher import read_latest
 from fleetrl.hub.reader import Reader
@@ -27,6 +28,11 @@ class GcReport:
     deleted_versions: list[int] = field(default_factory=list)
     deleted_objects: list[str] = field(default_factory=list)
     freed_bytes: int = 0
+
+
+def _holder_version(key: str, run: str) -> int:
+    """N of `<run>/holders/<N>/<store>`."""
+    return int(key[len(f"{run}/holders/"):].split("/", 1)[0])
 
 
 def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_s: float,
@@ -53,11 +59,16 @@ def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_
         return report
     for v in report.deleted_versions:
         store.delete(mf.version_key(run, v))
-    for v in report.deleted_versions:
-        for info in store.scan(mf.holders_prefix(run, v)):
+        crash_point("hub.gc.manifest_deleted")
+    # Every holder reference below the floor, not only those of the manifests deleted now: a pass that
+    # was killed after deleting manifests leaves their references for this one.
+    for info in store.scan(f"{run}/holders/"):
+        if _holder_version(info.key, run) < floor:
             store.delete(info.key)
+            crash_point("hub.gc.holder_deleted")
     for info in doomed:
         store.delete(info.key)
+        crash_point("hub.gc.object_deleted")
     log.info("hub.gc", store=store.name, deleted_versions=len(report.deleted_versions),
              deleted_objects=len(doomed), freed_bytes=report.freed_bytes)
     return report

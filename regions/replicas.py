@@ -24,6 +24,7 @@ import threading
 
 from fleetrl.broker import ControlPlane, ControlPlaneError, ReplicaAnnouncement
 from fleetrl.config import FleetConfig
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import VersionHints
 from fleetrl.log import get_logger
 
@@ -81,6 +82,7 @@ class ReplicaAnnouncer:
                         await cp.announce_replica(self.region, wanted, timeout_s=5.0)
                         self.published, announced_on = wanted, cp.connections
                         log.info("replicator.announced", region=self.region, version=wanted.version)
+                        crash_point("replicator.announced")
                     except ControlPlaneError as exc:
                         log.warning("replicator.announce_failed", region=self.region, error=str(exc))
                 self._poke.clear()

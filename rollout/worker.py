@@ -36,6 +36,7 @@ from fleetrl.broker import (
     rollout_group,
 )
 from fleetrl.config import EngineConfig, FleetConfig
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
 from fleetrl.rollout.commits import CommitQueue
@@ -291,6 +292,7 @@ class RolloutWorker:
             await self._dead_letter(job, exc)
             return
         await self.producer.send("trajectories", group.group_id, record)
+        crash_point("rollout.group.produced")
         self.groups_done += 1
         self.tokens_generated += sum(len(s.completion_ids) for s in group.samples)
         log.info("worker.group_done", group_id=group.group_id, reward=round(
@@ -300,6 +302,7 @@ class RolloutWorker:
     async def _hand_over(self, job: Job, samples: Any, reason: str) -> None:
         record = partial_record(job, samples, self.region, self.node, reason)
         await self.producer.send("partials", job.group_id, record)
+        crash_point("rollout.partial.produced")
         self.groups_handed_over += 1
         log.info("worker.handed_over", group_id=job.group_id, reason=reason,
                  tokens=sum(len(s.completion_ids) for s in record.samples))
@@ -322,6 +325,7 @@ class RolloutWorker:
             ready = self._commits.ready()
             if ready:
                 await self.consumer.commit(ready)
+                crash_point("rollout.offsets.committed")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

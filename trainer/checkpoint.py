@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from fleetrl.crashpoints import crash_point
 from fleetrl.log import get_logger
 from fleetrl.trainer.errors import CheckpointError
 
@@ -111,6 +112,7 @@ def commit(directory: str | os.PathLike[str], tmp: pathlib.Path, state: dict[str
                 _sync_dir(folder)
         if final.exists():  # never replace a durable checkpoint: a crash mid-way would lose it
             raise CheckpointError(f"checkpoint {final} exists already; steps only move forward")
+        crash_point("trainer.checkpoint.state_written")
         os.replace(tmp, final)
         _sync_dir(root)
     except OSError as exc:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from fleetrl.broker import ControlPlaneError, PolicyAnnouncement
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import Hub, PublishedVersion
 from fleetrl.log import get_logger
 from fleetrl.trainer.metrics import TrainerMetrics
@@ -80,7 +81,9 @@ class WeightPublisher:
         self.metrics.last_publish_bytes.set(pv.bytes_written)
         self.metrics.version.set(pv.version)
         self.last = pv
+        crash_point("trainer.publish.latest_moved")
         await self.announce()
+        crash_point("trainer.publish.announced")
         log.info("weights.published", version=pv.version, anchor=pv.anchor, bytes=pv.bytes_written,
                  seconds=round(seconds, 3), anchor_reason=pv.anchor_reason)
         return pv
@@ -100,5 +103,11 @@ class WeightPublisher:
             # slow poll of the store's `latest` (rollout.weight_fallback_poll_s).
             log.warning("weights.announce_failed", version=pv.version, error=str(exc))
 
-    def latest_version(self) -> int | None:
-        return self.hub.latest()
+    def store_versions(self) -> tuple[int | None, int | None]:
+        """(`latest` pointer, newest complete version) of the home store: they differ when a publisher
+        was killed between creating a version's manifest and moving `latest`."""
+        return self.hub.latest(), self.hub.newest()
+
+    def adopt(self, version: int) -> None:
+        """Make the store's `version` the last published (read back), so that it is announced again."""
+        self.last = self.hub.published(version)

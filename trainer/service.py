@@ -45,6 +45,7 @@ from fleetrl.broker import (
     trainer_group,
 )
 from fleetrl.config import FleetConfig
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
 from fleetrl.trainer import checkpoint
@@ -144,16 +145,20 @@ class Trainer:
         self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
         for r in self.config.regions:
             self.offsets.setdefault(r.name, {})
-        latest = await asyncio.to_thread(self.publisher.latest_version)
-        if latest != self.version:
-            # A version published after this checkpoint came from weights that are now lost:
-            # supersede it with the checkpoint's weights so that engines converge on what we hold.
+        pointer, latest = await asyncio.to_thread(self.publisher.store_versions)
+        if latest != self.version or pointer != latest:
+            # A version published after this checkpoint came from weights that are now lost (or the
+            # checkpoint's own version never landed, or landed without `latest` moving): supersede it
+            # with the checkpoint's weights as the next version after the store's newest, so that
+            # engines converge on what we hold and `latest` names it.
             pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
-            log.warning("trainer.republished", checkpoint_version=self.version, hub_latest=latest,
-                        version=pv.version)
+            log.warning("trainer.republished", checkpoint_version=self.version, hub_latest=pointer,
+                        hub_newest=latest, version=pv.version)
             self.version = pv.version
         else:
-            self.publisher.last = None
+            # The checkpoint's version is the store's newest; its announcement may not have gone out
+            # (killed between moving `latest` and announcing): `_loop` announces it again.
+            await asyncio.to_thread(self.publisher.adopt, latest)
         log.info("trainer.started", resumed=True, checkpoint=str(ckpt.path), step=self.step, version=self.version,
                  pending=len(self.collector.pending), in_flight=len(self.dispatcher.in_flight))
 
@@ -234,7 +239,9 @@ class Trainer:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
                              retriable=True) from exc
+        crash_point("trainer.dispatch.prompt_produced")
         self.collector.note_dispatched(record.group_id, region, partition, offset)
+        crash_point("trainer.dispatch.ledger_updated")
         self.metrics.dispatched.labels(region).inc()
 
     async def _hand_over(self, now: float) -> None:
@@ -294,6 +301,7 @@ class Trainer:
         """Snapshot the weights and publish them as `version`, in the background or inline."""
         t0 = time.monotonic()
         snapshot = await asyncio.to_thread(self.learner.published_state)
+        crash_point("trainer.step.snapshot_taken")
         if self.config.trainer.publish_in_background and self.config.algorithm.mode == "async":
             await self.publisher.submit(snapshot, version)
         else:
@@ -321,11 +329,14 @@ class Trainer:
         directory = self.config.trainer.checkpoint_dir
         tmp = await asyncio.to_thread(checkpoint.begin, directory, self.step)
         await asyncio.to_thread(self.learner.save_shards, str(tmp / checkpoint.WEIGHTS_DIR))
+        crash_point("trainer.checkpoint.weights_written")
         path = await asyncio.to_thread(checkpoint.commit, directory, tmp, state, self.config.trainer.keep_checkpoints)
         self._saved_step = self.step
         self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
         log.info("checkpoint.saved", step=self.step, path=str(path))
+        crash_point("trainer.checkpoint.renamed")
         await self.clients.commit(covered)
+        crash_point("trainer.offsets.committed")
 
     async def _drain(self) -> None:
         """Bounded shutdown: what was trained is published, checkpointed and committed."""

@@ -41,6 +41,25 @@ def run_audit(config_path: pathlib.Path, workdir: pathlib.Path, env: dict[str, s
     return report
 
 
+def verify_stores(config_path: pathlib.Path, workdir: pathlib.Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """`fleetrl hub verify --all --store all` as a process: per store, whether its versions are gapless,
+    `latest` names the newest and every version verifies (its log in `workdir/logs/verify.log`)."""
+    argv = [sys.executable, "-m", "fleetrl.cli", "hub", "verify", "--all", "--store", "all",
+            "--config", str(config_path), "--log-json"]
+    log_path = workdir / "logs" / "verify.log"
+    with open(log_path, "wb") as log:
+        try:
+            out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, timeout=_AUDIT_TIMEOUT_S, env=env,
+                                 check=False)
+        except subprocess.TimeoutExpired:
+            raise DemoError(f"fleetrl hub verify took over {_AUDIT_TIMEOUT_S:.0f} s; see {log_path}") from None
+    try:
+        reports: list[dict[str, Any]] = json.loads(out.stdout)
+    except ValueError:
+        raise DemoError(f"fleetrl hub verify exited {out.returncode} without a report; see {log_path}") from None
+    return reports
+
+
 class DeadLetterTally:
     """Every region's dead-letter topic: how many, why, and how many came from the fuzzer."""
 

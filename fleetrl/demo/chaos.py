@@ -11,6 +11,10 @@
                             START s for S s, through the relays of `fleetrl.demo.relay`
     --fuzz-rate R           a fraction R of the records in prompts and trajectories are hostile,
                             from the fuzzing producer (`fleetrl.demo.fuzz`)
+    --crash-at P[,P...]     named crash points (`fleetrl.crashpoints`): the trainer, the replicators and
+                            the rollout workers each get their kind's points, in order, and SIGKILL
+                            themselves exactly there; the demo restarts the trainer and replicators
+                            after `RESTART_S` (a worker is restarted by its agent's supervisor)
 
 `Chaos.tick()` runs in the demo's watch loop; every fault is recorded as `{t, kind, target}` (t in
 seconds since the demo started) for the live view, `faults.jsonl`, the summary and the plot.
@@ -32,9 +36,12 @@ from typing import Any
 
 import psutil
 
+from fleetrl import crashpoints
 from fleetrl.demo.procs import Child, DemoError
 
 KILL_KINDS = ("trainer", "agent", "worker", "replicator", "broker")
+CRASH_KINDS = ("trainer", "replicator", "worker")
+"""The process kinds of the demo that reach crash points (`fleetrl.crashpoints.POINTS`)."""
 RESTART_S = 1.0
 RECOVER_S = 20.0
 """A restarted process is not killed again for this long: a trainer needs ~10 s on 2 busy cores to load
@@ -73,6 +80,8 @@ class FaultPlan:
     durable: bool = False
     seed: int = 0
     kill_only: tuple[str, ...] = KILL_KINDS
+    crash_at: tuple[str, ...] = ()
+    """Crash points (`point[@N]`), in order; each process kind runs those it reaches."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FaultPlan:
@@ -89,13 +98,31 @@ class FaultPlan:
             raise DemoError(f"--kill-only {','.join(only)}: unknown kind(s) {unknown}; kinds: {list(KILL_KINDS)}")
         if "broker" in only and getattr(args, "kill_only", None) and not getattr(args, "durable", False):
             raise DemoError("--kill-only broker needs --durable: a broker on memory storage loses its log when killed")
+        crash_at = tuple(e.strip() for text in (getattr(args, "crash_at", None) or ()) for e in text.split(",")
+                         if e.strip())
+        try:
+            armed = crashpoints.parse(",".join(crash_at))
+        except crashpoints.CrashPointError as exc:
+            raise DemoError(f"--crash-at: {exc}") from None
+        outside = sorted({a.point for a in armed if crashpoints.POINTS[a.point].kind not in CRASH_KINDS})
+        if outside:
+            raise DemoError(f"--crash-at: {outside} are not reached by a demo process (the gc points are reached "
+                            f"by `fleetrl hub gc`)")
         return cls(getattr(args, "kill_every", None), getattr(args, "preempt_every", None),
                    tuple(getattr(args, "partition", None) or ()), rate, bool(getattr(args, "durable", False)),
-                   int(getattr(args, "seed", 0) or 0), only)
+                   int(getattr(args, "seed", 0) or 0), only, crash_at)
 
     @property
     def active(self) -> bool:
-        return bool(self.kill_every_s or self.preempt_every_s or self.partitions or self.fuzz_rate)
+        return bool(self.kill_every_s or self.preempt_every_s or self.partitions or self.fuzz_rate or self.crash_at)
+
+    def crash_env(self, kind: str, directory: pathlib.Path) -> dict[str, str]:
+        """The crash-point switch for the processes of `kind` (trainer, replicator, worker): its
+        points in their order, and the folder where fired points leave their markers."""
+        mine = [e for e in self.crash_at if crashpoints.POINTS[e.partition("@")[0]].kind == kind]
+        if not mine:
+            return {}
+        return {crashpoints.ENV_POINTS: ",".join(mine), crashpoints.ENV_DIR: str(directory / kind)}
 
 
 @dataclass(slots=True)
@@ -146,16 +173,22 @@ class Chaos:
         self.cut: set[str] = set()
         self.replacements = 0
         self.stopped = False
+        self.crash_dir = pathlib.Path(demo.workdir) / "crashes"
+        self.crashes: dict[str, int] = {}
+        """Marker (`<kind>/<index>-<point>`) of each crash point fired -> the pid it killed."""
 
     def _fault(self, kind: str, target: str, detail: str = "") -> None:
         self.on_fault(self.log.add(kind, target, detail))
 
     def expected_down(self, child: Child) -> bool:
-        return child.name in self.restarts or (child.name in self.leaving and child.returncode() == 0)
+        return (child.name in self.restarts or (child.name in self.leaving and child.returncode() == 0)
+                or self._crashed(child))
 
     def tick(self) -> None:
+        """Restarts that are due, crash points that fired, partitions, then (unless stopped) new faults."""
         now = time.monotonic()
         self._restart_due(now)
+        self._crash_restarts()
         self._partitions(now - self.log.started)
         if self.stopped:
             return
@@ -231,6 +264,34 @@ class Chaos:
         self.restarted_at[name] = time.monotonic()
         self.demo.restarted(child)
         self._fault("restart", name, f"pid {child.pid}")
+
+    # -- crash points ---------------------------------------------------------------------------
+
+    def _look_for_crashes(self) -> None:
+        """Record each crash point fired since the last look (a `crash` fault naming the point)."""
+        if not self.plan.crash_at:
+            return
+        for kind in CRASH_KINDS:
+            for m in crashpoints.fired(self.crash_dir / kind):
+                marker = f"{kind}/{m['index']:02d}-{m['point']}"
+                if marker not in self.crashes:
+                    self.crashes[marker] = int(str(m.get("pid", -1)))
+                    self._fault("crash", str(m["point"]), f"{kind} pid {m.get('pid')}")
+
+    def _crashed(self, child: Child) -> bool:
+        """Whether `child` SIGKILLed itself at a crash point (and so is to be restarted, not mourned)."""
+        if child.returncode() != -signal.SIGKILL:
+            return False
+        self._look_for_crashes()
+        return child.pid in self.crashes.values()
+
+    def _crash_restarts(self) -> None:
+        """Restart, after `RESTART_S`, every child killed at a crash point, as systemd's Restart= would
+        (also once the run is stopping: a trainer may crash while it drains)."""
+        self._look_for_crashes()
+        for child in self.demo.children:
+            if child.name not in self.restarts and self._crashed(child):
+                self.restarts[child.name] = (time.monotonic() + RESTART_S, child)
 
     # -- preempt --------------------------------------------------------------------------------
 

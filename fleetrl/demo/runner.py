@@ -40,7 +40,7 @@ from rich.live import Live
 
 from fleetrl import devstack
 from fleetrl.config import FleetConfig, SecretField, StoreConfig
-from fleetrl.demo.books import DeadLetterTally, run_audit
+from fleetrl.demo.books import DeadLetterTally, run_audit, verify_stores
 from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
 from fleetrl.demo.procs import (
     Child,
@@ -145,7 +145,10 @@ class Demo:
         with self._everything_stopped_at_exit():
             s3 = _S3_KEYS if self._needs_s3() else {}
             self.env = child_env(s3)
-            self.trainer_env = child_env({**trainer_keys, **s3})
+            crashes = self.workdir / "crashes"
+            self.trainer_env = child_env({**trainer_keys, **s3, **self.plan.crash_env("trainer", crashes)})
+            self.replicator_env = child_env({**s3, **self.plan.crash_env("replicator", crashes)})
+            self.agent_env = child_env({**s3, **self.plan.crash_env("worker", crashes)})  # its workers inherit it
             self._start(ports, self.env)
             assert self.trainer is not None
             self.chaos = Chaos(self.plan, self, self.faults, self.progress.on_fault)
@@ -157,13 +160,15 @@ class Demo:
             self.exit_codes = {self.trainer.name: self.trainer.returncode(), **self._stop_children()}
             self.console.print("auditing: reading every region's prompts, trajectories and dead letters ...")
             audit = run_audit(self.config_path, self.workdir, self.env)
+            self.console.print("verifying every version in every store ...")
+            stores = verify_stores(self.config_path, self.workdir, self.env)
             dead = asyncio.run(self.dead_letters.update())
             self._stop_servers()
             wall_s = time.monotonic() - t0
-            summary = self._summary(audit, wall_s, dead, fuzz)
+            summary = self._summary(audit, wall_s, dead, fuzz, stores)
         self._write_artefacts(summary)
         self._print_summary(summary)
-        return 0 if audit.get("ok") else 1
+        return 0 if audit.get("ok") and summary["stores_ok"] else 1
 
     def _needs_s3(self) -> bool:
         return self.plan.durable or bool(self.plan.partitions)
@@ -198,7 +203,8 @@ class Demo:
         c = self.config
         for r in c.regions:
             self._spawn(fleetrl_child(f"replicator-{r.name}", ["replicator", "--region", r.name],
-                                      self.region_configs[r.name], self.workdir, env, c.hub.lease_ttl_s + 5))
+                                      self.region_configs[r.name], self.workdir, self.replicator_env,
+                                      c.hub.lease_ttl_s + 5))
         self.trainer = self._spawn(fleetrl_child("trainer", ["trainer", "--steps", str(self.steps)], self.config_path,
                                                  self.workdir, self.trainer_env, c.trainer.drain_timeout_s + 10))
         (self.workdir / "notices").mkdir(exist_ok=True)
@@ -215,7 +221,7 @@ class Demo:
         c = self.config
         child = fleetrl_child(f"agent-{region}-{node}", ["agent", "--region", region, "--node", node,
                                                          "--notice-file", str(self.notice_file(region, node))],
-                              self.region_configs[region], self.workdir, self.env,
+                              self.region_configs[region], self.workdir, self.agent_env,
                               1.5 * c.rollout.handover_timeout_s + 10)
         self.agents[child.name] = (region, node)
         return self._spawn(child, agent=(region, node))
@@ -419,6 +425,7 @@ class Demo:
         """Give the replicators a moment to copy the final version (bounded)."""
         deadline = time.monotonic() + _CATCH_UP_S
         while len(self.progress.holding_latest()) < len(self.progress.regions) and time.monotonic() < deadline:
+            self.chaos.tick()  # stopped: only restarts (a replicator may crash at a point while catching up)
             self._check_alive()
             time.sleep(0.2)
             self._feed_quietly()
@@ -457,12 +464,12 @@ class Demo:
                 signal.signal(signal.SIGINT, previous)
 
     def _summary(self, audit: dict[str, Any], wall_s: float, dead: dict[str, Any],
-                 fuzz: dict[str, Any]) -> dict[str, Any]:
+                 fuzz: dict[str, Any], stores: list[dict[str, Any]]) -> dict[str, Any]:
         from fleetrl.demo.summary import summarize
 
         return summarize(self.progress, audit, wall_s, self.pids(), self.exit_codes, self.workdir,
                          faults=self.faults.faults, dead_letters=dead, fuzz=fuzz, out=self.out,
-                         plan=dataclasses.asdict(self.plan))
+                         plan=dataclasses.asdict(self.plan), stores=stores)
 
     def _write_artefacts(self, summary: dict[str, Any]) -> None:
         from fleetrl.demo.plot import plot_run

@@ -32,7 +32,8 @@ def _alive(pid: int) -> bool:
 def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str, int],
               exit_codes: dict[str, int | None], workdir: pathlib.Path, *, faults: list[Any] | None = None,
               dead_letters: dict[str, Any] | None = None, fuzz: dict[str, Any] | None = None,
-              out: pathlib.Path | None = None, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+              out: pathlib.Path | None = None, plan: dict[str, Any] | None = None,
+              stores: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     anchors = [b for v, (b, anchor) in p.published.items() if v == anchor]
     deltas = [b for v, (b, anchor) in p.published.items() if v != anchor]
     dead = dead_letters or {}
@@ -54,6 +55,8 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
         "dead_letters": dead,
         "fuzz": fuzz or {},
         "fleetrl_audit": audit,
+        "stores": stores or [],
+        "stores_ok": _stores_ok(stores or []),
         "wall_s": round(wall_s, 1),
         "steps": p.step,
         "rewards": [round(r, 4) for r in p.rewards],
@@ -74,6 +77,12 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
         "workdir": str(workdir),
         "out": str(out or workdir),
     }
+
+
+def _stores_ok(stores: list[dict[str, Any]]) -> bool:
+    """Every store verified (gapless, `latest` the newest, each version's hashes) and every region's
+    replica at the home store's newest version (the replicas caught up)."""
+    return bool(stores) and all(s["ok"] for s in stores) and len({s["latest"] for s in stores}) == 1
 
 
 def render(s: dict[str, Any]) -> Table:
@@ -97,6 +106,9 @@ def render(s: dict[str, Any]) -> Table:
                             f"{a.get('in_flight')} in flight, {a.get('pending')} buffered, "
                             f"{a.get('after_checkpoint')} after the checkpoint")
     table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
+    table.add_row("stores", ("every version verified; " if s["stores_ok"] else "FAILED: ") + "; ".join(
+        f"{x['store']} {x['first']}..{x['newest']} latest {x['latest']}"
+        + ("" if x["ok"] else f" (gaps {x['gaps'][:5]}, bad {list(x['bad'])[:5]})") for x in s["stores"]))
     if s["faults"]:
         kinds: dict[str, int] = {}
         for f in s["faults"]:

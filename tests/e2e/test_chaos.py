@@ -8,56 +8,12 @@ lost and none trained twice, training reaches its last step, and the fault reall
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
-from typing import Any
 
 import pytest
+from demo_testkit import assert_accounted, kills_of, run_demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-STEPS = 4
-DEMO_TIMEOUT_S = 240
-
-
-def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int = STEPS) -> dict[str, Any]:
-    """Run the demo to its end (bounded); returns summary.json after asserting exit 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("FLEETRL_HUB_KEY", None)
-    out_dir = work.parent / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
-                             str(work), "--steps", str(steps), "--out", str(out_dir), *chaos],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=DEMO_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # the demo's own bounded cleanup
-        out, _ = proc.communicate(timeout=60)
-        raise AssertionError(f"demo ran over {DEMO_TIMEOUT_S} s:\n{out[-4000:]}") from None
-    assert proc.returncode == 0, out[-6000:]
-    summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
-    assert (out_dir / "reward.png").stat().st_size > 10_000
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    summary["_output"], summary["_rows"] = out, rows
-    return summary
-
-
-def assert_accounted(summary: dict[str, Any], steps: int = STEPS) -> None:
-    a = summary["audit"]
-    assert a["ok"] and a["lost"] == 0 and a["trained_twice"] == 0, summary["fleetrl_audit"]
-    assert summary["steps"] == steps and len(summary["rewards"]) == steps
-    assert a["trained"] == steps * 8  # groups_per_step of the demo config, each trained once
-    assert summary["still_running"] == []
-
-
-def kills_of(summary: dict[str, Any], kind: str) -> list[dict[str, Any]]:
-    return [f for f in summary["faults"]
-            if f["kind"] == "kill" and (f["target"] == kind or f["target"].startswith(f"{kind}-"))]
 
 
 KINDS = ("trainer", "agent", "worker", "replicator", "broker")
