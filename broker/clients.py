@@ -115,7 +115,9 @@ async def _tls_probe(config: FleetConfig, region: str) -> KafkaError | None:
         return None
     host, _, port = c.bootstrap.split(",")[0].strip().rpartition(":")
     try:
-        async with asyncio.timeout(5.0):
+        # As long as any request may take: a handshake cut short on a loaded machine would hide the cause
+        # (seen once in the suite: the probe timed out and the error fell back to a bare bootstrap failure).
+        async with asyncio.timeout(config.kafka.request_timeout_s):
             _, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=_ssl_context(c, region))
         writer.close()
     except ssl.SSLCertVerificationError:
