@@ -3,7 +3,7 @@
 Runs `fleetrl demo` (the real processes: tansu per region on durable S3 storage (moto), MQTT, the
 trainer, replicators, agents and their workers) on the shipped demo config (on free ports) with
 
-    --durable --kill-every 15 --preempt-every 10 --partition local-b:20:20 --fuzz-rate F
+    --durable --kill-every K --preempt-every 10 --partition local-b:20:20 --fuzz-rate F
 
 for `--minutes` (the trainer is stopped with SIGTERM at the end: it drains and checkpoints), then
 reads the demo's summary.json. Not a speed benchmark: it proves that under faults nothing is lost,
@@ -11,11 +11,11 @@ nothing is trained twice, every hostile record is dead-lettered and learning goe
 the run's own start: reward_end is compared with reward_start of the same run. The last line:
 
     result: faults=N lost=0 trained_twice=0 fuzzed=... dead_lettered=... groups=... reward_start=...
-            reward_end=... ledger_bytes=...
+            reward_end=... ledger_bytes=... stores_ok=1
 
 (`ledger_bytes`: the newest checkpoint's state.msgpack, which holds the collector's ledger.)
 
-    .venv/bin/python bench/soak.py [--quick] [--minutes M] [--fuzz-rate F] [--out DIR]
+    .venv/bin/python bench/soak.py [--quick] [--minutes M] [--kill-every K] [--fuzz-rate F] [--out DIR]
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def _config(tmp: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def run(minutes: float, fuzz_rate: float, out: pathlib.Path, seed: int) -> dict[str, Any]:
+def run(minutes: float, fuzz_rate: float, out: pathlib.Path, seed: int, kill_every_s: float = 15.0) -> dict[str, Any]:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="fleetrl-soak-"))
     config = _config(tmp)
     argv = [sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir", str(tmp / "work"),
-            "--out", str(out), "--duration", str(minutes * 60), "--durable", "--kill-every", "15",
+            "--out", str(out), "--duration", str(minutes * 60), "--durable", "--kill-every", f"{kill_every_s:g}",
             "--preempt-every", "10", "--partition", "local-b:20:20", "--fuzz-rate", str(fuzz_rate),
             "--seed", str(seed)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -95,12 +95,13 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="two minutes")
     parser.add_argument("--fuzz-rate", type=float, default=0.2)
+    parser.add_argument("--kill-every", type=float, default=15.0, help="seconds between SIGKILLs (default 15)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="where summary.json, metrics.jsonl and reward.png go")
     args = parser.parse_args()
     minutes = 2.0 if args.quick else args.minutes
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="fleetrl-soak-out-")).resolve()
-    s = run(minutes, args.fuzz_rate, out, args.seed)
+    s = run(minutes, args.fuzz_rate, out, args.seed, args.kill_every)
     a = s["audit"]
     faults = [f for f in s["faults"] if f["kind"] in ("kill", "preempt", "partition")]
     kinds: dict[str, int] = {}
@@ -111,8 +112,8 @@ def main() -> int:
     print(f"result: faults={len(faults)} lost={a['lost']} trained_twice={a['trained_twice']} "
           f"fuzzed={s['fuzz'].get('sent', 0)} dead_lettered={s['dead_letters'].get('total', 0)} "
           f"groups={a['trained']} reward_start={s['reward']['start']} reward_end={s['reward']['end']} "
-          f"ledger_bytes={_ledger_bytes(s)}")
-    return 0 if s["_rc"] == 0 and a["ok"] else 1
+          f"ledger_bytes={_ledger_bytes(s)} stores_ok={int(bool(s.get('stores_ok')))}")
+    return 0 if s["_rc"] == 0 and a["ok"] and s.get("stores_ok") else 1
 
 
 if __name__ == "__main__":

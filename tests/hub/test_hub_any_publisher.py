@@ -8,6 +8,7 @@ but whose `latest` pointer did not (a publisher killed in between) is built on, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import subprocess
@@ -126,6 +127,11 @@ def test_a_manifest_without_its_latest_pointer_is_built_on(dir_config: Callable[
         hub.store.delete(f"{hub.run}/holders/{2:012d}/home")
         assert hub.latest() == 1
     with Hub.from_config(config) as hub:
+        # what a restarted trainer compares its checkpoint with: the pointer says 1, the store holds 2
+        assert (hub.latest(), hub.newest()) == (1, 2)
+        adopted = hub.published(2)
+        assert adopted.version == 2 and adopted.manifest_key.endswith(f"{2:012d}.json")
+        assert adopted.sha256 == hashlib.sha256(hub.store.get(adopted.manifest_key)).hexdigest()
         with pytest.raises(VersionConflict, match=r"asked to publish version 2 but the next version .* is 3"):
             hub.publish(states[3], version=2)
         pv = hub.publish(states[3], version=3)
