@@ -31,7 +31,7 @@ from fleetrl.hub.retention import GcReport, collect
 from fleetrl.hub.sharded import ShardPublisher
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
-from fleetrl.hub.tensors import from_words, to_words
+from fleetrl.hub.tensors import dtype_name, from_words, sha256_words, to_words
 
 if TYPE_CHECKING:
     import numpy as np
@@ -116,6 +116,19 @@ class Hub:
         """The newest complete version: `latest`, or a later one whose manifest is there and verifies
         (its publisher was killed before it moved `latest`); the version the next publish builds on."""
         return newest(self.reader, self.latest())
+
+    def holds(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Whether `version` is exactly `state_dict`: the same tensor names, dtypes and shapes, and every
+        tensor's sha256 the one its signed manifest records."""
+        entries = {t.name: t for t in self.reader.manifest(version).tensors}
+        if entries.keys() != state_dict.keys():
+            return False
+        for name, tensor in state_dict.items():
+            e = entries[name]
+            if (dtype_name(tensor), list(tensor.shape)) != (e.dtype, list(e.shape)):
+                return False
+        shas = self.pool.map(lambda n: sha256_words(to_words(state_dict[n].cpu())), list(entries))
+        return all(sha == entries[n].sha256 for n, sha in zip(entries, shas, strict=True))
 
     def published(self, version: int) -> PublishedVersion:
         """What publishing `version` returned, read back from its (verified) manifest."""

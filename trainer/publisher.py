@@ -108,6 +108,9 @@ class WeightPublisher:
         was killed between creating a version's manifest and moving `latest`."""
         return self.hub.latest(), self.hub.newest()
 
+    def holds(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
+        return self.hub.holds(state_dict, version)
+
     def adopt(self, version: int) -> None:
         """Make the store's `version` the last published (read back), so that it is announced again."""
         self.last = self.hub.published(version)

@@ -129,8 +129,16 @@ class Trainer:
     async def _restore_or_start(self) -> None:
         ckpt = checkpoint.latest(self.config.trainer.checkpoint_dir, self.config.run)
         if ckpt is None:
-            pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
-            self.version = pv.version
+            state = await asyncio.to_thread(self.learner.published_state)
+            _, newest = await asyncio.to_thread(self.publisher.store_versions)
+            if newest is not None and await asyncio.to_thread(self.publisher.holds, state, newest):
+                # A start killed before its first checkpoint published these very weights: take that
+                # version up again (announced by `_loop`) rather than publish them anew, which would
+                # make every group already generated with it stale.
+                await asyncio.to_thread(self.publisher.adopt, newest)
+                self.version = newest
+            else:
+                self.version = (await self.publisher.publish(state)).version
             log.info("trainer.started", version=self.version, resumed=False)
             return
         if ckpt.shards is not None:  # every rank reads its own shards

@@ -132,6 +132,8 @@ def test_a_manifest_without_its_latest_pointer_is_built_on(dir_config: Callable[
         adopted = hub.published(2)
         assert adopted.version == 2 and adopted.manifest_key.endswith(f"{2:012d}.json")
         assert adopted.sha256 == hashlib.sha256(hub.store.get(adopted.manifest_key)).hexdigest()
+        assert hub.holds(states[2], 2) and not hub.holds(states[1], 2) and not hub.holds(states[3], 2)
+        assert not hub.holds({k: v for k, v in states[2].items() if k != "lm_head.weight"}, 2)
         with pytest.raises(VersionConflict, match=r"asked to publish version 2 but the next version .* is 3"):
             hub.publish(states[3], version=2)
         pv = hub.publish(states[3], version=3)

@@ -40,12 +40,12 @@ def _env() -> dict[str, str]:
 
 async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signals | None,
                          timeout_s: float = 90.0, skip: int = 0, launcher: tuple[str, ...] = (),
-                         ) -> tuple[int, list[dict[str, Any]]]:
+                         env: dict[str, str] | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Run the daemon; on the `skip+1`-th log `event`, send `sig`. Returns (exit code, events)."""
     command = [*launcher, "-m", "fleetrl.cli"] if launcher else FLEETRL
     proc = await asyncio.create_subprocess_exec(
         *command, "trainer", "--config", str(cfg), "--steps", str(STEPS), "--log-json",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=_env())
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env={**_env(), **(env or {})})
     assert proc.stderr is not None
     events: list[dict[str, Any]] = []
     seen = 0
@@ -192,3 +192,32 @@ async def test_sigkill_around_background_publishes_keeps_store_and_checkpoint_co
     report = json.loads(out)
     assert proc.returncode == 0 and report["ok"], report["problems"]
     assert report["trained"] == STEPS * config.algorithm.groups_per_step and not report["trained_twice"]
+
+
+async def test_a_start_killed_before_its_first_checkpoint_takes_its_version_up_again(
+        make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path) -> None:
+    """Killed right after announcing version 0 (no checkpoint yet): the restart finds the store's newest
+    version holding exactly its initial weights and adopts it instead of publishing version 1, which
+    would make every group generated with version 0 stale. Then it trains to the end."""
+    config = make_fleet(max_staleness=1)
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    await ensure_topics(config, REGION)
+    answered: list[str] = []
+    finished = asyncio.Event()
+    rollout = asyncio.create_task(answer_prompts(config, REGION, finished.is_set, answered))
+    try:
+        rc, ev = await _trainer_until(cfg, None, None, env={"FLEETRL_CRASH_AT": "trainer.publish.announced"})
+        assert rc == -signal.SIGKILL and any(e.get("event") == "crashpoint.hit" for e in ev), ev[-5:]
+        assert latest(config.trainer.checkpoint_dir, config.run) is None
+        rc, ev = await _trainer_until(cfg, None, None)
+        assert rc == 0, ev[-5:]
+    finally:
+        finished.set()
+        await asyncio.wait_for(rollout, 30)
+    started = next(e for e in ev if e["event"] == "trainer.started")
+    assert started["version"] == 0 and not started["resumed"]
+    published = [e["version"] for e in ev if e["event"] == "weights.published"]
+    assert published == list(range(1, STEPS + 1))  # version 0 was not published again
+    version, newest = _store_matches_checkpoint(config)
+    assert version == newest == STEPS
