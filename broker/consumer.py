@@ -126,6 +126,7 @@ class Consumer:
             session_timeout_ms=int(session * 1000),
             heartbeat_interval_ms=int(heartbeat * 1000),
             max_poll_interval_ms=int(max_poll * 1000),
+            fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
         )
         self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
         try:

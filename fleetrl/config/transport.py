@@ -167,6 +167,10 @@ class KafkaConfig(Model):
     """Off by default: tansu lacks InitProducerId, and receivers dedup by group_id anyway."""
     request_timeout_s: float = Field(30.0, gt=0)
     """Timeout of one Kafka request."""
+    fetch_max_wait_ms: int = Field(100, ge=1, le=10_000)
+    """How long a consumer's fetch waits on the broker for data before it answers empty. A record that
+    lands during the wait may be seen only at its end (tansu holds the fetch to the end), so this is
+    latency added per hop; Kafka's client default is 500 (`bench/fetch_wait.py` measures it)."""
     retries: int = Field(5, ge=0)
     """Bounded retries of retriable errors, exponential backoff."""
     retry_backoff_s: float = Field(0.2, gt=0)
