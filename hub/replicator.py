@@ -106,6 +106,8 @@ class Replicator:
         self.hints = hints or VersionHints()
         self._owed_home: set[int] = set()
         """Versions whose holder reference could not be written into the home store (unreachable)."""
+        self._owed_found = False
+        """Whether this process has looked for references an earlier one still owed home (`_find_owed`)."""
         self._home_down = False
 
     # --- one pass ---------------------------------------------------------------------------
@@ -153,6 +155,7 @@ class Replicator:
         With `stop` set, the version being copied is finished and the rest left for the next holder.
         """
         done: list[int] = []
+        self._find_owed()
         self._pay_home()
         for version in self.pending():
             if stop is not None and stop.is_set():
@@ -271,6 +274,29 @@ class Replicator:
             self.local.put(mf.latest_key(self.run), json.dumps(pointer).encode())
             crash_point("hub.replicate.latest_moved")
         return copied
+
+    def _find_owed(self) -> None:
+        """Once per process: the versions the region store holds (its own holder references) that the
+        home store does not list for this region. An earlier replicator killed while home was
+        unreachable kept them owed in memory only; its region `latest` had moved on, so no copy of
+        those versions will write them again."""
+        if self._owed_found:
+            return
+        prefix = f"{self.run}/holders/"
+
+        def mine(store: ObjectStore) -> set[int]:
+            return {int(i.key[len(prefix):].split("/", 1)[0]) for i in store.scan(prefix)
+                    if i.key.rsplit("/", 1)[-1] == self.region}
+
+        try:
+            owed = mine(self.local) - mine(self.home)
+        except StoreError as exc:
+            self._home_answered(exc)
+            return
+        self._owed_found = True
+        if owed:
+            log.info("replicator.owed_found", region=self.region, versions=sorted(owed)[:20], count=len(owed))
+        self._owed_home |= owed
 
     def _pay_home(self) -> None:
         """Write the holder references the home store still lacks (it was unreachable); kept for later

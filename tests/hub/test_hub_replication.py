@@ -100,3 +100,26 @@ def test_a_replicator_that_joins_late_starts_from_the_newest_anchor(run_id: str,
     assert replicator.replicate_once() == [6, 7]
     with Hub.from_config(config, store="near") as node:
         assert node.latest() == 7 and node.versions() == [6, 7]
+
+
+@pytest.mark.integration
+def test_holder_references_owed_home_by_a_killed_replicator_are_written_by_the_next(
+        run_id: str, tmp_path: pathlib.Path) -> None:
+    """A replicator killed while home was unreachable owed home its holder references (in memory only)
+    and had moved the region's `latest` on: the next replicator finds and writes them."""
+    urls = {n: (tmp_path / n).as_uri() for n in ("home", "near")}
+    config = make_config(run_id, urls, link_costs={"near": {"home": 1}}, anchor_interval=3)
+    with Hub.from_config(config) as trainer:
+        state = tiny_state()
+        for v in range(3):
+            trainer.publish(state)
+            state = step(state, v + 1)
+    assert Replicator(config, "near").replicate_once() == [0, 1, 2]
+    home = open_store("home", config.stores()["home"])
+    for v in (1, 2):  # what the killed one could not write home
+        home.delete(f"{run_id}/holders/{v:012d}/near")
+    with Hub.from_config(config) as hub:
+        assert hub.holders(1) == ["home"] and hub.holders(0) == ["home", "near"]
+    assert Replicator(config, "near").replicate_once() == []  # nothing to copy: the region holds it all
+    with Hub.from_config(config) as hub:
+        assert [sorted(hub.holders(v)) for v in range(3)] == [["home", "near"]] * 3
