@@ -13,7 +13,7 @@ from importlib import resources
 import pytest
 
 from fleetrl.config.models import RolloutConfig, TrainerConfig
-from fleetrl.regions.units import UNIT_NAMES, install, unit_text
+from fleetrl.regions.units import UNIT_NAMES, unit_text
 
 COMMON = {
     "Restart": "on-failure", "User": "fleetrl", "Group": "fleetrl", "NoNewPrivileges": "yes",
@@ -103,3 +103,17 @@ def test_the_package_ships_the_units() -> None:
     assert sorted(p.name for p in folder.iterdir() if p.name.endswith(".service")) == sorted(UNIT_NAMES)
     with pytest.raises(ValueError, match="no packaged unit"):
         unit_text("fleetrl-rollout.service")
+
+
+# Directives that run the daemon rather than confine it; every other one is a sandbox directive.
+_OPERATIONAL = {"Type", "User", "Group", "EnvironmentFile", "Environment", "LoadCredential", "WorkingDirectory",
+                "ExecStart", "ExecStartPre", "StandardOutput", "StandardError", "SyslogIdentifier", "KillMode",
+                "KillSignal", "TimeoutStopSec", "Restart", "RestartSec"}
+
+
+def test_docs_name_every_sandbox_directive() -> None:
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
+    directives = {key for name in UNIT_NAMES for key in _parse(unit_text(name))["Service"]} - _OPERATIONAL
+    for page in ("security.md", "regions.md"):
+        text = (docs / page).read_text(encoding="utf-8")
+        assert [d for d in sorted(directives) if f"`{d}=" not in text] == [], page
