@@ -38,7 +38,7 @@ resource "aws_instance" "trainer" {
   vpc_security_group_ids      = [aws_security_group.trainer.id]
   iam_instance_profile        = aws_iam_instance_profile.trainer.name
   ebs_optimized               = true
-  monitoring                  = true
+  monitoring                  = var.detailed_monitoring
   user_data_base64            = base64gzip(module.bootstrap.cloud_config)
   user_data_replace_on_change = true
 
