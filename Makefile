@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The strict editable install links each file; a new module needs the link tree refreshed.
+# The strict editable install links each file; a new module or data file (a systemd unit) needs the
+# link tree refreshed.
 refresh: $(STAMP)
-	@find fleetrl broker hub rollout trainer regions -name '*.py' | sort > $(VENV)/.files.new
+	@find fleetrl broker hub rollout trainer regions -name '*.py' -o -name '*.service' | sort > $(VENV)/.files.new
 	@cmp -s $(VENV)/.files.new $(VENV)/.files || { \
 		$(PIP) install --quiet --no-deps -e . --config-settings editable_mode=strict && \
 		mv $(VENV)/.files.new $(VENV)/.files; }

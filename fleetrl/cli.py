@@ -140,9 +140,10 @@ def _add_operations(sub: Any) -> None:
 
 
 def _add_units(sub: Any) -> None:
-    units = _group(sub, "units", "the systemd units of a rollout node's daemons", "units_command")
+    units = _group(sub, "units", "the systemd units of FleetRL's daemons", "units_command")
     p = _cmd(units, "install", "fleetrl.regions.units:run_units",
-             "write fleetrl-agent.service and fleetrl-replicator@.service (or print them)", config=False)
+             "write fleetrl-agent.service, fleetrl-replicator@.service and fleetrl-trainer.service "
+             "(or print them)", config=False)
     p.add_argument("--dest", default=None, metavar="DIR",
                    help="unit folder to write into, e.g. /etc/systemd/system (default: print the units)")
     p.add_argument("--prefix", default="/opt/fleetrl/venv", metavar="VENV",

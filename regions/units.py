@@ -1,11 +1,13 @@
-"""The systemd units of a rollout node's daemons, shipped in the package (`fleetrl/regions/systemd/`).
+"""The systemd units of FleetRL's daemons, shipped in the package (`fleetrl/regions/systemd/`).
 
-`fleetrl units install --dest /etc/systemd/system` writes `fleetrl-agent.service` and the template
-`fleetrl-replicator@.service` (one instance per region: `fleetrl-replicator@eu-west-1.service`), so a
-node runs exactly the units of the FleetRL version it has installed; provisioning (Terraform's
-node-bootstrap module) adds only drop-ins for what the package cannot know. Without `--dest` the
-units are printed. `--prefix` and `--config` rewrite the virtualenv and fleet.yaml paths of
-`ExecStart` for installs elsewhere than `/opt/fleetrl/venv` and `/etc/fleetrl/fleet.yaml`.
+`fleetrl units install --dest /etc/systemd/system` writes `fleetrl-agent.service`, the template
+`fleetrl-replicator@.service` (one instance per region: `fleetrl-replicator@eu-west-1.service`) and
+`fleetrl-trainer.service`, so a node runs exactly the units of the FleetRL version it has installed
+(and enables the ones its role needs); provisioning (Terraform's node-bootstrap module) adds only
+drop-ins for what the package cannot know. Without `--dest` the units are printed. `--prefix` and
+`--config` rewrite the virtualenv and fleet.yaml paths of every `ExecStart`/`ExecStartPre` for
+installs elsewhere than `/opt/fleetrl/venv` and `/etc/fleetrl/fleet.yaml`. Each unit is sandboxed
+(docs/security.md lists every directive and why).
 
 Nothing here imports torch or the daemons: this runs on a node before anything else is set up.
 """
@@ -22,7 +24,7 @@ from importlib import resources
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_VENV", "UNIT_NAMES", "install", "run_units", "unit_text"]
 
-UNIT_NAMES = ("fleetrl-agent.service", "fleetrl-replicator@.service")
+UNIT_NAMES = ("fleetrl-agent.service", "fleetrl-replicator@.service", "fleetrl-trainer.service")
 DEFAULT_VENV = "/opt/fleetrl/venv"
 DEFAULT_CONFIG = "/etc/fleetrl/fleet.yaml"
 # An ExecStart argument systemd takes literally: absolute, no spaces, quotes, `$` or `%` specifiers.
@@ -42,7 +44,9 @@ def unit_text(name: str, *, venv: str = DEFAULT_VENV, config: str = DEFAULT_CONF
         raise ValueError(f"no packaged unit {name!r}; FleetRL ships {', '.join(UNIT_NAMES)}")
     text = resources.files("fleetrl.regions").joinpath("systemd", name).read_text(encoding="utf-8")
     venv, config = _check_path("virtualenv prefix", venv), _check_path("config path", config)
-    text = text.replace(f"ExecStart={DEFAULT_VENV}/bin/fleetrl ", f"ExecStart={venv}/bin/fleetrl ")
+    # Every Exec line (ExecStart=, ExecStartPre=) starts the packaged `fleetrl` with the packaged config.
+    text = re.sub(rf"^(Exec[A-Za-z]*=){re.escape(DEFAULT_VENV)}/bin/fleetrl ", rf"\g<1>{venv}/bin/fleetrl ",
+                  text, flags=re.MULTILINE)
     return text.replace(f" --config {DEFAULT_CONFIG} ", f" --config {config} ")
 
 

@@ -133,25 +133,39 @@ def test_region_modules_match_fleet_config_inputs() -> None:
     assert engine_attrs == _module_var_attrs("rollout-region", "engine")
 
 
-def test_node_cloud_config(terraform: Terraform, tmp_path: pathlib.Path) -> None:
+def test_trainer_node_cloud_config(terraform: Terraform, tmp_path: pathlib.Path) -> None:
+    """The trainer node runs the packaged fleetrl-trainer.service; Terraform renders no unit text,
+    only a drop-in (after the secrets, its stop timeout, the checkpoint volume writable)."""
+    from fleetrl.regions.units import unit_text
+
     args = {
-        "fleet_yaml": "run: r1\n", "fleetrl_package": "fleetrl[gpu]==0.1.0",
-        "services": [{"name": "fleetrl-agent", "description": "agent", "stop_timeout_s": 110,
-                      "args": ["agent", "--region", "us-west-2", "--node", "$${FLEETRL_NODE}"]}],
+        "fleet_yaml": "run: r1\n", "fleetrl_package": "fleetrl[gpu]==0.1.0", "trainer": {"stop_timeout_s": 150},
         "secret_env": {"FLEETRL_HUB_KEY": {"arn": "arn:aws:secretsmanager:us-east-1:000000000000:secret:k"}},
-        "mounts": [{"device": "/dev/disk/by-id/nvme-x", "path": "/var/lib/fleetrl/checkpoints"}],
+        "state_dirs": ["/data/checkpoints"],
+        "mounts": [{"device": "/dev/disk/by-id/nvme-x", "path": "/data/checkpoints"}],
     }
     outputs = terraform.apply_outputs(_harness(tmp_path, args, module="node-bootstrap"))
     cloud = yaml.safe_load(outputs["cloud_config"])
-    files = {f["path"]: f for f in cloud["write_files"]}
-    assert files["/etc/fleetrl/fleet.yaml"]["content"] == "run: r1\n"
-    unit = files["/etc/systemd/system/fleetrl-agent.service"]["content"]
-    assert "EnvironmentFile=/run/fleetrl/env" in unit and "TimeoutStopSec=110" in unit
-    assert "ExecStart=/opt/fleetrl/venv/bin/fleetrl agent --region us-west-2 --node ${FLEETRL_NODE} " in unit
-    install = files["/usr/local/lib/fleetrl/install.sh"]["content"]
+    files = {f["path"]: f["content"] for f in cloud["write_files"]}
+    assert files["/etc/fleetrl/fleet.yaml"] == "run: r1\n" and "/etc/fleetrl/node.env" not in files
+    assert "/etc/systemd/system/fleetrl-trainer.service" not in files  # it comes from the package
+    assert [p for p in files if p.endswith(".service")] == [
+        "/etc/systemd/system/fleetrl-secrets.service", "/etc/systemd/system/fleetrl-gpu-devices.service"]
+    drop_in = files["/etc/systemd/system/fleetrl-trainer.service.d/10-node-bootstrap.conf"]
+    assert "Requires=fleetrl-secrets.service" in drop_in and "TimeoutStopSec=150" in drop_in
+    assert "ReadWritePaths=/data/checkpoints" in drop_in
+    install = files["/usr/local/lib/fleetrl/install.sh"]
     assert "pip' install --quiet 'fleetrl[gpu]==0.1.0'" in install and "mkfs.ext4" in install
-    assert json.loads(files["/etc/fleetrl/secrets.json"]["content"])["env"]["FLEETRL_HUB_KEY"]["json_key"] is None
-    assert cloud["runcmd"][-1] == ["systemctl", "enable", "--now", "fleetrl-secrets.service", "fleetrl-agent.service"]
+    assert install.index("pip' install") < install.index("'/opt/fleetrl/venv/bin/fleetrl' units install --dest ")
+    assert json.loads(files["/etc/fleetrl/secrets.json"])["env"]["FLEETRL_HUB_KEY"]["json_key"] is None
+    enabled = ["fleetrl-secrets.service", "fleetrl-gpu-devices.service", "fleetrl-trainer.service"]
+    assert cloud["runcmd"][-1] == ["systemctl", "enable", "--now", *enabled] and outputs["enabled_units"] == enabled
+    # What the packaged unit runs, and the GPU readiness unit runs before it.
+    trainer = unit_text("fleetrl-trainer.service")
+    assert "ExecStartPre=/opt/fleetrl/venv/bin/fleetrl topics create --config /etc/fleetrl/fleet.yaml" in trainer
+    assert "EnvironmentFile=-/run/fleetrl/env\n" in trainer
+    assert "Before=fleetrl-agent.service fleetrl-trainer.service" in files[
+        "/etc/systemd/system/fleetrl-gpu-devices.service"]
 
 
 def test_rollout_node_runs_the_packaged_units(terraform: Terraform, tmp_path: pathlib.Path) -> None:
@@ -164,7 +178,8 @@ def test_rollout_node_runs_the_packaged_units(terraform: Terraform, tmp_path: pa
     outputs = terraform.apply_outputs(_harness(tmp_path, args, module="node-bootstrap"))
     cloud = yaml.safe_load(outputs["cloud_config"])
     files = {f["path"]: f["content"] for f in cloud["write_files"]}
-    assert not [p for p in files if p.endswith((".service", ".tftpl")) and "secrets" not in p]  # none rendered here
+    assert [p for p in files if p.endswith(".service")] == [  # no daemon unit rendered here
+        "/etc/systemd/system/fleetrl-secrets.service", "/etc/systemd/system/fleetrl-gpu-devices.service"]
     assert files["/etc/fleetrl/node.env"] == "FLEETRL_REGION=eu-west-1\n"
     install = files["/usr/local/lib/fleetrl/install.sh"]
     assert install.index("pip' install") < install.index(
@@ -174,9 +189,11 @@ def test_rollout_node_runs_the_packaged_units(terraform: Terraform, tmp_path: pa
     assert "After=fleetrl-secrets.service" in agent_drop_in and "TimeoutStopSec=100" in agent_drop_in
     assert "After=fleetrl-secrets.service" in files[
         "/etc/systemd/system/fleetrl-replicator@.service.d/10-node-bootstrap.conf"]
-    enabled = ["fleetrl-secrets.service", "fleetrl-agent.service", "fleetrl-replicator@eu-west-1.service"]
+    enabled = ["fleetrl-secrets.service", "fleetrl-gpu-devices.service", "fleetrl-agent.service",
+               "fleetrl-replicator@eu-west-1.service"]
     assert cloud["runcmd"][-1] == ["systemctl", "enable", "--now", *enabled]
-    assert outputs["enabled_units"] == enabled and outputs["units"] == {}
+    assert outputs["enabled_units"] == enabled
+    assert set(outputs["drop_ins"]) == {"fleetrl-agent.service", "fleetrl-replicator@.service"}
     # What the package's agent unit reads: node.env for the region, /run/fleetrl/env (written by
     # fleetrl-secrets.service) for FLEETRL_NODE and the secrets.
     agent = unit_text("fleetrl-agent.service")
@@ -186,8 +203,8 @@ def test_rollout_node_runs_the_packaged_units(terraform: Terraform, tmp_path: pa
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({}, "Give a region"),
-    ({"region": "eu-west-1", "services": [{"name": "fleetrl-agent", "description": "a", "args": ["agent"]}]},
-     "come from the package"),
+    ({"region": "eu-west-1", "trainer": {}}, "not both"),
+    ({"trainer": {"stop_timeout_s": 1}}, "trainer.stop_timeout_s must be within"),
     ({"region": "EU"}, "region must be a FleetRL name"),
 ])
 def test_node_bootstrap_refuses(terraform: Terraform, tmp_path: pathlib.Path, extra: dict[str, Any],

@@ -112,8 +112,11 @@ def test_every_node_boots_with_that_fleet_yaml(mock_apply: dict[str, Any]) -> No
         assert all(set(src) == {"arn", "json_key"} for src in secrets["env"].values())
     files = _files(_cloud_config(trainers[0]["values"]["user_data_base64"]))
     assert files["/etc/fleetrl/fleet.yaml"] == fleet_yaml
-    unit = files["/etc/systemd/system/fleetrl-trainer.service"]
-    assert "ExecStartPre=/opt/fleetrl/venv/bin/fleetrl topics create --config /etc/fleetrl/fleet.yaml" in unit
+    # The trainer runs the packaged fleetrl-trainer.service; Terraform adds a drop-in only.
+    assert "/etc/systemd/system/fleetrl-trainer.service" not in files
+    drop_in = files["/etc/systemd/system/fleetrl-trainer.service.d/10-node-bootstrap.conf"]
+    assert "TimeoutStopSec=120" in drop_in and f"ReadWritePaths={config.trainer.checkpoint_dir}" in drop_in
+    assert _cloud_config(trainers[0]["values"]["user_data_base64"])["runcmd"][-1][-1] == "fleetrl-trainer.service"
     env_names = set(json.loads(files["/etc/fleetrl/secrets.json"])["env"])
     assert {r.kafka.sasl_password_env for r in config.regions} | {config.hub.signing.key_env} <= env_names
 

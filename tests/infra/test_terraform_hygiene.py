@@ -16,7 +16,7 @@ HCL_OPTS = hcl2.SerializationOptions(strip_string_quotes=True, explicit_blocks=F
 TF_FILES = sorted(p for p in TF_ROOT.rglob("*.tf") if ".terraform" not in p.parts)
 # Names where a wrong value is likely: these must carry a validation block.
 MUST_VALIDATE = re.compile(r"(^name$|^run$|cidrs?$|^vpc_id$|subnet|ami|^node$|^trainer$|^kafka$|^mqtt$|"
-                           r"^regions$|^home$|port$|_version$|scheme$|expiry|bucket_prefix|^services$)")
+                           r"^regions$|^home$|port$|_version$|scheme$|expiry|bucket_prefix)")
 
 
 def _parse(path: pathlib.Path) -> dict[str, Any]:

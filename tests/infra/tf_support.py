@@ -65,10 +65,11 @@ class Terraform:
         env.pop("TF_PLUGIN_DIR", None)
         return env
 
-    def run(self, *args: str, cwd: pathlib.Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, cwd: pathlib.Path, check: bool = True, timeout_s: float = TIMEOUT_S,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             [sys.executable, str(WRAPPER), *args],
-            cwd=cwd, env=self.env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+            cwd=cwd, env={**self.env(), **(env or {})}, capture_output=True, text=True, timeout=timeout_s,
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"terraform {' '.join(args)} in {cwd} failed ({proc.returncode}):\n"

@@ -27,6 +27,7 @@ module "home" {
   kafka_kms_key_arns   = compact([module.region_a.kafka_kms_key_arn, module.region_b.kafka_kms_key_arn])
   trainer_metrics_port = local.trainer_metrics_port
   enable_ssm           = var.enable_ssm
+  detailed_monitoring  = var.detailed_monitoring
   generate_secrets     = var.generate_secrets
   force_destroy_store  = var.force_destroy_stores
 }
@@ -53,6 +54,7 @@ module "region_a" {
   fleetrl_package        = "fleetrl[gpu]==${var.fleetrl_version}"
   agent_metrics_port     = local.agent_metrics_port
   enable_ssm             = var.enable_ssm
+  detailed_monitoring    = var.detailed_monitoring
   generate_secrets       = var.generate_secrets
   force_destroy_store    = var.force_destroy_stores
 }
@@ -79,6 +81,7 @@ module "region_b" {
   fleetrl_package        = "fleetrl[gpu]==${var.fleetrl_version}"
   agent_metrics_port     = local.agent_metrics_port
   enable_ssm             = var.enable_ssm
+  detailed_monitoring    = var.detailed_monitoring
   generate_secrets       = var.generate_secrets
   force_destroy_store    = var.force_destroy_stores
 }

@@ -66,12 +66,19 @@ variable "regions" {
       on_demand_base_capacity = optional(number, 0)
     })
     kafka = optional(object({
+      mode                 = optional(string, "msk")
       broker_instance_type = optional(string, "kafka.m7g.large")
       broker_count         = optional(number, 3)
       broker_volume_gb     = optional(number, 500)
+      # mode = "external": an existing cluster (see modules/rollout-region `kafka`); null = the module's default.
+      bootstrap           = optional(string)
+      security_protocol   = optional(string)
+      sasl_mechanism      = optional(string)
+      password_secret_arn = optional(string)
+      external_cidrs      = optional(list(string), [])
     }), {})
   }))
-  description = "The two rollout regions: FleetRL name, AWS region, network, nodes, Kafka brokers, engine and link costs."
+  description = "The two rollout regions: FleetRL name, AWS region, network, nodes, Kafka (MSK brokers, or mode = \"external\" with its bootstrap), engine and link costs."
   validation {
     condition     = length(var.regions) == 2
     error_message = "This environment has exactly two rollout regions (add a provider alias and a module block for more)."
@@ -170,6 +177,12 @@ variable "generate_secrets" {
   type        = bool
   default     = true
   description = "Generate the HMAC key, MQTT and Kafka passwords (ephemeral, write-only: never in state). false: put the values into the created secrets yourself."
+}
+
+variable "detailed_monitoring" {
+  type        = bool
+  default     = true
+  description = "CloudWatch detailed (1-minute) monitoring on the trainer, the MQTT broker and the rollout nodes. false for accounts without it, and for emulated APIs (moto has no MonitorInstances)."
 }
 
 variable "enable_ssm" {

@@ -10,7 +10,7 @@ resource "aws_instance" "mqtt" {
   vpc_security_group_ids = [aws_security_group.mqtt[0].id]
   iam_instance_profile   = aws_iam_instance_profile.mqtt[0].name
   ebs_optimized          = true
-  monitoring             = true
+  monitoring             = var.detailed_monitoring
   user_data_base64 = base64gzip(templatefile("${path.module}/templates/mosquitto.cloud-config.tftpl", {
     fetch_secrets = file("${path.module}/../node-bootstrap/templates/fetch-secrets.py")
     secrets_spec = jsonencode({ env = {

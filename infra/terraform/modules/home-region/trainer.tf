@@ -5,14 +5,9 @@ module "bootstrap" {
   source          = "../node-bootstrap"
   fleet_yaml      = var.fleet_yaml
   fleetrl_package = var.fleetrl_package
-  services = [{
-    name        = "fleetrl-trainer"
-    description = "FleetRL trainer (${var.run})"
-    args        = ["trainer"]
-    # Topic creation is idempotent: every start makes sure each region has the run's topics.
-    pre_args       = [["topics", "create"]]
-    stop_timeout_s = var.trainer.stop_timeout_s
-  }]
+  # The packaged fleetrl-trainer.service: `fleetrl topics create` (idempotent: every start makes
+  # sure each region has the run's topics), then `fleetrl trainer`.
+  trainer      = { stop_timeout_s = var.trainer.stop_timeout_s }
   secret_env   = local.trainer_secret_env
   secret_files = local.node_secret_files
   state_dirs   = [var.trainer.checkpoint_dir]
@@ -43,7 +38,7 @@ resource "aws_instance" "trainer" {
   vpc_security_group_ids      = [aws_security_group.trainer.id]
   iam_instance_profile        = aws_iam_instance_profile.trainer.name
   ebs_optimized               = true
-  monitoring                  = true
+  monitoring                  = var.detailed_monitoring
   user_data_base64            = base64gzip(module.bootstrap.cloud_config)
   user_data_replace_on_change = true
 

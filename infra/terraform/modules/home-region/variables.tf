@@ -171,6 +171,12 @@ variable "trainer_metrics_port" {
   }
 }
 
+variable "detailed_monitoring" {
+  type        = bool
+  default     = true
+  description = "CloudWatch detailed (1-minute) monitoring on the trainer and the MQTT broker instances; false where the account (or an emulated API such as moto) has none."
+}
+
 variable "enable_ssm" {
   type        = bool
   default     = false

@@ -29,7 +29,7 @@ variable "python" {
 variable "region" {
   type        = string
   default     = null
-  description = "Rollout region of the node. When set, the node runs the systemd units shipped in the FleetRL package (`fleetrl units install`): fleetrl-agent.service and fleetrl-replicator@<region>.service, with a drop-in for what the package cannot know."
+  description = "Rollout region of the node: it runs the packaged units fleetrl-agent.service and fleetrl-replicator@<region>.service (`fleetrl units install`), with drop-ins for what the package cannot know. Give this or trainer."
   validation {
     condition     = var.region == null || can(regex("^[a-z0-9][a-z0-9-]{0,62}$", var.region))
     error_message = "region must be a FleetRL name: [a-z0-9-], at most 63 characters, not starting with \"-\"."
@@ -39,38 +39,26 @@ variable "region" {
 variable "agent_stop_timeout_s" {
   type        = number
   default     = 110
-  description = "With region: TimeoutStopSec of fleetrl-agent.service (its drop-in), the time between SIGTERM and SIGKILL; keep it under the cloud's notice (AWS spot: 120 s)."
+  description = "On a rollout node: TimeoutStopSec of fleetrl-agent.service (its drop-in), the time between SIGTERM and SIGKILL; keep it under the cloud's notice (AWS spot: 120 s)."
   validation {
     condition     = var.agent_stop_timeout_s >= 30 && var.agent_stop_timeout_s <= 600
     error_message = "agent_stop_timeout_s must be within 30-600 s (a spot notice gives 120 s)."
   }
 }
 
-variable "services" {
-  type = list(object({
-    name           = string
-    description    = string
-    args           = list(string)
-    pre_args       = optional(list(list(string)), [])
-    stop_timeout_s = optional(number, 90)
-  }))
-  default     = []
-  description = "FleetRL daemons the package ships no unit for (the trainer), rendered as systemd units: `fleetrl <args> --config /etc/fleetrl/fleet.yaml --log-json`. $${FLEETRL_NODE} in args is the node's identity."
+variable "trainer" {
+  type = object({
+    stop_timeout_s = optional(number, 120)
+  })
+  default     = null
+  description = "Set on the trainer node: it runs the packaged fleetrl-trainer.service (`fleetrl topics create`, then `fleetrl trainer`); stop_timeout_s is its TimeoutStopSec (a step plus trainer.drain_timeout_s)."
   validation {
-    condition     = alltrue([for s in var.services : can(regex("^fleetrl-[a-z0-9-]+$", s.name))])
-    error_message = "Service names must look like fleetrl-<name>."
+    condition     = (var.trainer == null) != (var.region == null)
+    error_message = "Give a region (a rollout node) or trainer (the trainer node), not both."
   }
   validation {
-    condition     = length(var.services) > 0 || var.region != null
-    error_message = "Give a region (a rollout node runs the packaged units) or at least one service."
-  }
-  validation {
-    condition     = var.region == null || length(setintersection([for s in var.services : s.name], ["fleetrl-agent", "fleetrl-replicator"])) == 0
-    error_message = "With region set, fleetrl-agent and fleetrl-replicator come from the package: do not list them in services."
-  }
-  validation {
-    condition     = alltrue([for s in var.services : s.stop_timeout_s >= 5 && s.stop_timeout_s <= 600])
-    error_message = "stop_timeout_s must be within 5-600 s (spot instances get a two-minute notice)."
+    condition     = var.trainer == null || try(var.trainer.stop_timeout_s >= 5 && var.trainer.stop_timeout_s <= 600, false)
+    error_message = "trainer.stop_timeout_s must be within 5-600 s."
   }
 }
 

@@ -50,7 +50,7 @@ resource "aws_launch_template" "node" {
   }
 
   monitoring {
-    enabled = true
+    enabled = var.detailed_monitoring
   }
 
   tag_specifications {

@@ -261,6 +261,12 @@ variable "agent_metrics_port" {
   }
 }
 
+variable "detailed_monitoring" {
+  type        = bool
+  default     = true
+  description = "CloudWatch detailed (1-minute) monitoring on the rollout nodes (launch template); false where the account (or an emulated API such as moto) has none."
+}
+
 variable "enable_ssm" {
   type        = bool
   default     = false

@@ -1,0 +1,283 @@
+"""`terraform apply` and `destroy` of environments/two-regions against emulated AWS APIs.
+
+moto's server mode (real HTTP) stands in for AWS: every aliased provider of a scratch copy of the
+environment is pointed at it by an override file (docs/provisioning.md shows the same recipe for
+users). The run applies the whole environment with Kafka in `external` mode and detailed monitoring
+off (moto has neither MSK's CreateConfiguration nor MonitorInstances), loads the rendered
+fleet.yaml with `fleetrl config check`, plans again (only moto's known omissions may show as
+changes: MOTO_OMISSIONS), destroys, and checks that nothing is left in state or in moto. The MSK
+path (the default) is planned here against moto too, and applied by the mocked `terraform test`
+(test_terraform_cli.py).
+
+4-5 min on 2 shared cores (235-301 s in four runs while other work shared the cores; ~2.5 min
+of CPU): a plan of the MSK variant 20-60 s; apply ~90-110 s, of which the provider waits 55 s for
+the buckets' lifecycle rules to settle; the second plan ~15-20 s; destroy 57-138 s, mostly 10 s
+polls of instances and volumes one after another. Each terraform command is bounded by
+STEP_TIMEOUT_S, the test by its timeout mark.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from tf_support import Terraform, copy_tree
+
+from fleetrl import devstack
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+ALIASES = {"home": "us-east-1", "region_a": "us-west-2", "region_b": "eu-west-1"}
+CIDRS = {"home": "10.0.0.0/16", "region_a": "10.1.0.0/16", "region_b": "10.2.0.0/16"}
+# Every service the modules call (kafka: MSK, unused in external mode but configured like the rest).
+SERVICES = ("autoscaling", "ec2", "iam", "kafka", "kms", "logs", "s3", "secretsmanager", "sts")
+STEP_TIMEOUT_S = 420  # each terraform command; the test's own bound is pytest.mark.timeout below
+# What moto does not return (or returns differently), so that a second plan wants to set it again:
+# (resource type, attribute path without list indexes) -> why. A changed attribute at or under one
+# of these paths is moto's; anything else a second plan changes is a fault of ours.
+MOTO_OMISSIONS = {
+    ("aws_autoscaling_group", "mixed_instances_policy"):
+        "DescribeAutoScalingGroups returns no MixedInstancesPolicy (moto launches from its template anyway)",
+    ("aws_autoscaling_group", "capacity_reservation_specification.capacity_reservation_preference"):
+        "moto returns no CapacityReservationSpecification; the provider plans its default, \"\"",
+    ("aws_launch_template", "tag_specifications"):
+        "moto adds the template's own tags as a `launch-template` tag specification of its data",
+    ("aws_vpc_security_group_egress_rule", "referenced_security_group_id"):
+        "moto returns a referenced group as <account>/sg-..., the form AWS keeps for another account's",
+    ("aws_vpc_security_group_egress_rule", "description"):
+        "moto returns no description for a rule that references a security group",
+    ("aws_vpc_security_group_ingress_rule", "referenced_security_group_id"):
+        "moto returns a referenced group as <account>/sg-..., the form AWS keeps for another account's",
+    ("aws_vpc_security_group_ingress_rule", "description"):
+        "moto returns no description for a rule that references a security group",
+}
+
+
+def _provider_override(endpoint: str) -> dict[str, Any]:
+    """override.tf.json: every aliased aws provider at moto, with test credentials and no lookups."""
+    return {"provider": {"aws": [{
+        "alias": alias,
+        "access_key": "testing",
+        "secret_key": "testing",
+        "s3_use_path_style": True,
+        "skip_credentials_validation": True,
+        "skip_metadata_api_check": True,
+        "skip_requesting_account_id": True,
+        "endpoints": [{service: endpoint for service in SERVICES}],
+    } for alias in ALIASES]}}
+
+
+def _network(endpoint: str) -> dict[str, dict[str, Any]]:
+    """A VPC with subnets in each region (what the example's tfvars name), and an image id moto knows."""
+    import boto3
+
+    made: dict[str, dict[str, Any]] = {}
+    for alias, region in ALIASES.items():
+        ec2 = boto3.client("ec2", endpoint_url=endpoint, region_name=region,
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
+        vpc = ec2.create_vpc(CidrBlock=CIDRS[alias])["Vpc"]["VpcId"]
+        subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=CIDRS[alias].replace(".0.0/16", f".{i}.0/24"),
+                                     AvailabilityZone=f"{region}{zone}")["Subnet"]["SubnetId"]
+                   for i, zone in enumerate("abc", start=1)]
+        image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        made[alias] = {"vpc_id": vpc, "subnet_ids": subnets, "ami_id": image}
+    return made
+
+
+def _tfvars(net: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def region(alias: str, name: str, peer: str) -> dict[str, Any]:
+        return {
+            "name": name, "aws_region": ALIASES[alias], "vpc_id": net[alias]["vpc_id"],
+            "subnet_ids": net[alias]["subnet_ids"], "cidr": CIDRS[alias], "link_costs": {"home": 2, peer: 8},
+            "node": {"ami_id": net[alias]["ami_id"], "instance_types": ["g6e.xlarge", "g5.2xlarge"],
+                     "max_size": 2, "desired_capacity": 1},
+            "kafka": {"mode": "external", "bootstrap": f"redpanda-0.{name}.internal:9092",
+                      "security_protocol": "PLAINTEXT", "external_cidrs": [CIDRS[alias]]},
+        }
+
+    return {
+        "run": "emulated-r1",
+        "home": {"aws_region": ALIASES["home"], "vpc_id": net["home"]["vpc_id"],
+                 "subnet_id": net["home"]["subnet_ids"][0], "cidr": CIDRS["home"],
+                 "trainer": {"ami_id": net["home"]["ami_id"], "instance_type": "p5.48xlarge", "root_volume_gb": 50},
+                 "mqtt": {"ami_id": net["home"]["ami_id"]}},
+        "regions": [region("region_a", "us-west-2", "eu-west-1"), region("region_b", "eu-west-1", "us-west-2")],
+        "metrics_cidrs": ["10.0.0.0/16"],
+        "algorithm": {"groups_per_step": 64, "n_samples": 16, "lr": 1e-6},
+        "detailed_monitoring": False,
+        "force_destroy_stores": True,
+    }
+
+
+@pytest.fixture
+def moto_endpoint() -> Iterator[str]:
+    """moto_server (every AWS service it emulates) on a free loopback port, stopped by this fixture."""
+    # This virtualenv's moto (the constraints pin it), not whichever moto_server is first on PATH.
+    moto, port = pathlib.Path(sys.executable).parent / "moto_server", devstack.free_port()
+    with devstack.ServerProcess("moto", [str(moto), "-H", "127.0.0.1", "-p", str(port)], port) as server:
+        yield f"http://127.0.0.1:{server.port}"
+
+
+def _leaves(value: Any, unknown: Any, path: str = "") -> Iterator[tuple[str, Any, bool]]:
+    """(path without list indexes, value, unknown after apply) of every leaf of a plan value."""
+    if isinstance(value, dict) or isinstance(unknown, dict):
+        value, unknown = value if isinstance(value, dict) else {}, unknown if isinstance(unknown, dict) else {}
+        for key in set(value) | set(unknown):
+            yield from _leaves(value.get(key), unknown.get(key), f"{path}.{key}" if path else key)
+    elif isinstance(value, list) and value:
+        for i, item in enumerate(value):
+            yield from _leaves(item, unknown[i] if isinstance(unknown, list) and i < len(unknown) else None,
+                               f"{path}")
+    else:
+        yield path, value, unknown is True
+
+
+def _drift(change: dict[str, Any]) -> set[str]:
+    """Attribute paths an update would set to something other than what moto returned. A value known
+    only after the apply (a launch template's next version number) follows from the update: not drift."""
+    before = sorted((p, json.dumps(v)) for p, v, _ in _leaves(change["change"]["before"], None))
+    after = sorted((p, json.dumps(v)) for p, v, unknown in _leaves(change["change"]["after"],
+                                                                    change["change"].get("after_unknown"))
+                   if not unknown)
+    computed = {p for p, _, unknown in _leaves(change["change"]["after"], change["change"].get("after_unknown"))
+                if unknown}
+    return {p for p, _ in set(before) ^ set(after) if p not in computed}
+
+
+def _explained(kind: str, path: str) -> bool:
+    return any(kind == k and (path == p or path.startswith(p + ".")) for k, p in MOTO_OMISSIONS)
+
+
+def _left_in_moto(endpoint: str, run: str) -> dict[str, list[str]]:
+    """What the environment could have left behind in moto (active things only: a secret or a KMS key
+    scheduled for deletion is gone as far as AWS is concerned)."""
+    import boto3
+
+    def client(service: str, region: str) -> Any:
+        return boto3.client(service, endpoint_url=endpoint, region_name=region,
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    left: dict[str, list[str]] = {}
+    left["s3"] = [b["Name"] for b in client("s3", "us-east-1").list_buckets()["Buckets"]]
+    iam = client("iam", "us-east-1")
+    left["iam"] = [r["RoleName"] for r in iam.list_roles()["Roles"] if run in r["RoleName"]] + \
+        [p["InstanceProfileName"] for p in iam.list_instance_profiles()["InstanceProfiles"]]
+    for region in ALIASES.values():
+        ec2 = client("ec2", region)
+        reservations = ec2.describe_instances()["Reservations"]
+        left[f"{region} instances"] = [i["InstanceId"] for r in reservations for i in r["Instances"]
+                                       if i["State"]["Name"] != "terminated"]
+        left[f"{region} security groups"] = [g["GroupId"] for g in ec2.describe_security_groups()["SecurityGroups"]
+                                             if g["GroupName"] != "default"]
+        left[f"{region} launch templates"] = [t["LaunchTemplateName"] for t in
+                                              ec2.describe_launch_templates()["LaunchTemplates"]]
+        left[f"{region} volumes"] = [v["VolumeId"] for v in ec2.describe_volumes()["Volumes"]
+                                     if any(run in tag["Value"] for tag in v.get("Tags", []))]
+        left[f"{region} auto-scaling groups"] = [
+            g["AutoScalingGroupName"] for g in client("autoscaling", region).describe_auto_scaling_groups()[
+                "AutoScalingGroups"]]
+        left[f"{region} secrets"] = [s["Name"] for s in client("secretsmanager", region).list_secrets()["SecretList"]
+                                     if "DeletedDate" not in s]
+        kms = client("kms", region)
+        # Keys behind alias/aws/* are the service keys AWS (and moto) make on first use (S3, Secrets Manager).
+        service_keys = {a.get("TargetKeyId") for a in kms.list_aliases()["Aliases"]
+                        if a["AliasName"].startswith("alias/aws/")}
+        states = {k["KeyId"]: kms.describe_key(KeyId=k["KeyId"])["KeyMetadata"]["KeyState"]
+                  for k in kms.list_keys()["Keys"] if k["KeyId"] not in service_keys}
+        left[f"{region} kms keys"] = [key for key, state in states.items() if state != "PendingDeletion"]
+        left[f"{region} log groups"] = [g["logGroupName"] for g in
+                                        client("logs", region).describe_log_groups()["logGroups"]]
+    return {what: names for what, names in left.items() if names}
+
+
+def _asg_instances(endpoint: str) -> dict[str, int]:
+    """In-service instances of each auto-scaling group, by AWS region."""
+    import boto3
+
+    counts = {}
+    for region in (ALIASES["region_a"], ALIASES["region_b"]):
+        asg = boto3.client("autoscaling", endpoint_url=endpoint, region_name=region,
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
+        groups = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+        counts[region] = sum(i["LifecycleState"] == "InService" for g in groups for i in g["Instances"])
+    return counts
+
+
+def _count(pattern: str, text: str) -> int:
+    found = re.search(pattern, text)
+    assert found, text[-3000:]
+    return int(found.group(1))
+
+
+@pytest.mark.timeout(900)
+def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathlib.Path, moto_endpoint: str,
+                                         tmp_path: pathlib.Path) -> None:
+    started = time.monotonic()
+    env_dir = copy_tree(tmp_path / "terraform") / "environments" / "two-regions"
+    (env_dir / "emulated_override.tf.json").write_text(json.dumps(_provider_override(moto_endpoint), indent=2))
+    tfvars = _tfvars(_network(moto_endpoint))
+    (env_dir / "emulated.tfvars.json").write_text(json.dumps(tfvars, indent=2))
+    env = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/dev/null",
+           "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    terraform.init(env_dir, plugin_dir)
+
+    def tf(*args: str) -> str:
+        t0 = time.monotonic()
+        out = terraform.run(*args, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S).stdout
+        waits = re.findall(r"^(\S+): (?:Creation|Destruction|Modifications) complete after (\d+m)?(\d+)s", out, re.M)
+        slow = sorted(((int(m[:-1] or 0) * 60 + int(s), a) for a, m, s in waits), reverse=True)[:4]
+        print(f"terraform {args[0]}: {time.monotonic() - t0:.0f} s; longest waits: {slow}")
+        return out
+
+    # MSK and detailed monitoring (the defaults) as far as moto goes: a plan, which reads the account.
+    msk = {**tfvars, "detailed_monitoring": True,
+           "regions": [{**r, "kafka": {}} for r in tfvars["regions"]]}
+    (env_dir / "msk.tfvars.json").write_text(json.dumps(msk, indent=2))
+    msk_plan = tf("plan", "-var-file=msk.tfvars.json")
+    msk_clusters = msk_plan.count("aws_msk_cluster.kafka[0] will be created")
+    to_add = _count(r"Plan: (\d+) to add", msk_plan)
+    print(f"msk plan: {to_add} to add, {msk_clusters} MSK clusters")
+    assert msk_clusters == 2
+
+    applied = tf("apply", "-auto-approve", "-var-file=emulated.tfvars.json")
+    added = _count(r"Apply complete! Resources: (\d+) added", applied)
+    managed = [a for a in terraform.run("state", "list", cwd=env_dir, env=env).stdout.split()
+               if not a.startswith("data.") and ".data." not in a]
+    print(f"apply: {added} added, {len(managed)} managed in state ({time.monotonic() - started:.0f} s)")
+    assert added == len(managed)
+    kinds = {a.split(".")[-2] for a in managed}
+    assert kinds >= {"aws_autoscaling_group", "aws_launch_template", "aws_instance", "aws_s3_bucket",
+                     "aws_secretsmanager_secret_version", "aws_ebs_volume", "aws_iam_role"}
+    # Each region's group launched its node from the launch template (desired_capacity 1).
+    assert _asg_instances(moto_endpoint) == {ALIASES["region_a"]: 1, ALIASES["region_b"]: 1}
+
+    fleet_yaml = tmp_path / "fleet.yaml"
+    fleet_yaml.write_text(terraform.run("output", "-raw", "fleet_yaml", cwd=env_dir, env=env).stdout)
+    check = subprocess.run([sys.executable, "-m", "fleetrl.cli", "config", "check", str(fleet_yaml)],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    tf("plan", "-var-file=emulated.tfvars.json", "-out=second.tfplan")
+    plan = json.loads(terraform.run("show", "-json", "second.tfplan", cwd=env_dir, env=env).stdout)
+    changes = [c for c in plan.get("resource_changes", []) if c["change"]["actions"] not in (["no-op"], ["read"])]
+    drift = {c["address"]: sorted(_drift(c)) for c in changes}
+    tops = {a: sorted({p for p in ps if not any(p.startswith(q + ".") for q in ps)}) for a, ps in drift.items()}
+    print(f"second plan: {len(changes)} to change:", tops)
+    assert {c["address"]: c["change"]["actions"] for c in changes} == {a: ["update"] for a in drift}
+    types = {c["address"]: c["type"] for c in changes}
+    assert {(a, p) for a, paths in drift.items() for p in paths if not _explained(types[a], p)} == set()
+
+    # The second plan has just refreshed every resource: destroy what the state holds, without another refresh.
+    destroyed = tf("destroy", "-auto-approve", "-refresh=false", "-var-file=emulated.tfvars.json")
+    gone = _count(r"Destroy complete! Resources: (\d+) destroyed", destroyed)
+    print(f"destroy: {gone} destroyed ({time.monotonic() - started:.0f} s in all)")
+    assert gone == added
+    assert terraform.run("state", "list", cwd=env_dir, env=env).stdout.split() == []
+    assert _left_in_moto(moto_endpoint, tfvars["run"]) == {}
