@@ -20,6 +20,7 @@ from fleetrl.broker.records import (
     SCHEMA_GROUP,
     SCHEMA_PARTIAL,
     SCHEMA_PROMPT,
+    SCHEMA_PROMPT_V2,
     FloatArray,
     GroupRecord,
     HandedOverBy,
@@ -106,6 +107,8 @@ def _prompt_map(p: PromptRecord) -> dict[str, Any]:
         "sampling": {"temperature": p.sampling.temperature, "top_p": p.sampling.top_p,
                      "max_new_tokens": p.sampling.max_new_tokens},
         "reference": p.reference, "min_version": p.min_version, "dispatched_at": p.dispatched_at,
+        **({"messages": p.messages} if p.messages is not None else {}),
+        **({"columns": p.columns} if p.columns is not None else {}),
     }
 
 
@@ -135,7 +138,7 @@ def to_map(record: Record) -> dict[str, Any]:
                         for s in record.samples],
             "handed_over_by": {"region": h.region, "node": h.node, "reason": h.reason},
         }
-    return {"schema": SCHEMA_PROMPT, **_prompt_map(record)}
+    return {"schema": record.schema, **_prompt_map(record)}
 
 
 def encode_record(record: Record, limits: RecordLimits | None = None) -> bytes:
@@ -161,7 +164,7 @@ def decode_record(value: bytes, limits: RecordLimits | None = None, expect: str 
     if not isinstance(obj, dict):
         raise RecordError("malformed", "record is not a msgpack map")
     schema = obj.get("schema")
-    if expect is not None and schema != expect:
+    if expect is not None and schema not in _accepted(expect):
         raise RecordError("wrong_schema", f"expected schema {expect!r}, got {schema!r}", field="schema")
     try:
         record = _from_map(schema, obj)
@@ -176,10 +179,15 @@ def decode_record(value: bytes, limits: RecordLimits | None = None, expect: str 
     return record
 
 
+def _accepted(expect: str) -> tuple[str, ...]:
+    """Readers of prompts accept /1 and /2 (DESIGN.md §3)."""
+    return (SCHEMA_PROMPT, SCHEMA_PROMPT_V2) if expect == SCHEMA_PROMPT else (expect,)
+
+
 def _from_map(schema: Any, obj: dict[str, Any]) -> Record:
     if schema == SCHEMA_GROUP:
         return _group(obj)
-    if schema == SCHEMA_PROMPT:
+    if schema in (SCHEMA_PROMPT, SCHEMA_PROMPT_V2):
         return _prompt(obj)
     if schema == SCHEMA_PARTIAL:
         h = obj["handed_over_by"]
@@ -203,7 +211,14 @@ def _prompt(o: dict[str, Any]) -> PromptRecord:
                           max_new_tokens=int(s["max_new_tokens"])),
         reference=o.get("reference"), min_version=_i(o, "min_version"),
         dispatched_at=float(o.get("dispatched_at", 0.0)),
+        messages=o.get("messages"), columns=_columns(o.get("columns")),
     )
+
+
+def _columns(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise RecordError("malformed", "columns must be a map", field="columns")
+    return value
 
 
 def _tokens(s: dict[str, Any], name: str) -> tuple[IntArray, FloatArray, IntArray]:

@@ -43,7 +43,7 @@ class TorchEngine(Engine):
         refill_fraction: float = 0.125, emulate: EngineEmulation | None = None,
     ) -> None:
         cfg = model.config
-        eos = eos_ids if eos_ids is not None else _as_list(cfg.eos_token_id)
+        eos = eos_ids if eos_ids is not None else model_eos_ids(model)
         if not eos:
             raise EngineError("model config names no eos_token_id and none was given")
         super().__init__(eos_ids=eos, max_context=int(getattr(cfg, "max_position_embeddings", 1 << 30)),
@@ -238,6 +238,14 @@ def _plain_decoder(model: Any) -> Any | None:
     if type(model).__name__ not in _PLAIN or inner is None or not all(hasattr(inner, p) for p in parts):
         return None
     return inner
+
+
+def model_eos_ids(model: Any) -> list[int]:
+    """Stop tokens: every `eos_token_id` of the generation config (several are common: Llama 3's
+    `<|eot_id|>` beside `<|end_of_text|>`, Qwen2's `<|im_end|>` beside `<|endoftext|>`), else the config's."""
+    generation = getattr(model, "generation_config", None)
+    found = _as_list(getattr(generation, "eos_token_id", None)) if generation is not None else []
+    return found or _as_list(model.config.eos_token_id)
 
 
 def _as_list(value: Any) -> list[int]:
