@@ -29,7 +29,7 @@ def prompt_source(config: FleetConfig) -> Callable[[], Iterator[PromptItem]]:
 
     def generated() -> Iterator[PromptItem]:
         for p in task.prompts(d.seed):
-            yield task.name, p.prompt, p.reference
+            yield PromptItem(task.name, p.prompt, p.reference)
 
     return generated
 

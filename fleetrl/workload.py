@@ -15,7 +15,7 @@ import pathlib
 import socket
 import urllib.parse
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from fleetrl.config import ConfigError, FleetConfig
 

@@ -68,7 +68,8 @@ class Job:
 def reward_input(job: Job, samples: list[PartialSample], codec: TextCodec) -> GroupInput:
     """What the reward sees of a finished group: the prompt as sent, the completions as text."""
     p = job.prompt
-    return GroupInput(prompt=p.prompt, messages=p.messages, completions=[codec.decode(s.completion_ids) for s in samples],
+    return GroupInput(prompt=p.prompt, messages=p.messages,
+                      completions=[codec.decode(s.completion_ids) for s in samples],
                       completion_ids=[[int(t) for t in s.completion_ids] for s in samples], reference=p.reference,
                       columns=dict(p.columns or {}))
 

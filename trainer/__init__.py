@@ -58,8 +58,8 @@ __all__ = [
     "admission_budget",
     "dataset_prompts",
     "file_prompts",
+    "group_id",
     "is_chat",
     "load_rows",
-    "group_id",
     "run_daemon",
 ]

@@ -50,8 +50,16 @@ def load_rows(d: DatasetConfig) -> Any:
     except DatasetError:
         raise
     except Exception as exc:  # datasets and pyarrow raise many unrelated types for a bad file
-        raise DatasetError(f"dataset.path {p}: cannot read it with datasets: {type(exc).__name__}: {exc}") from exc
+        root = _root_cause(exc)
+        raise DatasetError(f"dataset.path {p}: cannot read it with datasets: {type(root).__name__}: {root}") from exc
     raise DatasetError(f"dataset.path {p}: expected a .jsonl, .json or .parquet file or a save_to_disk folder")
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """datasets wraps the parser's error (the one that names the line) in a generic one."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
 
 
 def dataset_prompts(d: DatasetConfig, rows: Any = None, *, keep_columns: bool = False) -> Iterator[PromptItem]:

@@ -44,7 +44,8 @@ def example_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
 def corpus(seed: int = 0) -> list[str]:
     """Text the tokenizer is trained on: the prompts, the chat roles, the keywords, some words."""
     rows = example_rows(400, seed)
-    words = "the a of to and is in it you that he was for on are with as I his they be at one have this".split()
+    words = ["the", "a", "of", "to", "and", "is", "in", "it", "you", "that", "was", "for", "on", "are", "with",
+             "as", "I", "his", "they", "be", "at", "one", "have", "this"]
     lines = [m["content"] for r in rows for m in r["prompt"]] + [SYSTEM, "user", "assistant", "system"]
     rng = random.Random(seed)
     lines += [" ".join(rng.choice(words + KEYWORDS) for _ in range(12)) for _ in range(400)]
