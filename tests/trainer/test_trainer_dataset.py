@@ -6,7 +6,6 @@ import itertools
 import json
 import pathlib
 import urllib.request
-
 from typing import Any
 
 import pytest
@@ -22,7 +21,8 @@ def test_jsonl_prompts_in_order_with_default_task(tmp_path: pathlib.Path) -> Non
     f = tmp_path / "p.jsonl"
     rows = [{"prompt": "ab=", "reference": "ba"}, {"prompt": "cd:", "task": "copy", "reference": "cd"}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    assert [tuple(p[:3]) for p in file_prompts(f, "reverse", KNOWN)] == [("reverse", "ab=", "ba"), ("copy", "cd:", "cd")]
+    assert [tuple(p[:3]) for p in file_prompts(f, "reverse", KNOWN)] == [
+        ("reverse", "ab=", "ba"), ("copy", "cd:", "cd")]
     # a restart skips what was drawn: the same file gives the same sequence
     assert [tuple(p[:3]) for p in itertools.islice(file_prompts(f, "reverse", KNOWN), 1, None)] == [
         ("copy", "cd:", "cd")]
