@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from fleetrl.broker import GroupRecord, PromptRecord, Producer, Sampling, ensure_topics, read_dead_letters
+from fleetrl.broker import GroupRecord, Producer, PromptRecord, Sampling, ensure_topics, read_dead_letters
 from fleetrl.config import FleetConfig, parse_config
 from fleetrl.hub import Hub
 from fleetrl.rollout.worker import RolloutWorker
