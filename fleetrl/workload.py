@@ -82,15 +82,17 @@ def _check_tokenizer(config: FleetConfig, fail: Fail) -> bool:
 
 
 def _check_task(config: FleetConfig, fail: Fail) -> None:
-    from fleetrl.rollout import TASKS
+    from fleetrl.rollout import TaskError, get_task
 
     d = config.dataset
-    labels_only = d.path is not None and config.reward.custom
+    if d.path is not None and config.reward.custom:
+        return  # the task names are labels only: the custom reward scores every group
     for i, name in enumerate([d.task, *d.tasks]):
-        if name not in TASKS and not labels_only:
-            field = "dataset.task" if i == 0 else f"dataset.tasks[{i - 1}]"
-            fail(field, f"unknown task {name!r}; known: {sorted(TASKS)} (any label is allowed with dataset.path "
-                        f"and a custom reward)")
+        try:
+            get_task(name)
+        except TaskError as exc:
+            fail("dataset.task" if i == 0 else f"dataset.tasks[{i - 1}]",
+                 f"{exc} (any label is allowed with dataset.path and a custom reward)")
 
 
 def _check_rewards(config: FleetConfig, fail: Fail) -> None:

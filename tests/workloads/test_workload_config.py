@@ -59,6 +59,7 @@ def test_a_good_workload_passes(tmp_path: pathlib.Path, qwen2_folder: pathlib.Pa
 @pytest.mark.parametrize(("case", "field", "message"), [
     ("no_model", "model.path", "is not a folder"),
     ("task", "dataset.task", "unknown task 'nosuch'"),
+    ("gym", "dataset.task", "unknown reasoning-gym dataset 'nosuch'"),
     ("import", "reward.functions[0].fn", "cannot import 'reward_fns_nosuch'"),
     ("callable", "reward.functions[0].fn", "int is not callable"),
     ("url", "reward.url", "is unreachable"),
@@ -72,8 +73,8 @@ def test_bad_workload_is_one_line_naming_the_field(tmp_path: pathlib.Path, qwen2
     fns = {"python_path": [str(HERE)]}
     if case == "no_model":
         path = _config(tmp_path, tmp_path / "nonexistent")
-    elif case == "task":
-        path = _config(tmp_path, None, dataset={"task": "nosuch"})
+    elif case in ("task", "gym"):
+        path = _config(tmp_path, None, dataset={"task": "nosuch" if case == "task" else "reasoning_gym:nosuch"})
     elif case == "import":
         path = _config(tmp_path, None, reward={"functions": [{"fn": "reward_fns_nosuch:f"}], **fns})
     elif case == "callable":
