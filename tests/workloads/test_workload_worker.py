@@ -21,7 +21,7 @@ from fleetrl.rollout.worker import RolloutWorker
 pytestmark = pytest.mark.integration
 REGION = "r1"
 HERE = pathlib.Path(__file__).parent
-MODES = ["ok", "raise", "nan", "slow", "short", "ok"]
+MODES = ["ok", "raise", "nan", "slow", "short", "ok", "long"]
 
 
 def _config(run_id: str, bootstrap: str, store: pathlib.Path, model: pathlib.Path) -> FleetConfig:
@@ -29,7 +29,7 @@ def _config(run_id: str, bootstrap: str, store: pathlib.Path, model: pathlib.Pat
         "run": run_id,
         "model": {"path": str(model)},
         "algorithm": {"n_samples": 3, "max_new_tokens": 6},
-        "dataset": {"task": "keywords"},  # a label: the prompts come from the test, the rewards from reward_fns
+        "dataset": {"task": "keywords", "max_prompt_tokens": 64},  # a label: the prompts come from the test, the rewards from reward_fns
         "reward": {"functions": [{"fn": "reward_fns:picky"}, {"fn": "reward_fns:keyword_reward", "weight": 0.5}],
                    "python_path": [str(HERE)], "timeout_s": 1.0},
         "hub": {"home_store": store.as_uri(), "threads": 2, "poll_interval_s": 0.1},
@@ -49,7 +49,8 @@ def _publish_folder(config: FleetConfig) -> None:
 
 
 def _prompt(config: FleetConfig, i: int, mode: str) -> PromptRecord:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Say the word red. ({i})"}]
+    text = f"Say the word red. ({i})" if mode != "long" else "red " * 100  # 64 tokens fit the short ones only
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
     return PromptRecord(group_id=f"{config.run}-g{i}", run=config.run, task="keywords", n_samples=3,
                         sampling=Sampling(max_new_tokens=6), messages=messages,
                         columns={"mode": mode, "keyword": "red"})
@@ -78,7 +79,8 @@ async def test_chat_rows_render_with_the_template_and_failing_rewards_dead_lette
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=30)
-    assert worker.groups_done == 2 and worker.dead_lettered == {"reward_error": 4}
+    # max_prompt_tokens counts the rendered prompt: the long one never reaches the engine
+    assert worker.groups_done == 2 and worker.dead_lettered == {"reward_error": 4, "tokens_bound": 1}
     stats = worker.stats()["rewards"]
     assert stats["reward_fns:picky"]["errors"] == 4 and stats["reward_fns:picky"]["groups"] == 2
 
@@ -95,7 +97,8 @@ async def test_chat_rows_render_with_the_template_and_failing_rewards_dead_lette
 
     letters = await read_dead_letters(config, REGION)
     reasons = {d.key.decode() if d.key else "": (d.reason, d.message) for d in letters}
-    assert {r for r, _ in reasons.values()} == {"reward_error"}
+    assert {r for r, _ in reasons.values()} == {"reward_error", "tokens_bound"}
+    assert "dataset.max_prompt_tokens" in reasons[f"{run_id}-g6"][1]
     assert "ValueError: cannot score 3 completions" in reasons[f"{run_id}-g1"][1]
     assert "not finite" in reasons[f"{run_id}-g2"][1]
     assert "TimeoutError" in reasons[f"{run_id}-g3"][1]
