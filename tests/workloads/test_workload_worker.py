@@ -29,7 +29,7 @@ def _config(run_id: str, bootstrap: str, store: pathlib.Path, model: pathlib.Pat
         "run": run_id,
         "model": {"path": str(model)},
         "algorithm": {"n_samples": 3, "max_new_tokens": 6},
-        "dataset": {"task": "keywords", "max_prompt_tokens": 64},  # a label: the prompts come from the test, the rewards from reward_fns
+        "dataset": {"task": "keywords", "max_prompt_tokens": 64},  # a label: prompts from the test
         "reward": {"functions": [{"fn": "reward_fns:picky"}, {"fn": "reward_fns:keyword_reward", "weight": 0.5}],
                    "python_path": [str(HERE)], "timeout_s": 1.0},
         "hub": {"home_store": store.as_uri(), "threads": 2, "poll_interval_s": 0.1},
