@@ -129,6 +129,7 @@ def to_map(record: Record) -> dict[str, Any]:
             ],
             "timings": {"queued": record.timings.queued, "started": record.timings.started,
                         "finished": record.timings.finished},
+            **({"reward_parts": record.reward_parts} if record.reward_parts is not None else {}),
         }
     if isinstance(record, PartialRecord):
         h = record.handed_over_by
@@ -247,7 +248,19 @@ def _group(o: dict[str, Any]) -> GroupRecord:
         prompt_ids=_unpack_array(o["prompt_ids"], _I4, "prompt_ids"), samples=samples,
         timings=Timings(queued=float(t.get("queued", 0.0)), started=float(t.get("started", 0.0)),
                         finished=float(t.get("finished", 0.0))),
+        reward_parts=_reward_parts(o.get("reward_parts")),
     )
+
+
+def _reward_parts(value: Any) -> dict[str, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise RecordError("malformed", "reward_parts must be a map of names to numbers", field="reward_parts")
+    try:
+        return {k: float(v) for k, v in value.items()}
+    except (TypeError, ValueError):
+        raise RecordError("malformed", "reward_parts must be a map of names to numbers", field="reward_parts") from None
 
 
 def _s(o: dict[str, Any], key: str) -> str:

@@ -141,6 +141,8 @@ class GroupRecord:
     prompt_ids: IntArray
     samples: list[Sample]
     timings: Timings = field(default_factory=Timings)
+    reward_parts: dict[str, float] | None = None
+    """Optional: each custom reward function's mean over the samples (the trainer's step log shows them)."""
 
     schema = SCHEMA_GROUP
 
@@ -228,6 +230,10 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
                               field=f"samples[{i}].finish_reason", group_id=g)
         if not math.isfinite(s.reward):
             raise RecordError("reward", f"reward {s.reward} is not finite", field=f"samples[{i}].reward", group_id=g)
+    for name, value in (r.reward_parts or {}).items():
+        if not isinstance(value, float | int) or not math.isfinite(value):
+            raise RecordError("reward", f"reward part {name!r} is {value!r}, not a finite number",
+                              field="reward_parts", group_id=g)
 
 
 def _check_task(task: str, limits: RecordLimits, g: str) -> None:

@@ -74,7 +74,8 @@ def reward_input(job: Job, samples: list[PartialSample], codec: TextCodec) -> Gr
                       columns=dict(p.columns or {}))
 
 
-def group_record(job: Job, samples: list[PartialSample], rewards: list[float], region: str, node: str) -> GroupRecord:
+def group_record(job: Job, samples: list[PartialSample], rewards: list[float], region: str, node: str,
+                 reward_parts: dict[str, float] | None = None) -> GroupRecord:
     """Build the `fleetrl.group/1` record of finished, scored samples."""
     p = job.prompt
     scored = [
@@ -85,6 +86,7 @@ def group_record(job: Job, samples: list[PartialSample], rewards: list[float], r
         group_id=p.group_id, run=p.run, task=p.task, attempt=p.attempt, region=region, node=node,
         prompt_ids=ids(job.prompt_ids), samples=scored,
         timings=Timings(queued=p.dispatched_at, started=job.started_wall, finished=time.time()),
+        reward_parts=reward_parts,
     )
 
 

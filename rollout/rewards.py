@@ -58,6 +58,14 @@ class GroupInput:
 
 
 @dataclass(slots=True)
+class Scores:
+    """A group's rewards, and each custom function's unweighted mean over the group (none for a task)."""
+
+    rewards: list[float]
+    parts: dict[str, float] | None = None
+
+
+@dataclass(slots=True)
 class FunctionStats:
     """Running totals of one reward function (or `url`) on this worker: worker.stats reports them."""
 
@@ -96,9 +104,9 @@ class TaskRewards:
         self._get_task = get_task
         self.stats: dict[str, FunctionStats] = {}
 
-    async def score(self, task: str, group: GroupInput) -> list[float]:
+    async def score(self, task: str, group: GroupInput) -> Scores:
         t = self._get_task(task)
-        return [float(t.reward(text, group.reference)) for text in group.completions]
+        return Scores([float(t.reward(text, group.reference)) for text in group.completions])
 
 
 class CustomRewards:
@@ -111,17 +119,19 @@ class CustomRewards:
         if config.url is not None:
             self.stats["url"] = FunctionStats()
 
-    async def score(self, task: str, group: GroupInput) -> list[float]:
+    async def score(self, task: str, group: GroupInput) -> Scores:
         n = len(group.completions)
         kwargs = trl_arguments(group)
-        totals = [0.0] * n
+        totals, parts = [0.0] * n, {}
         for name, fn, weight in self.functions:
             values = await self._counted(name, self._call(name, fn, kwargs), n)
             totals = [t + weight * v for t, v in zip(totals, values, strict=True)]
+            parts[name] = sum(values) / n
         if self.config.url is not None:
             values = await self._counted("url", self._remote(self.config.url, kwargs), n)
             totals = [t + self.config.url_weight * v for t, v in zip(totals, values, strict=True)]
-        return totals
+            parts["url"] = sum(values) / n
+        return Scores(totals, parts)
 
     async def _counted(self, name: str, result: Any, n: int) -> list[float]:
         stats = self.stats[name]
@@ -176,9 +186,10 @@ def _post(url: str, body: bytes, timeout_s: float) -> Any:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        if exc.code >= 500:
-            raise _Retriable(f"HTTP {exc.code} from {url}") from exc
-        raise RewardError(f"url: HTTP {exc.code} from {url}: {exc.read()[:200]!r}") from exc
+        with exc:  # it holds the connection: close it, whatever is raised next
+            if exc.code >= 500:
+                raise _Retriable(f"HTTP {exc.code} from {url}") from exc
+            raise RewardError(f"url: HTTP {exc.code} from {url}: {exc.read()[:200]!r}") from exc
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         raise _Retriable(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}") from exc
     except json.JSONDecodeError as exc:

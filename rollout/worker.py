@@ -298,7 +298,7 @@ class RolloutWorker:
     async def _finish(self, group: FinishedGroup) -> None:
         job = self._jobs.pop(group.group_id)
         try:
-            rewards = await self.rewards.score(job.prompt.task, reward_input(job, group.samples, self.codec))
+            scores = await self.rewards.score(job.prompt.task, reward_input(job, group.samples, self.codec))
         except RewardError as exc:  # the user's reward failed on this group: it goes, the worker goes on
             log.warning("worker.reward_error", group_id=job.group_id, error=str(exc))
             await self._dead_letter(job.delivery, "reward_error", str(exc), "reward")
@@ -306,7 +306,7 @@ class RolloutWorker:
         except TaskError as exc:
             await self._dead_letter(job.delivery, "reward", str(exc), "reference")
             return
-        record = group_record(job, group.samples, rewards, self.region, self.node)
+        record = group_record(job, group.samples, scores.rewards, self.region, self.node, scores.parts)
         await self.producer.send("trajectories", group.group_id, record)
         self.groups_done += 1
         self.tokens_generated += sum(len(s.completion_ids) for s in group.samples)

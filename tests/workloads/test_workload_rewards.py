@@ -34,7 +34,9 @@ async def test_trl_signature_sync_and_async_weighted() -> None:
     r = _rewards(("reward_fns:length_reward", 0.5), ("reward_fns:keyword_reward", 2.0))
     got = await r.score("keywords", _group(["red red", "blue"], keyword="red"))
     # length 7 * 0.5 + 1 * 2.0 = 5.5; length 4 * 0.5 + 0 = 2.0
-    assert got == [5.5, 2.0]
+    assert got.rewards == [5.5, 2.0]
+    # each function's unweighted mean over the group travels too (the trainer's step log shows it)
+    assert got.parts == {"reward_fns:length_reward": 5.5, "reward_fns:keyword_reward": 0.5}
     assert r.stats["reward_fns:keyword_reward"].as_dict() == {"mean": 0.5, "groups": 1, "errors": 0}
 
 
@@ -65,7 +67,7 @@ async def test_a_failing_reward_raises_reward_error(mode: str, message: str) -> 
     with pytest.raises(RewardError, match=message):
         await r.score("keywords", _group(["a", "b"], mode=mode))
     assert r.stats["reward_fns:picky"].errors == 1
-    assert await r.score("keywords", _group(["a", "b"], mode="ok")) == [1.0, 1.0]  # the next group is scored
+    assert (await r.score("keywords", _group(["a", "b"], mode="ok"))).rewards == [1.0, 1.0]  # the next one is scored
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -125,7 +127,7 @@ def endpoint() -> Iterator[_Endpoint]:
 async def test_remote_reward_endpoint_with_a_retry(endpoint: _Endpoint) -> None:
     r = _rewards(("reward_fns:keyword_reward", 1.0), url=endpoint.url, url_weight=0.5, retries=2, timeout_s=5)
     got = await r.score("keywords", _group(["red", "bb"], keyword="red"))
-    assert got == [1.0 + 0.5 * 3, 0.0 + 0.5 * 2]
+    assert got.rewards == [1.0 + 0.5 * 3, 0.0 + 0.5 * 2] and got.parts == {"reward_fns:keyword_reward": 0.5, "url": 2.5}
     assert len(endpoint.requests) == 2  # a 503, then the answer
     assert endpoint.requests[-1]["keyword"] == ["red", "red"] and endpoint.requests[-1]["prompts"] == [CHAT, CHAT]
 

@@ -93,6 +93,9 @@ async def test_chat_rows_render_with_the_template_and_failing_rewards_dead_lette
         assert g.prompt_ids.tolist() == expected  # the trainer learns the exact ids the engine saw
         for s in g.samples:  # picky gives 1.0, keyword_reward 0 or 1 at weight 0.5
             assert s.reward in (1.0, 1.5)
+        assert g.reward_parts is not None and g.reward_parts["reward_fns:picky"] == 1.0
+        said = [2 * (s.reward - 1.0) for s in g.samples]  # keyword_reward's own value, 0 or 1
+        assert g.reward_parts["reward_fns:keyword_reward"] == pytest.approx(sum(said) / len(said))
     assert sorted(g.group_id for g in out) == [f"{run_id}-g0", f"{run_id}-g5"]
 
     letters = await read_dead_letters(config, REGION)
