@@ -29,6 +29,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 KEYWORDS = ["red", "blue", "green", "gold", "pink", "gray", "teal", "lime"]
 _FORMS = ["Say the word {k}.", "Write {k} a few times.", "Repeat after me: {k}", "Answer with {k} only."]
 SYSTEM = "You are a helpful assistant."
+_ARCHS = {"qwen2": ("Qwen2", True), "llama": ("Llama", False), "qwen3": ("Qwen3", True), "mistral": ("Mistral", False)}
+"""arch -> (transformers class prefix, tied embeddings)."""
 
 
 def example_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -73,11 +75,12 @@ def build_tokenizer(out: pathlib.Path, vocab_size: int = 384) -> Any:
 def build_model_folder(out: str | pathlib.Path, *, arch: str = "qwen2", dtype: str = "bfloat16",
                        max_shard_size: str = "100KB", hidden_size: int = 64, layers: int = 2,
                        seed: int = 0) -> pathlib.Path:
-    """A local HF causal-LM folder (`arch`: qwen2 or llama) at random weights, saved in `dtype` as
+    """A local HF causal-LM folder (`arch`: qwen2, llama, qwen3 or mistral) at random weights, saved in `dtype` as
     safetensors shards with an index, with its tokenizer, chat template and a generation config
     that lists two EOS ids (`<|im_end|>`, `<|endoftext|>`)."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     path = pathlib.Path(out)
     path.mkdir(parents=True, exist_ok=True)
@@ -91,12 +94,11 @@ def build_model_folder(out: str | pathlib.Path, *, arch: str = "qwen2", dtype: s
     torch_dtype = getattr(torch, dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if arch == "qwen2":
-            model: Any = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
-        elif arch == "llama":
-            model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
-        else:
-            raise ValueError(f"arch {arch!r}: qwen2 or llama")
+        if arch not in _ARCHS:
+            raise ValueError(f"arch {arch!r}: one of {sorted(_ARCHS)}")
+        prefix, tied = _ARCHS[arch]
+        cfg = getattr(transformers, f"{prefix}Config")(tie_word_embeddings=tied, **common)
+        model: Any = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype
     model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
@@ -112,7 +114,7 @@ def write_prompts(path: pathlib.Path, n: int = 256, seed: int = 0) -> pathlib.Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="build the inputs of examples/fleet.hf.yaml (no download)")
     parser.add_argument("folder", nargs="?", default="examples/hf", help="where to write model/ and prompts.jsonl")
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    parser.add_argument("--arch", default="qwen2", choices=sorted(_ARCHS))
     args = parser.parse_args(argv)
     folder = pathlib.Path(args.folder)
     model = build_model_folder(folder / "model", arch=args.arch)

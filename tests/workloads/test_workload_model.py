@@ -40,8 +40,9 @@ def test_rendered_ids_are_apply_chat_templates(qwen2_folder: pathlib.Path, messa
         load_codec(ModelConfig()).render(messages)  # the char tokenizer has none
 
 
-def test_fp16_single_file_folder_runs_with_every_eos_id(tmp_path: pathlib.Path) -> None:
-    folder = build_model_folder(tmp_path / "fp16", arch="llama", dtype="float16", max_shard_size="50MB")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_fp16_single_file_folder_runs_with_every_eos_id(tmp_path: pathlib.Path, arch: str) -> None:
+    folder = build_model_folder(tmp_path / "fp16", arch=arch, dtype="float16", max_shard_size="50MB")
     assert (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").exists()
     engine = TorchEngine.from_config(ModelConfig(path=str(folder)), TorchEngineConfig(max_batch=4, dtype="float16"))
     assert engine.eos_ids == frozenset({0, 2})  # generation_config lists <|im_end|> and <|endoftext|>
