@@ -141,3 +141,14 @@ async def test_remote_reward_gives_up_after_its_retries() -> None:
     finally:
         e.close()
     assert len(e.requests) == 2
+
+
+async def test_trl_own_reward_functions_run_unchanged() -> None:
+    """TRL's shipped rewards (`trl.rewards`), named by import path: `think_format_reward` and the
+    math-verify based `accuracy_reward`, which reads the dataset's `solution` column."""
+    pytest.importorskip("trl")
+    r = _rewards(("trl.rewards:think_format_reward", 1.0), ("trl.rewards:accuracy_reward", 1.0))
+    got = await r.score("math", _group(["<think>\nsum it\n</think>\nThe answer is $\\boxed{12}$", "It is 13."],
+                                       solution="$12$"))
+    assert got.parts == {"trl.rewards:think_format_reward": 0.5, "trl.rewards:accuracy_reward": 0.5}
+    assert got.rewards == [2.0, 0.0]
