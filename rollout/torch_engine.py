@@ -52,7 +52,7 @@ class TorchEngine(Engine):
             raise EngineError(f"unknown engine dtype {dtype!r}; known: {sorted(_DTYPES)}")
         _check_attention(model)
         self.device = torch.device(device)
-        self.model = model.to(device=self.device, dtype=_DTYPES[dtype]).eval()
+        self.model = _cast(model, self.device, _DTYPES[dtype]).eval()
         self.max_batch = max_batch
         # Admitting adds its prompts to the step's pass; waiting for a few free slots saves little now.
         self.refill_min = max(1, int(max_batch * refill_fraction))
@@ -207,6 +207,21 @@ class TorchEngine(Engine):
         if missing:
             raise EngineError(f"weights are missing {len(missing)} parameter(s), first {missing[0]!r}")
         log.debug("engine.weights_loaded", tensors=len(tensors))
+
+
+def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """The model on `device` in `dtype`, its RoPE frequencies kept in fp32: `Module.to` casts every float
+    buffer, but transformers loads a bf16/fp16 checkpoint with `inv_freq` in fp32 and computes the
+    rotary angles in fp32, so a cast `inv_freq` would shift the logits off what the same checkpoint
+    gives under `from_pretrained` (by ~4e-3 on a tiny bf16 Qwen2)."""
+    kept = {name: buf.detach().float().clone() for name, buf in model.named_buffers() if name.endswith("inv_freq")}
+    model = model.to(device=device, dtype=dtype)
+    for name, value in kept.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        persistent = attr not in getattr(module, "_non_persistent_buffers_set", set())
+        module.register_buffer(attr, value.to(device), persistent=persistent)
+    return model
 
 
 def _param_index(model: Any) -> dict[str, torch.Tensor]:

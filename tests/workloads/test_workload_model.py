@@ -72,3 +72,16 @@ def test_the_tiny_model_exports_as_a_loadable_folder(tmp_path: pathlib.Path) -> 
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True)
     loaded = model.state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+
+def test_a_bf16_engine_computes_what_from_pretrained_does(qwen2_folder: pathlib.Path) -> None:
+    """The engine casts the fp32 masters to bf16 but keeps RoPE's frequencies in fp32, as transformers
+    loads a bf16 checkpoint: the same logits, bit for bit (a cast `inv_freq` is off by ~4e-3)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = TorchEngine.from_config(ModelConfig(path=str(qwen2_folder)), TorchEngineConfig(dtype="bfloat16"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(qwen2_folder), local_files_only=True).eval()
+    assert loaded.dtype == torch.bfloat16
+    ids = torch.tensor([load_codec(ModelConfig(path=str(qwen2_folder))).render(CHATS[1])])
+    with torch.no_grad():
+        assert torch.equal(engine.model(input_ids=ids).logits, loaded(input_ids=ids).logits)
