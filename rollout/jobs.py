@@ -68,10 +68,11 @@ class Job:
 def reward_input(job: Job, samples: list[PartialSample], codec: TextCodec) -> GroupInput:
     """What the reward sees of a finished group: the prompt as sent, the completions as text."""
     p = job.prompt
-    return GroupInput(prompt=p.prompt, messages=p.messages,
-                      completions=[codec.decode(s.completion_ids) for s in samples],
+    completions = [codec.decode(s.completion_ids) for s in samples]
+    prompt_text = codec.decode_all(job.prompt_ids)
+    return GroupInput(prompt=p.prompt, messages=p.messages, completions=completions,
                       completion_ids=[[int(t) for t in s.completion_ids] for s in samples], reference=p.reference,
-                      columns=dict(p.columns or {}))
+                      columns=dict(p.columns or {}), queries=[prompt_text + c for c in completions])
 
 
 def group_record(job: Job, samples: list[PartialSample], rewards: list[float], region: str, node: str,

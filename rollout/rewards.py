@@ -55,6 +55,9 @@ class GroupInput:
     completion_ids: list[list[int]]
     reference: Any = None
     columns: dict[str, Any] = field(default_factory=dict)
+    queries: list[str] | None = None
+    """Per sample, the prompt as the model saw it (chat template and special tokens included) followed by
+    the completion: OpenRLHF's `query`, sent to `reward.url` only."""
 
 
 @dataclass(slots=True)
@@ -128,7 +131,8 @@ class CustomRewards:
             totals = [t + weight * v for t, v in zip(totals, values, strict=True)]
             parts[name] = sum(values) / n
         if self.config.url is not None:
-            values = await self._counted("url", self._remote(self.config.url, kwargs), n)
+            payload = {**kwargs, **openrlhf_fields(group)}
+            values = await self._counted("url", self._remote(self.config.url, payload), n)
             totals = [t + self.config.url_weight * v for t, v in zip(totals, values, strict=True)]
             parts["url"] = sum(values) / n
         return Scores(totals, parts)
@@ -156,7 +160,8 @@ class CustomRewards:
             raise RewardError(f"{name}: {_last_line(exc)}") from exc
 
     async def _remote(self, url: str, kwargs: dict[str, Any]) -> Any:
-        """POST the group as JSON; retry (bounded) on connection errors, timeouts and 5xx answers."""
+        """POST the group as JSON (TRL's arguments plus OpenRLHF's `query` and `labels`); retry (bounded) on
+        connection errors, timeouts and 5xx answers."""
         body = json.dumps(kwargs, default=str).encode()
         timeout, last = self.config.timeout_s, "no attempt"
         for attempt in range(self.config.retries + 1):
@@ -208,6 +213,14 @@ def trl_arguments(group: GroupInput) -> dict[str, Any]:
     if "reference" not in columns and group.reference is not None:
         columns["reference"] = [group.reference] * n
     return {"prompts": prompts, "completions": completions, "completion_ids": group.completion_ids, **columns}
+
+
+def openrlhf_fields(group: GroupInput) -> dict[str, Any]:
+    """What an OpenRLHF reward server (`openrlhf.cli.serve_rm`, `--remote_rm_url`) reads: `query` (prompt
+    with template + completion, per sample) and `labels` (the reference, per sample)."""
+    n = len(group.completions)
+    return {"query": group.queries if group.queries is not None else list(group.completions),
+            "labels": [group.reference] * n}
 
 
 def _checked(name: str, values: Any, n: int) -> list[float]:

@@ -21,6 +21,10 @@ class TextCodec(Protocol):
         """Chat messages -> prompt ids through the chat template (TaskError when there is none)."""
         ...
 
+    def decode_all(self, ids: Iterable[int]) -> str:
+        """Every token as text, special ones included (a prompt as the model saw it)."""
+        ...
+
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
@@ -41,6 +45,9 @@ class _HfCodec:
         except Exception as exc:  # a Jinja template can raise anything (it may even raise on purpose)
             raise TaskError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         return [int(i) for i in ids]
+
+    def decode_all(self, ids: Iterable[int]) -> str:
+        return str(self.tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
     def decode(self, ids: Iterable[int]) -> str:
         kept = []
@@ -76,4 +83,7 @@ class _CharCodec:
         raise TaskError("model.tokenizer 'char' has no chat template: cannot render chat messages")
 
     def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(ids)
+
+    def decode_all(self, ids: Iterable[int]) -> str:
         return self.tok.decode(ids)

@@ -83,9 +83,10 @@ def test_a_reward_that_cannot_be_used_is_named(spec: str, message: str) -> None:
 class _Endpoint:
     """A reward model served over HTTP on loopback: the first `fail_first` requests get a 503."""
 
-    def __init__(self, fail_first: int = 0) -> None:
+    def __init__(self, fail_first: int = 0, score: Any = None) -> None:
         self.requests: list[dict[str, Any]] = []
         self.fail_first = fail_first
+        score = score or (lambda body: [float(len(c[0]["content"])) for c in body["completions"]])
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -96,7 +97,7 @@ class _Endpoint:
                     self.send_response(503)
                     self.end_headers()
                     return
-                answer = json.dumps({"rewards": [float(len(c[0]["content"])) for c in body["completions"]]}).encode()
+                answer = json.dumps({"rewards": score(body)}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(answer)))
@@ -152,3 +153,18 @@ async def test_trl_own_reward_functions_run_unchanged() -> None:
                                        solution="$12$"))
     assert got.parts == {"trl.rewards:think_format_reward": 0.5, "trl.rewards:accuracy_reward": 0.5}
     assert got.rewards == [2.0, 0.0]
+
+
+async def test_an_openrlhf_style_reward_server_reads_query_and_labels() -> None:
+    """OpenRLHF's reward servers read `query` (the prompt as the model saw it + the completion) and
+    `labels`, and answer `{"rewards": [...]}`: such a server needs no change."""
+    e = _Endpoint(score=lambda body: [1.0 if q.endswith(lab) else 0.0 for q, lab in zip(body["query"], body["labels"],
+                                                                                          strict=True)])
+    try:
+        r = _rewards(url=e.url, timeout_s=5)
+        group = _group(["it is 12", "it is 13"])
+        group.reference, group.queries = "12", ["<|im_start|>user\nSay 12<|im_end|>\n" + c for c in group.completions]
+        assert (await r.score("math", group)).rewards == [1.0, 0.0]
+    finally:
+        e.close()
+    assert e.requests[0]["labels"] == ["12", "12"] and e.requests[0]["query"][0].startswith("<|im_start|>user")
