@@ -117,7 +117,8 @@ class CustomRewards:
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        self.functions = [(f.fn, load_function(f.fn, config.python_path), f.weight) for f in config.functions]
+        self.functions = [(f.fn, _adapted(load_function(f.fn, config.python_path), f.signature), f.weight)
+                          for f in config.functions]
         self.stats: dict[str, FunctionStats] = {name: FunctionStats() for name, _, _ in self.functions}
         if config.url is not None:
             self.stats["url"] = FunctionStats()
@@ -199,6 +200,30 @@ def _post(url: str, body: bytes, timeout_s: float) -> Any:
         raise _Retriable(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}") from exc
     except json.JSONDecodeError as exc:
         raise RewardError(f"url: the answer is not JSON: {exc.msg}") from exc
+
+
+def _adapted(fn: RewardFn, signature: str) -> RewardFn:
+    """The function called with TRL's arguments: itself, or verl's per-completion form behind a wrapper."""
+    if signature == "trl":
+        return fn
+
+    def verl(completions: list[Any], **columns: Any) -> list[float]:
+        out = []
+        for i, completion in enumerate(completions):
+            row = {k: v[i] for k, v in columns.items() if isinstance(v, list)}
+            spec = row.get("reward_model") or {}
+            truth = spec.get("ground_truth") if isinstance(spec, dict) else None
+            result = fn(data_source=row.get("data_source"), solution_str=_completion_text(completion),
+                        ground_truth=truth if truth is not None else row.get("reference"),
+                        extra_info=row.get("extra_info"))
+            out.append(result["score"] if isinstance(result, dict) else result)
+        return out
+
+    return verl
+
+
+def _completion_text(completion: Any) -> str:
+    return str(completion[0]["content"]) if isinstance(completion, list) else str(completion)
 
 
 def trl_arguments(group: GroupInput) -> dict[str, Any]:

@@ -196,6 +196,10 @@ class RewardFunctionConfig(Model):
     imported (from `reward.python_path`, then the Python path) when the config is checked."""
     weight: float = 1.0
     """Weight of this function in the sample's reward (a weighted sum, as TRL's `reward_weights`)."""
+    signature: Literal["trl", "verl"] = "trl"
+    """`trl`: TRL's `reward_funcs`, once per group. `verl`: verl's custom reward function,
+    `(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}`, once per
+    completion, with `ground_truth` from the row's `reward_model.ground_truth` (verl's parquet layout)."""
 
 
 class RewardConfig(Model):

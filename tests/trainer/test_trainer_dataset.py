@@ -113,3 +113,14 @@ def test_metrics_are_served_with_units_in_their_names() -> None:
     assert 'fleetrl_trainer_stale_groups_dropped_total{region="eu"} 1.0' in text
     assert "fleetrl_trainer_weight_publish_bytes_total 1234.0" in text
     assert "fleetrl_trainer_step_seconds_bucket" in text and "fleetrl_trainer_staleness_versions_bucket" in text
+
+
+def test_verl_parquet_rows_read_with_no_mapping(tmp_path: pathlib.Path) -> None:
+    """verl's layout: a `prompt` of messages, `data_source`, `ability`, `reward_model`, `extra_info`."""
+    rows = [{"data_source": "gsm8k", "prompt": CHAT, "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": "12"}, "extra_info": {"index": 0, "split": "train"}}]
+    d = DatasetConfig(path=str(_write("parquet", tmp_path, rows)), task="math")
+    (p,) = list(dataset_prompts(d, keep_columns=True))
+    assert p.messages == CHAT and p.columns is not None
+    assert p.columns["reward_model"] == {"style": "rule", "ground_truth": "12"}
+    assert (p.columns["data_source"], p.columns["extra_info"]["index"]) == ("gsm8k", 0)

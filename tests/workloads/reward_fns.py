@@ -45,3 +45,9 @@ def picky(completions: list[Any], mode: list[str], **kwargs: Any) -> list[Any]:
 
 
 NOT_CALLABLE = 42
+
+
+def verl_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> Any:
+    """verl's custom reward function form (one completion at a time; a float or a dict with `score`)."""
+    hit = 1.0 if ground_truth in solution_str else 0.0
+    return {"score": hit, "acc": hit} if data_source == "dict" else hit

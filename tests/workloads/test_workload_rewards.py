@@ -20,9 +20,9 @@ HERE = str(pathlib.Path(__file__).parent)
 CHAT = [{"role": "user", "content": "Say red."}]
 
 
-def _rewards(*fns: tuple[str, float], **extra: Any) -> CustomRewards:
-    return CustomRewards(RewardConfig(functions=[RewardFunctionConfig(fn=f, weight=w) for f, w in fns],
-                                      python_path=[HERE], **extra))
+def _rewards(*fns: tuple[str, float], signature: str = "trl", **extra: Any) -> CustomRewards:
+    return CustomRewards(RewardConfig(functions=[RewardFunctionConfig(fn=f, weight=w, signature=signature)
+                                                 for f, w in fns], python_path=[HERE], **extra))
 
 
 def _group(completions: list[str], messages: Any = CHAT, **columns: Any) -> GroupInput:
@@ -168,3 +168,13 @@ async def test_an_openrlhf_style_reward_server_reads_query_and_labels() -> None:
     finally:
         e.close()
     assert e.requests[0]["labels"] == ["12", "12"] and e.requests[0]["query"][0].startswith("<|im_start|>user")
+
+
+@pytest.mark.parametrize("data_source", ["float", "dict"])
+async def test_a_verl_reward_function_runs_per_completion_on_verls_row_layout(data_source: str) -> None:
+    """verl's parquet rows (`data_source`, `reward_model.ground_truth`, `extra_info`) and its
+    `compute_score(data_source, solution_str, ground_truth, extra_info)`, float or dict result."""
+    r = _rewards(("reward_fns:verl_compute_score", 1.0), signature="verl")
+    group = _group(["it is 12", "it is 13"], data_source=data_source, ability="math",
+                   reward_model={"style": "rule", "ground_truth": "12"}, extra_info={"index": 0})
+    assert (await r.score("math", group)).rewards == [1.0, 0.0]
