@@ -36,7 +36,7 @@ from typing import Any
 
 from fleetrl.config import RewardConfig
 from fleetrl.log import get_logger
-from fleetrl.rollout.errors import RewardError
+from fleetrl.rollout.errors import RewardError, TaskError
 from fleetrl.rollout.tasks import Task
 
 log = get_logger(__name__)
@@ -101,7 +101,8 @@ def load_function(spec: str, python_path: Sequence[str] = ()) -> RewardFn:
 
 
 class TaskRewards:
-    """The built-in reward of the record's task, per sample (fast and pure: runs inline)."""
+    """The built-in reward of the record's task, per sample (fast: runs inline). A bad reference is a
+    `TaskError` (dead letter `reward`); anything else its scorer raises, a `RewardError`."""
 
     def __init__(self, get_task: Callable[[str], Task]) -> None:
         self._get_task = get_task
@@ -109,7 +110,12 @@ class TaskRewards:
 
     async def score(self, task: str, group: GroupInput) -> Scores:
         t = self._get_task(task)
-        return Scores([float(t.reward(text, group.reference)) for text in group.completions])
+        try:
+            return Scores([float(t.reward(text, group.reference)) for text in group.completions])
+        except TaskError:
+            raise
+        except Exception as exc:  # a library's scorer (reasoning-gym, math-verify) failed on this group only
+            raise RewardError(f"task {task}: {_last_line(exc)}") from exc
 
 
 class CustomRewards:

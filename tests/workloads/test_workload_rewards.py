@@ -178,3 +178,21 @@ async def test_a_verl_reward_function_runs_per_completion_on_verls_row_layout(da
     group = _group(["it is 12", "it is 13"], data_source=data_source, ability="math",
                    reward_model={"style": "rule", "ground_truth": "12"}, extra_info={"index": 0})
     assert (await r.score("math", group)).rewards == [1.0, 0.0]
+
+
+async def test_a_built_in_scorer_that_raises_fails_its_group_only() -> None:
+    """A library scorer behind a built-in task raising on one group is a RewardError, not a worker crash."""
+    from fleetrl.rollout.rewards import TaskRewards
+    from fleetrl.rollout.tasks import StringTask
+
+    class Fragile(StringTask):
+        def reward(self, completion_text: str, reference: Any) -> float:
+            if completion_text == "boom":
+                raise ZeroDivisionError("division by zero")
+            return 1.0
+
+    fragile = Fragile("fragile", ":", lambda s: s)
+    r = TaskRewards(lambda name: fragile)
+    with pytest.raises(RewardError, match=r"task fragile: ZeroDivisionError: division by zero"):
+        await r.score("fragile", _group(["ok", "boom"], messages=None))
+    assert (await r.score("fragile", _group(["ok"], messages=None))).rewards == [1.0]
