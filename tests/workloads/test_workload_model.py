@@ -1,5 +1,6 @@
-"""Model in and out without brokers: chat rendering equals `apply_chat_template`, an fp16 single-file folder
-runs in the torch engine with the generation config's EOS ids, and the tiny model exports as a loadable folder."""
+"""Model in and out without brokers: chat rendering equals `apply_chat_template`, fp16 and fp32 single-file
+folders (Llama, Qwen3, Mistral, Qwen2) run in the torch engine with the generation config's EOS ids, a bf16
+engine computes what `from_pretrained` does, and the tiny model exports as a loadable folder."""
 
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ def test_rendered_ids_are_apply_chat_templates(qwen2_folder: pathlib.Path, messa
         load_codec(ModelConfig()).render(messages)  # the char tokenizer has none
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
-def test_fp16_single_file_folder_runs_with_every_eos_id(tmp_path: pathlib.Path, arch: str) -> None:
-    folder = build_model_folder(tmp_path / "fp16", arch=arch, dtype="float16", max_shard_size="50MB")
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", "float16"), ("qwen3", "float16"), ("mistral", "float16"),
+                                            ("qwen2", "float32")])
+def test_single_file_folders_run_with_every_eos_id(tmp_path: pathlib.Path, arch: str, dtype: str) -> None:
+    folder = build_model_folder(tmp_path / dtype, arch=arch, dtype=dtype, max_shard_size="50MB")
     assert (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").exists()
-    engine = TorchEngine.from_config(ModelConfig(path=str(folder)), TorchEngineConfig(max_batch=4, dtype="float16"))
+    engine = TorchEngine.from_config(ModelConfig(path=str(folder)), TorchEngineConfig(max_batch=4, dtype=dtype))
     assert engine.eos_ids == frozenset({0, 2})  # generation_config lists <|im_end|> and <|endoftext|>
     codec = load_codec(ModelConfig(path=str(folder)), sorted(engine.eos_ids))
     samples = engine.generate(GroupRequest("g", codec.render(CHATS[0]), Sampling(max_new_tokens=5), 4))
