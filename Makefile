@@ -8,7 +8,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install refresh test test-fast demo lint lint-infra bench clean
+.PHONY: install refresh test test-fast demo demo-hf lint lint-infra bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
@@ -35,6 +35,11 @@ test-fast: refresh
 
 demo: refresh
 	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.demo.yaml
+
+# "Train your own model": build a local HF folder, tokenizer and chat prompts (no download), then run them.
+demo-hf: refresh
+	HF_HUB_OFFLINE=1 $(PY) -m fleetrl.demo.hf_inputs examples/hf
+	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.hf.yaml
 
 lint: refresh
 	$(VENV)/bin/ruff check fleetrl broker hub rollout trainer regions tests bench

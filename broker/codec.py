@@ -20,6 +20,7 @@ from fleetrl.broker.records import (
     SCHEMA_GROUP,
     SCHEMA_PARTIAL,
     SCHEMA_PROMPT,
+    SCHEMA_PROMPT_V2,
     FloatArray,
     GroupRecord,
     HandedOverBy,
@@ -106,6 +107,8 @@ def _prompt_map(p: PromptRecord) -> dict[str, Any]:
         "sampling": {"temperature": p.sampling.temperature, "top_p": p.sampling.top_p,
                      "max_new_tokens": p.sampling.max_new_tokens},
         "reference": p.reference, "min_version": p.min_version, "dispatched_at": p.dispatched_at,
+        **({"messages": p.messages} if p.messages is not None else {}),
+        **({"columns": p.columns} if p.columns is not None else {}),
     }
 
 
@@ -126,6 +129,7 @@ def to_map(record: Record) -> dict[str, Any]:
             ],
             "timings": {"queued": record.timings.queued, "started": record.timings.started,
                         "finished": record.timings.finished},
+            **({"reward_parts": record.reward_parts} if record.reward_parts is not None else {}),
         }
     if isinstance(record, PartialRecord):
         h = record.handed_over_by
@@ -135,7 +139,7 @@ def to_map(record: Record) -> dict[str, Any]:
                         for s in record.samples],
             "handed_over_by": {"region": h.region, "node": h.node, "reason": h.reason},
         }
-    return {"schema": SCHEMA_PROMPT, **_prompt_map(record)}
+    return {"schema": record.schema, **_prompt_map(record)}
 
 
 def encode_record(record: Record, limits: RecordLimits | None = None) -> bytes:
@@ -161,7 +165,7 @@ def decode_record(value: bytes, limits: RecordLimits | None = None, expect: str 
     if not isinstance(obj, dict):
         raise RecordError("malformed", "record is not a msgpack map")
     schema = obj.get("schema")
-    if expect is not None and schema != expect:
+    if expect is not None and schema not in _accepted(expect):
         raise RecordError("wrong_schema", f"expected schema {expect!r}, got {schema!r}", field="schema")
     try:
         record = _from_map(schema, obj)
@@ -176,10 +180,15 @@ def decode_record(value: bytes, limits: RecordLimits | None = None, expect: str 
     return record
 
 
+def _accepted(expect: str) -> tuple[str, ...]:
+    """Readers of prompts accept /1 and /2 (DESIGN.md §3)."""
+    return (SCHEMA_PROMPT, SCHEMA_PROMPT_V2) if expect == SCHEMA_PROMPT else (expect,)
+
+
 def _from_map(schema: Any, obj: dict[str, Any]) -> Record:
     if schema == SCHEMA_GROUP:
         return _group(obj)
-    if schema == SCHEMA_PROMPT:
+    if schema in (SCHEMA_PROMPT, SCHEMA_PROMPT_V2):
         return _prompt(obj)
     if schema == SCHEMA_PARTIAL:
         h = obj["handed_over_by"]
@@ -203,7 +212,14 @@ def _prompt(o: dict[str, Any]) -> PromptRecord:
                           max_new_tokens=int(s["max_new_tokens"])),
         reference=o.get("reference"), min_version=_i(o, "min_version"),
         dispatched_at=float(o.get("dispatched_at", 0.0)),
+        messages=o.get("messages"), columns=_columns(o.get("columns")),
     )
+
+
+def _columns(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise RecordError("malformed", "columns must be a map", field="columns")
+    return value
 
 
 def _tokens(s: dict[str, Any], name: str) -> tuple[IntArray, FloatArray, IntArray]:
@@ -232,7 +248,19 @@ def _group(o: dict[str, Any]) -> GroupRecord:
         prompt_ids=_unpack_array(o["prompt_ids"], _I4, "prompt_ids"), samples=samples,
         timings=Timings(queued=float(t.get("queued", 0.0)), started=float(t.get("started", 0.0)),
                         finished=float(t.get("finished", 0.0))),
+        reward_parts=_reward_parts(o.get("reward_parts")),
     )
+
+
+def _reward_parts(value: Any) -> dict[str, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise RecordError("malformed", "reward_parts must be a map of names to numbers", field="reward_parts")
+    try:
+        return {k: float(v) for k, v in value.items()}
+    except (TypeError, ValueError):
+        raise RecordError("malformed", "reward_parts must be a map of names to numbers", field="reward_parts") from None
 
 
 def _s(o: dict[str, Any], key: str) -> str:

@@ -278,7 +278,7 @@ class Consumer:
             expect = EXPECTED_SCHEMA[self._stream_of[m.topic]]
             try:
                 record = decode_record(m.value or b"", self.limits, expect=expect)
-                _check_schema_header(m.headers, expect)
+                _check_schema_header(m.headers, getattr(record, "schema", expect))
                 out.append(record)
             except RecordError as err:
                 out.append(err.at(m.topic, m.partition, m.offset))

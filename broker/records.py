@@ -20,6 +20,10 @@ import numpy.typing as npt
 from fleetrl.broker.errors import RecordError
 
 SCHEMA_PROMPT = "fleetrl.prompt/1"
+SCHEMA_PROMPT_V2 = "fleetrl.prompt/2"
+"""A prompt with `messages` (chat form) or `columns` (the dataset row's other fields); readers accept both."""
+MAX_COLUMNS_BYTES = 64 * 1024
+"""Bound of a prompt's `columns`, packed."""
 SCHEMA_PARTIAL = "fleetrl.partial/1"
 SCHEMA_GROUP = "fleetrl.group/1"
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
@@ -61,8 +65,15 @@ class PromptRecord:
     min_version: int = 0
     dispatched_at: float = 0.0
     attempt: int = 0
+    messages: list[dict[str, Any]] | None = None
+    """`fleetrl.prompt/2`: the chat form, `[{role, content}]`, rendered by the worker's chat template."""
+    columns: dict[str, Any] | None = None
+    """`fleetrl.prompt/2`: the dataset row's other fields, handed to reward functions (msgpack-able)."""
 
-    schema = SCHEMA_PROMPT
+    @property
+    def schema(self) -> str:
+        """`/2` only when a /2 field is set, so that /1 readers keep reading plain prompts."""
+        return SCHEMA_PROMPT_V2 if self.messages is not None or self.columns is not None else SCHEMA_PROMPT
 
 
 @dataclass(slots=True)
@@ -130,6 +141,8 @@ class GroupRecord:
     prompt_ids: IntArray
     samples: list[Sample]
     timings: Timings = field(default_factory=Timings)
+    reward_parts: dict[str, float] | None = None
+    """Optional: each custom reward function's mean over the samples (the trainer's step log shows them)."""
 
     schema = SCHEMA_GROUP
 
@@ -187,8 +200,12 @@ def check_record(record: Record, limits: RecordLimits) -> None:
 def _check_prompt(p: PromptRecord, limits: RecordLimits) -> None:
     g = p.group_id
     _check_task(p.task, limits, g)
-    if p.prompt is None and p.prompt_ids is None:
-        raise RecordError("missing_prompt", "neither prompt nor prompt_ids is set", field="prompt", group_id=g)
+    if p.prompt is None and p.prompt_ids is None and p.messages is None:
+        raise RecordError("missing_prompt", "none of prompt, prompt_ids, messages is set", field="prompt", group_id=g)
+    if p.messages is not None:
+        _check_messages(p.messages, g)
+    if p.columns is not None:
+        _check_columns(p.columns, g)
     if p.prompt_ids is not None:
         _check_ids("prompt_ids", p.prompt_ids, limits, limits.max_prompt_tokens, g)
     if not 1 <= p.n_samples <= limits.max_samples_per_group:
@@ -213,6 +230,10 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
                               field=f"samples[{i}].finish_reason", group_id=g)
         if not math.isfinite(s.reward):
             raise RecordError("reward", f"reward {s.reward} is not finite", field=f"samples[{i}].reward", group_id=g)
+    for name, value in (r.reward_parts or {}).items():
+        if not isinstance(value, float | int) or not math.isfinite(value):
+            raise RecordError("reward", f"reward part {name!r} is {value!r}, not a finite number",
+                              field="reward_parts", group_id=g)
 
 
 def _check_task(task: str, limits: RecordLimits, g: str) -> None:
@@ -245,3 +266,23 @@ def _check_tokens(
         raise RecordError("logprob_bound", "logprobs must be finite and <= 0", field=f"{name}.logprobs", group_id=g)
     if len(versions) and int(versions.min()) < 0:
         raise RecordError("version_bound", "negative policy version", field=f"{name}.versions", group_id=g)
+
+
+def _check_messages(messages: Any, g: str) -> None:
+    ok = isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+        raise RecordError("malformed", "messages must be a non-empty list of {role: str, content: str}",
+                          field="messages", group_id=g)
+
+
+def _check_columns(columns: dict[str, Any], g: str) -> None:
+    import msgpack
+
+    try:
+        size = len(msgpack.packb(columns, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise RecordError("unencodable", f"columns cannot be packed: {exc}", field="columns", group_id=g) from exc
+    if size > MAX_COLUMNS_BYTES:
+        raise RecordError("columns_bound", f"columns pack to {size} bytes > {MAX_COLUMNS_BYTES}", field="columns",
+                          group_id=g)

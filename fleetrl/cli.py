@@ -15,6 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Handler = Callable[[argparse.Namespace, Any], int]
+ALL_CHECKS = ("model", "task", "reward", "dataset")
+"""Workload checks (fleetrl/workload.py) a command runs after loading the config: a daemon checks what
+its host needs (the trainer has no use for the reward module, the agents none for the dataset)."""
 
 
 def _common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
@@ -47,6 +50,7 @@ def _group(sub: Any, name: str, help: str, dest: str) -> Any:
 def _add_config(sub: Any) -> None:
     config = _group(sub, "config", "check or document fleet.yaml", "config_command")
     p = _cmd(config, "check", "fleetrl.config_cli:check", "validate fleet.yaml and print the resolved config")
+    p.set_defaults(workload=ALL_CHECKS)
     p.add_argument("file", nargs="?", help="fleet.yaml to check (default: --config)")
     _json(p)
     p = _cmd(config, "reference", "fleetrl.config_cli:reference", "print the configuration reference (Markdown)",
@@ -97,6 +101,11 @@ def _add_hub(sub: Any) -> None:
     p = _cmd(hub, "ls", "fleetrl.hub.cli:ls", "list versions, their encodings, sizes and holders")
     p.add_argument("--store", default="home", help="store to list (default: %(default)s)")
     _json(p)
+    p = _cmd(hub, "export", "fleetrl.hub.cli:export", "write a version as a Hugging Face model folder")
+    p.add_argument("--version", dest="hub_version", required=True, help="version number or 'latest'")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: %(default)s)")
+    p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "gc", "fleetrl.hub.cli:gc", "delete objects no retained version needs")
     p.add_argument("--store", default="home", help="store to collect (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted")
@@ -104,8 +113,10 @@ def _add_hub(sub: Any) -> None:
 
 def _add_daemons(sub: Any) -> None:
     p = _cmd(sub, "trainer", "fleetrl.trainer_cli:run_trainer", "run the central trainer (daemon)")
+    p.set_defaults(workload=("model", "task", "dataset"))
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: config)")
     p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
+    p.set_defaults(workload=("model", "task", "reward"))
     _region(p, required=True)
     p.add_argument("--node", "-n", required=True,
                    help="node name ([a-z0-9-], need not be listed in the config: auto-scaled nodes use instance ids)")
@@ -165,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = _cmd(sub, "demo", "fleetrl.demo.runner:run_demo", "run the whole pipeline on this machine (embedded stack)")
+    p.set_defaults(workload=ALL_CHECKS)
     p.epilog = ("Starts tansu per region and an MQTT broker on the config's loopback ports, then the trainer, one "
                 "replicator per region and one agent per node as processes; prints progress, runs the audit and "
                 "a summary, and stops everything it started (also on Ctrl-C or a failure). Every run starts "
@@ -227,8 +239,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = None
         if args.needs_config:
-            config = load_config(getattr(args, "file", None) or args.config)
+            source = getattr(args, "file", None) or args.config
+            config = load_config(source)
             register_all(config)  # from here on, no log event or error line shows a configured secret
+            if getattr(args, "workload", None):
+                from fleetrl.workload import check_workload
+
+                check_workload(config, str(source), args.workload)
         return _load_handler(args.handler)(args, config)
     except ConfigError as exc:
         print(redact(f"fleetrl: config error: {exc}"), file=sys.stderr)

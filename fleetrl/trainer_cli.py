@@ -1,7 +1,7 @@
 """`fleetrl trainer`: wires the rollout task registry into the trainer as its prompt source.
 
 The trainer package never imports rollout (DESIGN.md §2); this thin handler in `fleetrl/` may.
-Prompts come from `dataset.path` (a JSONL or Parquet file) when set, else from the task registry's
+Prompts come from `dataset.path` (JSONL, Parquet or a `save_to_disk` folder) when set, else from the task registry's
 deterministic generator for `dataset.task` and `dataset.seed`.
 """
 
@@ -18,17 +18,18 @@ def prompt_source(config: FleetConfig) -> Callable[[], Iterator[PromptItem]]:
     """A factory of identical prompt iterators (resume re-creates one and skips what was drawn)."""
     d = config.dataset
     if d.path is not None:
-        from fleetrl.trainer import file_prompts
+        from fleetrl.trainer import dataset_prompts, load_rows
 
-        path = d.path
-        return lambda: file_prompts(path, d.task, d.known_tasks)
+        rows = load_rows(d)  # once: each restart of the iterator reads the same rows again
+        keep = config.reward.custom
+        return lambda: dataset_prompts(d, rows, keep_columns=keep)
     from fleetrl.rollout import get_task
 
     task = get_task(d.task)
 
     def generated() -> Iterator[PromptItem]:
         for p in task.prompts(d.seed):
-            yield task.name, p.prompt, p.reference
+            yield PromptItem(task.name, p.prompt, p.reference)
 
     return generated
 

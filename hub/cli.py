@@ -81,6 +81,15 @@ def pull(args: argparse.Namespace, config: FleetConfig) -> int:
     return 0
 
 
+def export(args: argparse.Namespace, config: FleetConfig) -> int:
+    from fleetrl.hub.export import export_version
+
+    with Hub.from_config(config, store=args.store) as hub:
+        summary = export_version(hub, config, _version(hub, args.hub_version), args.out, args.max_shard_size)
+    print(json.dumps(summary))
+    return 0
+
+
 def verify(args: argparse.Namespace, config: FleetConfig) -> int:
     if args.all:
         return _verify_all(args, config)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fleetrl.broker import Heartbeat
 from fleetrl.metrics import MetricsRegistry
-from fleetrl.regions.supervisor import DEAD_LETTERED, EngineSupervisor
+from fleetrl.regions.supervisor import DEAD_LETTERED, REWARD_ERRORS, EngineSupervisor
 
 STATES = ("up", "draining", "offline")
 ENGINE_STATES = ("starting", "up", "restarting", "crashloop", "stopped")
@@ -45,6 +45,12 @@ class AgentMetrics(MetricsRegistry):
                                      "Records this agent's workers sent to the dead-letter topic, by reason "
                                      "(malformed or out-of-bounds prompts, rewards that failed)", ["reason"],
                                      registry=r)
+        self.reward_mean = Gauge("fleetrl_rollout_reward_mean", "Mean reward of each custom reward function "
+                                 "(`reward.functions`, `url`) over the groups the node's workers scored", ["fn"],
+                                 registry=r)
+        self.reward_errors = Counter("fleetrl_rollout_reward_errors_total", "Groups a custom reward function "
+                                     "failed on (raised, timed out, non-finite or wrong-length result)", ["fn"],
+                                     registry=r)
         self._totals: dict[str, int] = {}
 
     def update(self, beat: Heartbeat, engines: Sequence[EngineSupervisor]) -> None:
@@ -62,8 +68,25 @@ class AgentMetrics(MetricsRegistry):
         for key in sorted(reasons):
             self._advance(self.dead_lettered.labels(key.removeprefix(DEAD_LETTERED)), key,
                           sum(e.totals.get(key, 0) for e in engines))
+        failed = {k for e in engines for k in e.totals if k.startswith(REWARD_ERRORS)}
+        for key in sorted(failed):
+            self._advance(self.reward_errors.labels(key.removeprefix(REWARD_ERRORS)), key,
+                          sum(e.totals.get(key, 0) for e in engines))
+        self._reward_means(engines)
         for op in ("gets", "lists"):
             self._advance(self.store_requests.labels(op.rstrip("s")), op, sum(e.totals[op] for e in engines))
+
+    def _reward_means(self, engines: Sequence[EngineSupervisor]) -> None:
+        """Each function's mean over the engines' current workers, weighted by the groups they scored."""
+        sums: dict[str, list[float]] = {}
+        for e in engines:
+            for fn, st in (e.progress.get("rewards") or {}).items():
+                acc = sums.setdefault(fn, [0.0, 0.0])
+                acc[0] += float(st.get("mean", 0.0)) * int(st.get("groups", 0))
+                acc[1] += int(st.get("groups", 0))
+        for fn, (total, groups) in sums.items():
+            if groups:
+                self.reward_mean.labels(fn).set(total / groups)
 
     def _advance(self, counter: Any, name: str, total: int) -> None:
         """Counters only go up: add what the running total (summed over the engines' workers) gained."""

@@ -39,6 +39,8 @@ _ERROR_CHARS = 300
 _COUNTERS = ("gets", "lists", "groups_done", "handed_over")
 DEAD_LETTERED = "dead_lettered:"
 """Prefix of the totals of records dead-lettered, one per reason (`dead_lettered:<reason>`)."""
+REWARD_ERRORS = "reward_errors:"
+"""Prefix of the totals of groups a custom reward function failed on, one per function."""
 
 
 class EngineSupervisor:
@@ -164,8 +166,9 @@ class EngineSupervisor:
             report["_n"] = self.progress.get("_n", 0) + 1
             self.progress = report
             current = {**report, **(report.get("store") or {}),
-                       **{DEAD_LETTERED + r: n for r, n in (report.get("dead_lettered") or {}).items()}}
-            keys = {*_COUNTERS, *self._retired, *(k for k in current if k.startswith(DEAD_LETTERED))}
+                       **{DEAD_LETTERED + r: n for r, n in (report.get("dead_lettered") or {}).items()},
+                       **{REWARD_ERRORS + f: st.get("errors", 0) for f, st in (report.get("rewards") or {}).items()}}
+            keys = {*_COUNTERS, *self._retired, *(k for k in current if k.startswith((DEAD_LETTERED, REWARD_ERRORS)))}
             self.totals = {k: self._retired.get(k, 0) + int(current.get(k, 0)) for k in keys}
             if report.get("weights") is not None and self.state in ("starting", "restarting", "crashloop") \
                     and self._stopping is None:

@@ -3,6 +3,7 @@
     RolloutError                base; `retriable` says whether the same call may succeed later
     ├── EngineError             an engine that cannot load a model, weights or a request
     ├── TaskError               an unknown task name, or a prompt/reference a task cannot use
+    │   └── RewardError         a reward function or endpoint that failed on a group (`reward_error`)
     └── WorkerError             the worker loop: a dependency (Kafka, hub) failed beyond its retries
 
 Messages name the object at fault: the group id, the task name, the tensor name, the version.
@@ -23,6 +24,11 @@ class EngineError(RolloutError):
 
 class TaskError(RolloutError):
     """An unknown task, or a reference a task's reward cannot read."""
+
+
+class RewardError(TaskError):
+    """A custom reward that raised, timed out, or returned a non-finite or wrong-length result; or a
+    reward function that cannot be imported. The group goes to `dead-letter` with reason `reward_error`."""
 
 
 class WorkerError(RolloutError):

@@ -23,7 +23,7 @@ from fleetrl.broker import (
     floats,
     ids,
 )
-from fleetrl.rollout.tasks import Task
+from fleetrl.rollout.rewards import GroupInput
 from fleetrl.rollout.tokenize import TextCodec
 
 
@@ -52,6 +52,9 @@ class Job:
             raise TypeError(f"{d.topic}[{d.partition}]@{d.offset}: a {type(record).__name__} is not rollout work")
         if prompt.prompt_ids is not None:
             prompt_ids = [int(t) for t in prompt.prompt_ids]
+        elif prompt.messages is not None:
+            prompt_ids = codec.render(prompt.messages)
+            prompt = dataclasses.replace(prompt, prompt_ids=ids(prompt_ids))
         else:
             prompt_ids = codec.encode(prompt.prompt or "")
             # Carry the ids on: a later handover then never depends on re-tokenizing the same way.
@@ -62,20 +65,29 @@ class Job:
         self.started_mono, self.started_wall = time.monotonic(), time.time()
 
 
-def group_record(job: Job, samples: list[PartialSample], task: Task, codec: TextCodec,
-                 region: str, node: str) -> GroupRecord:
-    """Score finished samples and build the `fleetrl.group/1` record."""
+def reward_input(job: Job, samples: list[PartialSample], codec: TextCodec) -> GroupInput:
+    """What the reward sees of a finished group: the prompt as sent, the completions as text."""
+    p = job.prompt
+    completions = [codec.decode(s.completion_ids) for s in samples]
+    prompt_text = codec.decode_all(job.prompt_ids)
+    return GroupInput(prompt=p.prompt, messages=p.messages, completions=completions,
+                      completion_ids=[[int(t) for t in s.completion_ids] for s in samples], reference=p.reference,
+                      columns=dict(p.columns or {}), queries=[prompt_text + c for c in completions])
+
+
+def group_record(job: Job, samples: list[PartialSample], rewards: list[float], region: str, node: str,
+                 reward_parts: dict[str, float] | None = None) -> GroupRecord:
+    """Build the `fleetrl.group/1` record of finished, scored samples."""
     p = job.prompt
     scored = [
-        Sample(s.completion_ids, s.logprobs, s.versions,
-               reward=float(task.reward(codec.decode(s.completion_ids), p.reference)),
-               finish_reason=s.finish_reason or "abort")
-        for s in samples
+        Sample(s.completion_ids, s.logprobs, s.versions, reward=float(r), finish_reason=s.finish_reason or "abort")
+        for s, r in zip(samples, rewards, strict=True)
     ]
     return GroupRecord(
         group_id=p.group_id, run=p.run, task=p.task, attempt=p.attempt, region=region, node=node,
         prompt_ids=ids(job.prompt_ids), samples=scored,
         timings=Timings(queued=p.dispatched_at, started=job.started_wall, finished=time.time()),
+        reward_parts=reward_parts,
     )
 
 

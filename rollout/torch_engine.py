@@ -43,7 +43,7 @@ class TorchEngine(Engine):
         refill_fraction: float = 0.125, emulate: EngineEmulation | None = None,
     ) -> None:
         cfg = model.config
-        eos = eos_ids if eos_ids is not None else _as_list(cfg.eos_token_id)
+        eos = eos_ids if eos_ids is not None else model_eos_ids(model)
         if not eos:
             raise EngineError("model config names no eos_token_id and none was given")
         super().__init__(eos_ids=eos, max_context=int(getattr(cfg, "max_position_embeddings", 1 << 30)),
@@ -52,7 +52,7 @@ class TorchEngine(Engine):
             raise EngineError(f"unknown engine dtype {dtype!r}; known: {sorted(_DTYPES)}")
         _check_attention(model)
         self.device = torch.device(device)
-        self.model = model.to(device=self.device, dtype=_DTYPES[dtype]).eval()
+        self.model = _cast(model, self.device, _DTYPES[dtype]).eval()
         self.max_batch = max_batch
         # Admitting adds its prompts to the step's pass; waiting for a few free slots saves little now.
         self.refill_min = max(1, int(max_batch * refill_fraction))
@@ -209,6 +209,21 @@ class TorchEngine(Engine):
         log.debug("engine.weights_loaded", tensors=len(tensors))
 
 
+def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """The model on `device` in `dtype`, its RoPE frequencies kept in fp32: `Module.to` casts every float
+    buffer, but transformers loads a bf16/fp16 checkpoint with `inv_freq` in fp32 and computes the
+    rotary angles in fp32, so a cast `inv_freq` would shift the logits off what the same checkpoint
+    gives under `from_pretrained` (by ~4e-3 on a tiny bf16 Qwen2)."""
+    kept = {name: buf.detach().float().clone() for name, buf in model.named_buffers() if name.endswith("inv_freq")}
+    model = model.to(device=device, dtype=dtype)
+    for name, value in kept.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        persistent = attr not in getattr(module, "_non_persistent_buffers_set", set())
+        module.register_buffer(attr, value.to(device), persistent=persistent)
+    return model
+
+
 def _param_index(model: Any) -> dict[str, torch.Tensor]:
     """Every state-dict name (tied aliases included) mapped to the live tensor it loads into."""
     live = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
@@ -238,6 +253,14 @@ def _plain_decoder(model: Any) -> Any | None:
     if type(model).__name__ not in _PLAIN or inner is None or not all(hasattr(inner, p) for p in parts):
         return None
     return inner
+
+
+def model_eos_ids(model: Any) -> list[int]:
+    """Stop tokens: every `eos_token_id` of the generation config (several are common: Llama 3's
+    `<|eot_id|>` beside `<|end_of_text|>`, Qwen2's `<|im_end|>` beside `<|endoftext|>`), else the config's."""
+    generation = getattr(model, "generation_config", None)
+    found = _as_list(getattr(generation, "eos_token_id", None)) if generation is not None else []
+    return found or _as_list(model.config.eos_token_id)
 
 
 def _as_list(value: Any) -> list[int]:

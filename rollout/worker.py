@@ -41,8 +41,9 @@ from fleetrl.hub import Hub
 from fleetrl.log import get_logger
 from fleetrl.rollout.commits import CommitQueue
 from fleetrl.rollout.engine import Engine, FinishedGroup, GroupRequest
-from fleetrl.rollout.errors import TaskError
-from fleetrl.rollout.jobs import Job, group_record, partial_record
+from fleetrl.rollout.errors import RewardError, TaskError
+from fleetrl.rollout.jobs import Job, group_record, partial_record, reward_input
+from fleetrl.rollout.rewards import build_rewards
 from fleetrl.rollout.tasks import get_task
 from fleetrl.rollout.tokenize import TextCodec, load_codec
 from fleetrl.rollout.weights import WeightSync
@@ -92,6 +93,8 @@ class RolloutWorker:
         self.hub = hub if hub is not None else Hub.from_config(config, store=region)
         self.codec = codec if codec is not None else load_codec(config.model, sorted(self.engine.eos_ids))
         self.weights = WeightSync(self.hub, self.engine, self.cfg.weight_fallback_poll_s)
+        self.rewards = build_rewards(config.reward, get_task)
+        """The task's built-in reward, or `reward.functions` / `reward.url` (rollout/rewards.py)."""
         self.handover_timeout_s = self.cfg.handover_timeout_s
         """Bound of the handover on stop (a preemption notice with a short window lowers it)."""
         self.engine_steps = 0
@@ -205,7 +208,16 @@ class RolloutWorker:
 
     def _take_on(self, d: Delivery) -> None:
         self._commits.owe(d)
-        job = Job.from_delivery(d, self.codec)
+        try:
+            job = Job.from_delivery(d, self.codec)
+        except TaskError as exc:  # a chat prompt the tokenizer cannot render
+            self._spawn(self._dead_letter(d, "render_error", str(exc), "messages"))
+            return
+        limit = self.config.dataset.max_prompt_tokens
+        if len(job.prompt_ids) > limit:
+            self._spawn(self._dead_letter(d, "tokens_bound", f"rendered prompt of {len(job.prompt_ids)} tokens > "
+                                          f"{limit} (dataset.max_prompt_tokens)", "messages"))
+            return
         if job.group_id in self._jobs or any(w.group_id == job.group_id for w in self._waiting):
             # A second delivery of a group already here (a redispatch): the first one's record serves.
             log.info("worker.duplicate_delivery", group_id=job.group_id, offset=d.offset)
@@ -261,6 +273,7 @@ class RolloutWorker:
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version,
                 "weights": self.weights.have,
+                "rewards": {name: st.as_dict() for name, st in self.rewards.stats.items()},
                 "engine_steps": self.engine_steps, "busy": self.engine.has_work(),
                 "engine_busy_s": round(self.engine_busy_s, 3), "tokens_sampled": self.engine.tokens_sampled,
                 "uptime_s": round(time.monotonic() - self._started, 3)}
@@ -285,12 +298,16 @@ class RolloutWorker:
 
     async def _finish(self, group: FinishedGroup) -> None:
         job = self._jobs.pop(group.group_id)
-        task_name = job.prompt.task
         try:
-            record = group_record(job, group.samples, get_task(task_name), self.codec, self.region, self.node)
-        except TaskError as exc:
-            await self._dead_letter(job, exc)
+            scores = await self.rewards.score(job.prompt.task, reward_input(job, group.samples, self.codec))
+        except RewardError as exc:  # the user's reward failed on this group: it goes, the worker goes on
+            log.warning("worker.reward_error", group_id=job.group_id, error=str(exc))
+            await self._dead_letter(job.delivery, "reward_error", str(exc), "reward")
             return
+        except TaskError as exc:
+            await self._dead_letter(job.delivery, "reward", str(exc), "reference")
+            return
+        record = group_record(job, group.samples, scores.rewards, self.region, self.node, scores.parts)
         await self.producer.send("trajectories", group.group_id, record)
         crash_point("rollout.group.produced")
         self.groups_done += 1
@@ -311,10 +328,10 @@ class RolloutWorker:
     def _count_dead_letter(self, reason: str) -> None:
         self.dead_lettered[reason] += 1
 
-    async def _dead_letter(self, job: Job, exc: TaskError) -> None:
-        d = job.delivery
-        err = RecordError("reward", str(exc), field="reference", group_id=job.group_id).at(d.topic, d.partition,
-                                                                                             d.offset)
+    async def _dead_letter(self, d: Delivery, reason: str, message: str, field: str) -> None:
+        """Send the delivery's record to `dead-letter` with `reason`, then count its offset done."""
+        group_id = getattr(d.record, "group_id", None)
+        err = RecordError(reason, message, field=field, group_id=group_id).at(d.topic, d.partition, d.offset)
         await self.producer.dead_letter(d.key.encode() if d.key else None, encode_record(d.record), err,
                                         d.topic, d.partition, d.offset)
         await self._mark_done(d)

@@ -14,7 +14,7 @@ from fleetrl.trainer.errors import AuditError, CheckpointError, DatasetError, Tr
 
 if TYPE_CHECKING:
     from fleetrl.trainer.daemon import run_daemon
-    from fleetrl.trainer.dataset import file_prompts
+    from fleetrl.trainer.dataset import dataset_prompts, file_prompts, is_chat, load_rows
     from fleetrl.trainer.dist import DistContext
     from fleetrl.trainer.learner import Learner, StepStats
     from fleetrl.trainer.metrics import TrainerMetrics
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 _LAZY = {
     "run_daemon": "fleetrl.trainer.daemon",
     "file_prompts": "fleetrl.trainer.dataset",
+    "dataset_prompts": "fleetrl.trainer.dataset",
+    "load_rows": "fleetrl.trainer.dataset",
+    "is_chat": "fleetrl.trainer.dataset",
     "DistContext": "fleetrl.trainer.dist",
     "Learner": "fleetrl.trainer.learner",
     "StepStats": "fleetrl.trainer.learner",
@@ -53,7 +56,10 @@ __all__ = [
     "TrainerMetrics",
     "TrainerResult",
     "admission_budget",
+    "dataset_prompts",
     "file_prompts",
     "group_id",
+    "is_chat",
+    "load_rows",
     "run_daemon",
 ]

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from fleetrl.broker import KafkaError, PromptRecord, Sampling
 from fleetrl.config import FleetConfig
@@ -34,8 +34,18 @@ from fleetrl.trainer.credits import RegionCredits
 
 log = get_logger(__name__)
 
-PromptItem = tuple[str, str, Any]
-"""(task name, prompt text, reference) as the prompt source yields them."""
+class PromptItem(NamedTuple):
+    """One prompt as a prompt source yields it (a plain `(task, prompt, reference)` tuple also does)."""
+
+    task: str
+    prompt: str
+    """The prompt text; "" for a chat row (`messages`)."""
+    reference: Any
+    messages: list[dict[str, Any]] | None = None
+    """The chat form, rendered by the worker with its tokenizer's chat template (`fleetrl.prompt/2`)."""
+    columns: dict[str, Any] | None = None
+    """The dataset row's other fields, handed to reward functions (`fleetrl.prompt/2`)."""
+
 Send = Callable[[str, PromptRecord], Awaitable[None]]
 """Produce one prompt record to a region's `prompts` topic and wait for the ack."""
 
@@ -62,6 +72,8 @@ class InFlight:
     reference: Any
     sent: bool = True
     """False while no region's cluster acknowledged it (every send failed): retried each round."""
+    messages: list[dict[str, Any]] | None = None
+    columns: dict[str, Any] | None = None
 
 
 class Dispatcher:
@@ -108,9 +120,10 @@ class Dispatcher:
             self.next_index += 1
             if resolved(gid):  # trained before a restart lost the dispatch record: not again
                 continue
-            task, prompt, reference = item
+            p = PromptItem(*item)
             region = self.credits.pick(self._per_region(), now)
-            flight = InFlight(index, region, 0, now, version, task, prompt, reference)
+            flight = InFlight(index, region, 0, now, version, p.task, p.prompt, p.reference,
+                              messages=p.messages, columns=p.columns)
             self.in_flight[gid] = flight  # counts for the next group's pick
             sends.append((gid, flight))
         return sent + await self._send_all(sends, now)
@@ -184,8 +197,9 @@ class Dispatcher:
         while True:
             record = PromptRecord(
                 group_id=gid, run=self.config.run, task=f.task, n_samples=self.config.algorithm.n_samples,
-                sampling=self.sampling, prompt=f.prompt, reference=f.reference, min_version=f.min_version,
-                dispatched_at=f.dispatched_at, attempt=f.attempt,
+                sampling=self.sampling, prompt=f.prompt if f.messages is None else None, reference=f.reference,
+                min_version=f.min_version, dispatched_at=f.dispatched_at, attempt=f.attempt,
+                messages=f.messages, columns=f.columns,
             )
             try:
                 await self.send(f.region, record)

@@ -300,7 +300,8 @@ class Trainer:
                  tis_truncated=stats.tis_truncated_fraction, tis_weight=round(stats.tis_weight_mean, 4), kl=stats.kl,
                  approx_kl=round(stats.approx_kl, 6), updates=stats.updates,
                  tokens=stats.tokens, lag_max=batch.stats["lag_max"],
-                 lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3))
+                 lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3),
+                 **_reward_parts(groups))
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True
@@ -352,3 +353,17 @@ class Trainer:
         if self.step != self._saved_step and self.step > 0:
             await self._checkpoint()
         log.info("trainer.drained", step=self.step, version=self.version)
+
+
+def _reward_parts(groups: list[GroupRecord]) -> dict[str, Any]:
+    """`reward_fns`: each custom reward function's mean over the step's groups that carry it (none for
+    built-in task rewards, so the step log stays as it was)."""
+    sums: dict[str, list[float]] = {}
+    for g in groups:
+        for name, value in (g.reward_parts or {}).items():
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += value
+            acc[1] += 1
+    if not sums:
+        return {}
+    return {"reward_fns": {name: round(total / n, 4) for name, (total, n) in sums.items()}}

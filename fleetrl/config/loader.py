@@ -156,10 +156,22 @@ def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 
 
 def _resolve_paths(config: FleetConfig, base: pathlib.Path) -> None:
-    """Relative store paths and checkpoint folders are relative to the config file."""
+    """Relative store paths, checkpoint, model, tokenizer and dataset folders are relative to the config file."""
     for store in config.stores().values():
         if store.scheme == "file" and not store.url.startswith("file://"):
             store.url = (base / store.url).resolve().as_uri()
+    m, d, r = config.model, config.dataset, config.reward
+    if m.path is not None:
+        m.path = _resolve(base, m.path)
+    if m.tokenizer is not None and m.tokenizer != "char":
+        m.tokenizer = _resolve(base, m.tokenizer)
+    if d.path is not None:
+        d.path = _resolve(base, d.path)
+    r.python_path = [_resolve(base, folder) for folder in r.python_path]
     ckpt = pathlib.Path(config.trainer.checkpoint_dir)
     if not ckpt.is_absolute():
         config.trainer.checkpoint_dir = str((base / ckpt).resolve())
+
+
+def _resolve(base: pathlib.Path, path: str) -> str:
+    return str((base / pathlib.Path(path).expanduser()).resolve())

@@ -56,13 +56,23 @@ class ModelConfig(Model):
     """The policy model."""
 
     path: str | None = None
-    """A local Hugging Face checkpoint folder. None builds `tiny` from its config."""
+    """A local Hugging Face causal-LM folder (Llama, Qwen2/3, Mistral; fp32, bf16 or fp16 safetensors, one
+    file or shards with an index); relative to the config file. None builds `tiny` from its config. Stop
+    tokens come from its `generation_config.json` (every `eos_token_id` listed there)."""
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Architecture of the model built from a config when `path` is unset."""
     publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype the trainer casts its fp32 master weights to when it publishes a version."""
-    tokenizer: str = "char"
-    """`char` (the character tokenizer shipped in code) or a local tokenizer folder."""
+    tokenizer: str | None = None
+    """`char` (the character tokenizer shipped in code) or a local tokenizer folder (relative to the config
+    file). None: the tokenizer (and chat template) of `path`, or `char` for the tiny model."""
+
+    @property
+    def tokenizer_source(self) -> str:
+        """What the rollout worker loads: `char` or a tokenizer folder."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return self.path if self.path is not None else "char"
 
     def build(self) -> Any:
         """Build the torch model (fp32). Imports torch and transformers lazily."""
@@ -131,25 +141,88 @@ class AlgorithmConfig(Model):
         return self
 
 
+class DatasetColumns(Model):
+    """Which column of a dataset row is what. The defaults read TRL's formats with no mapping: a `prompt`
+    column of text, or of messages (`[{role, content}]`, TRL's conversational form)."""
+
+    prompt: str = "prompt"
+    """Column of the prompt: text, or a list of chat messages."""
+    messages: str | None = None
+    """Column of chat messages to use instead of `prompt` (a `messages` layout); None: not used."""
+    reference: str | None = None
+    """Column sent as the record's `reference` (what a built-in task's reward compares against)."""
+    task: str = "task"
+    """Column naming a row's task, where present (else `dataset.task`)."""
+
+
 class DatasetConfig(Model):
     """Where prompts come from."""
 
     task: str = "reverse"
-    """Name of a task in the rollout task registry (prompt generator + reward)."""
+    """Name of a task in the rollout task registry (prompt generator + reward). With `dataset.path` and a
+    custom reward (`reward.functions` / `reward.url`) it is only the label the records carry."""
     tasks: list[str] = Field(default_factory=list)
     """Extra task names records may carry; the schema refuses any other. `task` is always known."""
     path: str | None = None
-    """A JSONL or Parquet file of prompts (`prompt`, optional `task`, `reference`). None: generate."""
+    """A JSONL or Parquet file, or a folder written by `datasets.save_to_disk`, read with the `datasets`
+    library (local files only); relative to the config file. None: the task's generator."""
+    split: str = "train"
+    """Split to read from a `save_to_disk` folder that holds several."""
+    columns: DatasetColumns = Field(default_factory=DatasetColumns)
+    """Column mapping (TRL's `prompt` layouts need none). Columns not mapped travel to reward functions."""
+    system_prompt: str | None = None
+    """Prepended as a `system` message to chat rows that have none (and turns text rows into chat rows)."""
+    shuffle: bool = False
+    """Shuffle the rows (each epoch with its own seed derived from `seed`)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the dataset file before the dispatcher runs out of prompts."""
     seed: int = 0
-    """Seed of the task's prompt generator."""
+    """Seed of the task's prompt generator and of the shuffle."""
     num_prompts: int | None = Field(None, ge=1)
     """Stop dispatching after this many groups. None: as many as training needs."""
     max_prompt_tokens: int = Field(2048, ge=1)
-    """Longest prompt (in tokens) a record may carry; longer ones are dead-lettered."""
+    """Longest prompt (in tokens, after the chat template) a record may carry; longer ones are dead-lettered."""
 
     @property
     def known_tasks(self) -> frozenset[str]:
         return frozenset([self.task, *self.tasks])
+
+
+class RewardFunctionConfig(Model):
+    """A reward function by import path, with the signature of TRL GRPOTrainer's `reward_funcs`."""
+
+    fn: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """`package.module:function`, `(prompts, completions, **columns) -> list[float]`, sync or `async def`;
+    imported (from `reward.python_path`, then the Python path) when the config is checked."""
+    weight: float = 1.0
+    """Weight of this function in the sample's reward (a weighted sum, as TRL's `reward_weights`)."""
+    signature: Literal["trl", "verl"] = "trl"
+    """`trl`: TRL's `reward_funcs`, once per group. `verl`: verl's custom reward function,
+    `(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}`, once per
+    completion, with `ground_truth` from the row's `reward_model.ground_truth` (verl's parquet layout)."""
+
+
+class RewardConfig(Model):
+    """Custom rewards, scored in the rollout worker. Unset: the task's built-in reward."""
+
+    functions: list[RewardFunctionConfig] = Field(default_factory=list)
+    """Reward functions; a sample's reward is the weighted sum of theirs (a `None` counts as 0, as in TRL)."""
+    url: str | None = Field(None, pattern=r"^https?://")
+    """A remote reward endpoint: POST JSON `{prompts, completions, ...columns}` of one group, answer
+    `{"rewards": [float, ...]}`; added to the functions' sum with `url_weight`."""
+    url_weight: float = 1.0
+    """Weight of the remote reward."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Bound of one group's scoring by one function (one HTTP attempt for `url`); past it the group is
+    dead-lettered with reason `reward_error`."""
+    retries: int = Field(2, ge=0, le=10)
+    """Extra attempts of a failed or timed-out HTTP request to `url`."""
+    python_path: list[str] = Field(default_factory=lambda: ["."])
+    """Folders (relative to the config file) searched first for the functions' modules."""
+
+    @property
+    def custom(self) -> bool:
+        return bool(self.functions) or self.url is not None
 
 
 class EngineEmulation(Model):
@@ -339,6 +412,7 @@ class FleetConfig(Model):
     model: ModelConfig = Field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     hub: HubConfig = Field(default_factory=HubConfig)
     mqtt: MqttConfig = Field(default_factory=MqttConfig)
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)

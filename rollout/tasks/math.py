@@ -1,8 +1,10 @@
-"""A standard-format math task for real models: GSM8K-style answers, exact numeric comparison.
+"""A standard-format math task for real models: GSM8K-style answers, checked by math-verify.
 
-The model is asked to end with `#### <number>` (GSM8K's format); `\\boxed{...}` (MATH's format) is
-accepted too. The reward is 1.0 when the extracted number equals the reference, else 0.0. The
-reference is a number, a numeric string, or a whole GSM8K solution ending in `#### <number>`.
+The model is asked to end with `#### <number>` (GSM8K's format); `\\boxed{...}` (MATH's format) and
+LaTeX answers are accepted too. The reward is 1.0 when Hugging Face's answer verifier (`math-verify`:
+extraction of the final answer, then symbolic and numeric comparison) finds the completion's answer
+equal to the reference, else 0.0. The reference is a number, a numeric string, or a whole GSM8K
+solution ending in `#### <number>`; one that holds no number is a `TaskError`.
 
 Prompts come from a small shipped sample set followed by templated word problems generated from
 the seed, so the stream is endless and deterministic without any download. Real data sets (a
@@ -14,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import threading
 from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
@@ -66,8 +69,18 @@ class MathTask(Task):
 
     def reward(self, completion_text: str, reference: Any) -> float:
         expected = reference_number(reference)
-        got = extract_answer(completion_text)
-        return 1.0 if got is not None and numbers_equal(got, expected) else 0.0
+        return 1.0 if verified(completion_text, expected) else 0.0
+
+
+def verified(completion_text: str, expected: Fraction) -> bool:
+    """math-verify's verdict on the completion's final answer against `expected`."""
+    from math_verify import parse, verify
+
+    # Its timeouts are SIGALRM-based, which only the main thread may use; elsewhere they are off.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(str(expected), parsing_timeout=timeout)
+    answer = parse(completion_text, parsing_timeout=timeout)
+    return bool(answer) and bool(verify(gold, answer, timeout_seconds=timeout))
 
 
 def extract_answer(text: str) -> Fraction | None:

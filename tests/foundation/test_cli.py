@@ -13,8 +13,8 @@ from fleetrl.cli import build_parser, main
 COMMANDS = [
     ["demo"], ["config", "check"], ["config", "reference"], ["topics", "create"], ["topics", "list"],
     ["topics", "describe"], ["topics", "lag"], ["topics", "dlq", "show"], ["topics", "dlq", "replay"],
-    ["hub", "publish"], ["hub", "pull"], ["hub", "verify"], ["hub", "ls"], ["hub", "gc"], ["trainer"],
-    ["agent"], ["replicator"], ["status"], ["audit"], ["control", "drain"], ["control", "resume"],
+    ["hub", "publish"], ["hub", "pull"], ["hub", "verify"], ["hub", "ls"], ["hub", "export"], ["hub", "gc"],
+    ["trainer"], ["agent"], ["replicator"], ["status"], ["audit"], ["control", "drain"], ["control", "resume"],
     ["control", "stop"], ["units", "install"],
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 
 import pytest
@@ -47,6 +48,10 @@ def test_math_extracts_the_standard_answer_formats() -> None:
     assert math.reward("#### 8\n#### 9", "9") == 1.0  # the last answer counts
     assert math.reward("#### 7.5", "7") == 0.0
     assert math.reward("seven", "7") == 0.0
+    # math-verify reads what a regex did not: LaTeX fractions in a box, and answers off the main thread
+    assert math.reward("so $\\boxed{\\frac{3}{4}}$", "0.75") == 1.0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math.reward, "#### 12", "12").result(timeout=30) == 1.0
     assert extract_answer("no number here") is None
     with pytest.raises(TaskError, match="math"):
         math.reward("#### 1", "not a number")
@@ -65,3 +70,17 @@ def test_char_tokenizer_round_trips_and_stops_at_eos() -> None:
     assert tok.decode(ids) == text
     assert tok.decode([*tok.encode("ab", bos=False), tok.eos_id, *tok.encode("cd", bos=False)]) == "ab"
     assert tok.decode(tok.encode("é")) == "?"
+
+
+def test_reasoning_gym_tasks_are_generated_from_the_seed_and_scored_by_the_dataset() -> None:
+    task = get_task("reasoning_gym:leg_counting")
+    first = list(itertools.islice(task.prompts(seed=5), 3))
+    assert first == list(itertools.islice(get_task("reasoning_gym:leg_counting").prompts(seed=5), 3))
+    assert first != list(itertools.islice(task.prompts(seed=6), 3))
+    p = first[0]
+    assert "<answer>" in p.prompt and "legs" in p.prompt
+    assert task.reward(f"thinking...<answer>{p.reference['answer']}</answer>", p.reference) == 1.0
+    assert task.reward("<answer>-1</answer>", p.reference) == 0.0
+    assert task.reward("no tags", p.reference) == 0.0
+    with pytest.raises(TaskError, match="unknown reasoning-gym dataset 'nosuch'"):
+        get_task("reasoning_gym:nosuch")

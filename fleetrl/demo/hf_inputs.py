@@ -1,0 +1,127 @@
+"""Inputs of the "your own model" example, built on this machine with no download (`examples/fleet.hf.yaml`).
+
+    python -m fleetrl.demo.hf_inputs examples/hf        # writes examples/hf/model and prompts.jsonl
+
+* a Hugging Face causal-LM folder: a Qwen2 (or Llama) architecture at random weights, saved in bf16
+  as safetensors shards with an index, with a generation config listing two EOS ids;
+* its tokenizer: a byte-level BPE trained on the spot by `tokenizers` on the example's own text,
+  wrapped as a `PreTrainedTokenizerFast` with a ChatML chat template;
+* a JSONL of chat prompts in TRL's conversational format (a `prompt` column of messages) with a
+  `keyword` column that the example's reward function (`examples/hf/keyword_reward.py`) reads.
+
+Tests build their model folders with the same functions, in temporary folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML, as Qwen2 folders ship it (without the default system message)."""
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+KEYWORDS = ["red", "blue", "green", "gold", "pink", "gray", "teal", "lime"]
+_FORMS = ["Say the word {k}.", "Write {k} a few times.", "Repeat after me: {k}", "Answer with {k} only."]
+SYSTEM = "You are a helpful assistant."
+_ARCHS = {"qwen2": ("Qwen2", True), "llama": ("Llama", False), "qwen3": ("Qwen3", True), "mistral": ("Mistral", False)}
+"""arch -> (transformers class prefix, tied embeddings)."""
+
+
+def example_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """`n` chat prompts in TRL's conversational format, each with the `keyword` its reward looks for."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        k = rng.choice(KEYWORDS)
+        rows.append({"prompt": [{"role": "user", "content": rng.choice(_FORMS).format(k=k)}], "keyword": k})
+    return rows
+
+
+def corpus(seed: int = 0) -> list[str]:
+    """Text the tokenizer is trained on: the prompts, the chat roles, the keywords, some words."""
+    rows = example_rows(400, seed)
+    words = ["the", "a", "of", "to", "and", "is", "in", "it", "you", "that", "was", "for", "on", "are", "with",
+             "as", "I", "his", "they", "be", "at", "one", "have", "this"]
+    lines = [m["content"] for r in rows for m in r["prompt"]] + [SYSTEM, "user", "assistant", "system"]
+    rng = random.Random(seed)
+    lines += [" ".join(rng.choice(words + KEYWORDS) for _ in range(12)) for _ in range(400)]
+    return lines
+
+
+def build_tokenizer(out: pathlib.Path, vocab_size: int = 384) -> Any:
+    """Train a byte-level BPE on `corpus()`, give it the chat template, save it into `out`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def build_model_folder(out: str | pathlib.Path, *, arch: str = "qwen2", dtype: str = "bfloat16",
+                       max_shard_size: str = "100KB", hidden_size: int = 64, layers: int = 2,
+                       seed: int = 0) -> pathlib.Path:
+    """A local HF causal-LM folder (`arch`: qwen2, llama, qwen3 or mistral) at random weights, saved in `dtype` as
+    safetensors shards with an index, with its tokenizer, chat template and a generation config
+    that lists two EOS ids (`<|im_end|>`, `<|endoftext|>`)."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    path = pathlib.Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    common: dict[str, Any] = dict(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=im_end,
+        pad_token_id=eot, bos_token_id=None,
+    )
+    torch_dtype = getattr(torch, dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if arch not in _ARCHS:
+            raise ValueError(f"arch {arch!r}: one of {sorted(_ARCHS)}")
+        prefix, tied = _ARCHS[arch]
+        cfg = getattr(transformers, f"{prefix}Config")(tie_word_embeddings=tied, **common)
+        model: Any = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
+    model = model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot)
+    model.save_pretrained(str(path), max_shard_size=max_shard_size)
+    return path
+
+
+def write_prompts(path: pathlib.Path, n: int = 256, seed: int = 0) -> pathlib.Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in example_rows(n, seed)))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="build the inputs of examples/fleet.hf.yaml (no download)")
+    parser.add_argument("folder", nargs="?", default="examples/hf", help="where to write model/ and prompts.jsonl")
+    parser.add_argument("--arch", default="qwen2", choices=sorted(_ARCHS))
+    args = parser.parse_args(argv)
+    folder = pathlib.Path(args.folder)
+    model = build_model_folder(folder / "model", arch=args.arch)
+    prompts = write_prompts(folder / "prompts.jsonl")
+    print(json.dumps({"model": str(model), "prompts": str(prompts)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

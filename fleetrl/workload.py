@@ -1,0 +1,146 @@
+"""Checks of a run's workload before any process starts: the model folder, the tokenizer, the task,
+the dataset and its columns, the reward functions and endpoint (DESIGN.md §11).
+
+The pydantic models check the shape of `fleet.yaml`; what needs the filesystem, an import or the
+network is checked here, by `fleetrl config check`, `fleetrl demo`, the trainer and the agents, so
+that a run with a missing folder, an unknown task or a reward that does not import fails with one
+line naming the field instead of a crash in a worker. This module sits in `fleetrl/` because it
+reads both the trainer's dataset loader and the rollout reward registry.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from fleetrl.config import ConfigError, FleetConfig
+
+_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_URL_CONNECT_S = 3.0
+Fail = Callable[[str, str], NoReturn]
+
+
+def check_workload(config: FleetConfig, source: str = "fleet.yaml",
+                   parts: Sequence[str] = ("model", "task", "reward", "dataset")) -> None:
+    """Raise `ConfigError` (one line: file, field, what is wrong) for the first problem found in `parts`
+    (`model` covers the tokenizer)."""
+    def fail(field: str, message: str) -> NoReturn:
+        raise ConfigError(source, field, None, message)
+
+    if "model" in parts:
+        _check_model(config, fail)
+    chat_template = _check_tokenizer(config, fail) if "model" in parts else True
+    if "task" in parts:
+        _check_task(config, fail)
+    if "reward" in parts:
+        _check_rewards(config, fail)
+    if "dataset" in parts and config.dataset.path is not None:
+        _check_dataset(config, chat_template, fail)
+
+
+def _check_model(config: FleetConfig, fail: Fail) -> None:
+    path = config.model.path
+    if path is None:
+        return
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        fail("model.path", f"{folder} is not a folder")
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except OSError as exc:
+        fail("model.path", f"{folder}: cannot read config.json: {exc.strerror}")
+    except json.JSONDecodeError as exc:
+        fail("model.path", f"{folder}/config.json is not JSON: {exc.msg}")
+    if not isinstance(cfg, dict) or not cfg.get("architectures"):
+        fail("model.path", f"{folder}/config.json names no architectures: not a Hugging Face model folder")
+    if not any((folder / f).is_file() for f in _MODEL_FILES):
+        fail("model.path", f"{folder}: no model.safetensors nor model.safetensors.index.json")
+
+
+def _check_tokenizer(config: FleetConfig, fail: Fail) -> bool:
+    """Whether the tokenizer has a chat template (the char tokenizer has none)."""
+    m = config.model
+    source = m.tokenizer_source
+    if source == "char":
+        return False
+    field = "model.tokenizer" if m.tokenizer is not None else "model.path"
+    folder = pathlib.Path(source)
+    if not folder.is_dir() or not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        fail(field, f"{folder}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(isinstance(tok_cfg, dict) and tok_cfg.get("chat_template"))
+
+
+def _check_task(config: FleetConfig, fail: Fail) -> None:
+    from fleetrl.rollout import TaskError, get_task
+
+    d = config.dataset
+    if d.path is not None and config.reward.custom:
+        return  # the task names are labels only: the custom reward scores every group
+    for i, name in enumerate([d.task, *d.tasks]):
+        try:
+            get_task(name)
+        except TaskError as exc:
+            fail("dataset.task" if i == 0 else f"dataset.tasks[{i - 1}]",
+                 f"{exc} (any label is allowed with dataset.path and a custom reward)")
+
+
+def _check_rewards(config: FleetConfig, fail: Fail) -> None:
+    from fleetrl.rollout.errors import RewardError
+    from fleetrl.rollout.rewards import load_function
+
+    r = config.reward
+    for i, f in enumerate(r.functions):
+        try:
+            load_function(f.fn, r.python_path)
+        except RewardError as exc:
+            fail(f"reward.functions[{i}].fn", str(exc))
+    if r.url is not None:
+        _check_reachable(r.url, fail)
+
+
+def _check_reachable(url: str, fail: Fail) -> None:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=_URL_CONNECT_S):
+            pass
+    except OSError as exc:
+        fail("reward.url", f"{url} is unreachable: {exc.strerror or exc}")
+
+
+def _check_dataset(config: FleetConfig, chat_template: bool, fail: Fail) -> None:
+    from fleetrl.trainer import DatasetError, is_chat, load_rows
+    from fleetrl.trainer.dataset import row_item
+
+    d = config.dataset
+    try:
+        rows = load_rows(d)
+    except DatasetError as exc:
+        fail("dataset.path", str(exc))
+    if len(rows) == 0:
+        fail("dataset.path", f"{d.path} holds no rows")
+    first = rows[0]
+    c = d.columns
+    for name in ("prompt", "messages", "reference"):
+        column = getattr(c, name)
+        if column is not None and (name != "prompt" or c.messages is None) and column not in first:
+            fail(f"dataset.columns.{name}", f"no column {column!r} in {d.path}; columns: {sorted(first)}")
+    try:
+        row_item(first, f"{d.path}: row 1", d)
+    except DatasetError as exc:
+        fail("dataset.path", str(exc))
+    if is_chat(first, d) and not chat_template:
+        field = "model.tokenizer" if config.model.tokenizer is not None else "model.path"
+        fail(field, f"the dataset's rows are chat messages but the tokenizer {config.model.tokenizer_source!r} "
+                    f"has no chat template")

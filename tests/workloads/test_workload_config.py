@@ -1,0 +1,96 @@
+"""`fleetrl config check` refuses a workload it cannot run with one line naming the field, before any
+process starts: a missing model folder, an unknown task, a reward that does not import or is not
+callable, an unreachable reward URL, a missing column, chat rows for a tokenizer without a chat template."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import socket
+from typing import Any
+
+import pytest
+import yaml
+
+from fleetrl.cli import main
+
+HERE = pathlib.Path(__file__).parent
+
+
+def _config(tmp: pathlib.Path, model_path: pathlib.Path | None, **sections: Any) -> pathlib.Path:
+    data: dict[str, Any] = {
+        "run": "wl", "regions": [{"name": "r1", "kafka": "127.0.0.1:9", "store": str(tmp / "store")}],
+        "hub": {"home_store": str(tmp / "home")}, **sections,
+    }
+    if model_path is not None:
+        data["model"] = {"path": str(model_path), **data.get("model", {})}
+    path = tmp / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _chat_rows(tmp: pathlib.Path) -> pathlib.Path:
+    path = tmp / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "Say red."}], "keyword": "red"}) + "\n")
+    return path
+
+
+def _check(path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = main(["config", "check", str(path)])
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_good_workload_passes(tmp_path: pathlib.Path, qwen2_folder: pathlib.Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = _config(tmp_path, qwen2_folder, dataset={"task": "keywords", "path": str(_chat_rows(tmp_path))},
+                   reward={"functions": [{"fn": "reward_fns:keyword_reward"}], "python_path": [str(HERE)]})
+    assert main(["config", "check", str(path)]) == 0
+    assert "# ok: run 'wl'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("case", "field", "message"), [
+    ("no_model", "model.path", "is not a folder"),
+    ("task", "dataset.task", "unknown task 'nosuch'"),
+    ("gym", "dataset.task", "unknown reasoning-gym dataset 'nosuch'"),
+    ("import", "reward.functions[0].fn", "cannot import 'reward_fns_nosuch'"),
+    ("callable", "reward.functions[0].fn", "int is not callable"),
+    ("url", "reward.url", "is unreachable"),
+    ("column", "dataset.columns.reference", "no column 'answer'"),
+    ("template", "model.tokenizer", "has no chat template"),
+])
+def test_bad_workload_is_one_line_naming_the_field(tmp_path: pathlib.Path, qwen2_folder: pathlib.Path,
+                                                   capsys: pytest.CaptureFixture[str], case: str, field: str,
+                                                   message: str) -> None:
+    rows = str(_chat_rows(tmp_path))
+    fns = {"python_path": [str(HERE)]}
+    if case == "no_model":
+        path = _config(tmp_path, tmp_path / "nonexistent")
+    elif case in ("task", "gym"):
+        path = _config(tmp_path, None, dataset={"task": "nosuch" if case == "task" else "reasoning_gym:nosuch"})
+    elif case == "import":
+        path = _config(tmp_path, None, reward={"functions": [{"fn": "reward_fns_nosuch:f"}], **fns})
+    elif case == "callable":
+        path = _config(tmp_path, None, reward={"functions": [{"fn": "reward_fns:NOT_CALLABLE"}], **fns})
+    elif case == "url":
+        path = _config(tmp_path, None, reward={"url": f"http://127.0.0.1:{_free_port()}/score"})
+    elif case == "column":
+        path = _config(tmp_path, qwen2_folder, dataset={"path": rows, "task": "reverse",
+                                                        "columns": {"reference": "answer"}})
+    else:  # a tokenizer folder without its chat template, for chat rows
+        plain = tmp_path / "plain-tokenizer"
+        shutil.copytree(qwen2_folder, plain)
+        (plain / "chat_template.jinja").unlink()
+        path = _config(tmp_path, qwen2_folder, model={"tokenizer": str(plain)},
+                       dataset={"path": rows, "task": "reverse"})
+    rc, err = _check(path, capsys)
+    assert rc == 2
+    assert len(err.splitlines()) == 1, err
+    assert f"fleet.yaml: {field}: " in err and message in err, err
