@@ -247,6 +247,14 @@ class Ledger:
                 marks[partition] = max(mark, marks.get(partition, 0))
         return self.watermarks
 
+    def restarted_without_checkpoint(self) -> None:
+        """This trainer starts over from nothing, but an earlier one of the run (killed before its first
+        checkpoint) may have produced prompt records: groups trained here that this trainer did not
+        dispatch are unplaced, as after a resume, so no watermark passes over their records while
+        they are still detailed (the audit would then find them trained but never dispatched: seen
+        in the crash-point sweep, a trainer killed at its second step's snapshot)."""
+        self.resumed, self._noted = True, set()
+
     # -- checkpoint ---------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:

@@ -131,6 +131,10 @@ class Trainer:
         if ckpt is None:
             state = await asyncio.to_thread(self.learner.published_state)
             _, newest = await asyncio.to_thread(self.publisher.store_versions)
+            if newest is not None:
+                # Not the run's first start: a trainer killed before its first checkpoint may have
+                # dispatched prompts whose groups arrive now; the ledger must treat them as unplaced.
+                self.collector.ledger.restarted_without_checkpoint()
             if newest is not None and await asyncio.to_thread(self.publisher.holds, state, newest):
                 # A start killed before its first checkpoint published these very weights: take that
                 # version up again (announced by `_loop`) rather than publish them anew, which would

@@ -222,3 +222,34 @@ def test_prompts_of_ids_the_trainer_never_issues_are_reported_apart_not_lost() -
     report = reconcile(view, state, RUN)
     assert report.foreign_prompts == 1 and report.dispatched == 2
     assert report.lost == [gid(1)] and not report.ok
+
+
+@pytest.mark.parametrize("restarted_after_a_dead_one", [True, False])
+def test_groups_a_trainer_killed_before_its_first_checkpoint_dispatched_are_unplaced(
+        restarted_after_a_dead_one: bool) -> None:
+    """A first trainer dispatched groups 0-3 (partition 0, offsets 0-3) and died before any checkpoint.
+    Its successor starts from nothing: it sends 0 and 1 again (offsets 4 and 5) and trains them, and
+    trains 2 and 3 when the dead one's trajectories arrive, without sending them (they are settled).
+    Told that it restarted, its ledger folds 2 and 3 (unplaced) and the audit, reading from the
+    watermark, balances; a first start that misses this keeps them detailed with no place, the
+    watermark passes over their records, and the audit finds them trained but never dispatched."""
+    c = Collector(RUN, max_staleness=1, ledger_detail_groups=64)
+    if restarted_after_a_dead_one:
+        c.ledger.restarted_without_checkpoint()
+    for i in (0, 1):
+        c.note_dispatched(gid(i), "a", 0, 4 + i)
+    for i in range(4):
+        assert c.offer(make_group(gid(i), RUN, version=0, n=2), version=0) == "accepted"
+    batch, _ = c.take(4, version=0)
+    c.mark_trained(batch, step=1, version=0)
+    state = {"step": 1, "collector": c.state(), "dispatcher": {"next_index": 4, "in_flight": {}}}
+    mark = state["collector"]["ledger"]["watermarks"]["a"][0][1]
+    # what the audit reads from the watermark on: the successor's records at 4 and 5, the dead one's below
+    records = {0: gid(0), 1: gid(1), 2: gid(2), 3: gid(3), 4: gid(0), 5: gid(1)}
+    view = TopicView(dispatched={g: [("a", 0)] for o, g in records.items() if o >= mark},
+                     read_from={"a": {0: mark}}, log_starts={"a": {0: 0}})
+    report = reconcile(view, state, RUN)
+    if restarted_after_a_dead_one:
+        assert report.ok and report.trained == 4, report.problems()
+    else:
+        assert report.trained_not_dispatched == [gid(2), gid(3)]
