@@ -99,8 +99,9 @@ def _assert_recovered(summary: dict[str, Any], workdir: pathlib.Path, sequences:
         if kind in ("trainer", "replicator"):
             assert any(f["kind"] == "restart" and f["target"].startswith(kind) and f["t"] >= crash["t"]
                        for f in summary["faults"]), crash
-    last_crash = max(f["t"] for f in fired)
-    assert any(row["t"] > last_crash for row in summary["_rows"]), "no step after the last crash"
+    # a crash after the last step (the trainer's drain, a replicator catching up) is recovered too: the
+    # restarted trainer drained and exited 0 (the demo fails on any other exit)
+    assert summary["exit_codes"]["trainer"] == 0, summary["exit_codes"]
     assert_accounted(summary, steps=STEPS)
     assert summary["stores_ok"], summary["stores"]
     final = {s["store"]: s["latest"] for s in summary["stores"]}
