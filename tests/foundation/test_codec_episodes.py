@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import msgpack
 import numpy as np
 import pytest
@@ -51,7 +53,7 @@ def test_segments_round_trip_and_expand_to_the_sources(sources: list[int]) -> No
     assert record.schema == SCHEMA_GROUP_V2
     assert s.sources().tolist() == sources
     assert s.policy_mask().tolist() == [x == 0 for x in sources]
-    runs = 1 + sum(a != b for a, b in zip(sources, sources[1:], strict=False))
+    runs = 1 + sum(a != b for a, b in itertools.pairwise(sources))
     assert s.segments is not None and s.segments.shape == (runs, 2)  # run-length: one pair per run
 
 
