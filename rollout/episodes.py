@@ -141,6 +141,8 @@ class EpisodeRunner:
     generate: Generate
     max_tokens: int
     """The episode's token budget after the prompt (model and environment turns)."""
+    tokens_generated: int = 0
+    """Model tokens of this group's finished turns so far (what a restart elsewhere generates again)."""
 
     async def run_group(self, group_id: str, prompt: PromptRecord, prompt_ids: list[int],
                         args: dict[str, Any]) -> list[EpisodeResult]:
@@ -180,6 +182,7 @@ class EpisodeRunner:
                 sampling = dataclasses.replace(prompt.sampling, max_new_tokens=min(prompt.sampling.max_new_tokens,
                                                                                    budget))
                 out = await self.generate(f"{eid}#{turn}", prompt_ids + tokens, sampling)
+                self.tokens_generated += len(out.completion_ids)
                 tokens += [int(t) for t in out.completion_ids]
                 logprobs += [float(x) for x in out.logprobs]
                 versions += [int(v) for v in out.versions]

@@ -136,6 +136,7 @@ class RolloutWorker:
         self.env_cfg = config.dataset.env
         self._env_pool: ThreadPoolExecutor | None = None
         self._episodes: dict[str, asyncio.Task[None]] = {}  # group id -> its episodes' task
+        self._runners: dict[str, EpisodeRunner] = {}  # group id -> its episodes' runner
         self._turns: dict[str, asyncio.Future[list[PartialSample]]] = {}  # turn request id -> its result
         self._turn_queue: list[GroupRequest] = []  # turns to submit before the next step
         self._turn_withdraw: list[str] = []  # turns of cancelled episodes to take out before the next step
@@ -440,15 +441,17 @@ class RolloutWorker:
 
     async def _run_episodes(self, job: Job) -> None:
         try:
-            runner = self._episode_runner(job)
+            runner = self._runners[job.group_id] = self._episode_runner(job)
             results = await runner.run_group(job.group_id, job.prompt, job.prompt_ids,
                                              (job.env or {}).get("args") or {})
         except (EnvError, TaskError) as exc:  # a group whose environment failed: it goes, the worker goes on
             log.warning("worker.env_error", group_id=job.group_id, error=str(exc))
             self._jobs.pop(job.group_id, None)
+            self._runners.pop(job.group_id, None)
             await self._dead_letter(job.delivery, "env_error", str(exc), "env")
             return
         self._jobs.pop(job.group_id, None)
+        self._runners.pop(job.group_id, None)
         for r in results:
             if r.error is not None:
                 self.episodes_failed += 1
@@ -487,7 +490,9 @@ class RolloutWorker:
         for gid, task in list(self._episodes.items()):
             task.cancel()  # its episodes restart elsewhere: the tokens so far are given up (counted)
             turns = [rid for rid in self.engine.group_ids() if rid.startswith(f"{gid}#")]
-            self.episode_tokens_discarded += sum(self.engine.tokens_so_far(rid) for rid in turns)
+            runner = self._runners.pop(gid, None)
+            self.episode_tokens_discarded += sum(self.engine.tokens_so_far(rid) for rid in turns) + (
+                runner.tokens_generated if runner is not None else 0)
             for rid in turns:
                 self.engine.take(rid)
             if gid in self._jobs:

@@ -5,6 +5,7 @@ answers every guess, the tool is called every turn."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
@@ -22,8 +23,10 @@ class GuessGame(BaseTextEnv):
         extras = extras or {}
         self.secret = str(extras["reward_spec"]["ground_truth"])
         self.max_turns = int((env_config or {}).get("max_turns", 3))
+        self.delay_s = float((env_config or {}).get("delay_s", 0.0))
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
+        time.sleep(self.delay_s)  # a slow game (the handover test stops a worker mid-episode)
         self.turns += 1
         won = self.secret in action
         done = won or self.turns >= self.max_turns

@@ -191,3 +191,42 @@ async def test_env_errors_dead_letter_the_group_when_configured(
     assert "KeyError" in reasons[f"{run_id}-raise"]
     assert "timed out after 1.0s" in reasons[f"{run_id}-hang"]
     assert "not a skyrl-gym environment id" in reasons[f"{run_id}-unknown"]
+
+
+async def test_episode_handed_over_mid_way_restarts_on_another_worker(
+        run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, qwen2_folder: pathlib.Path) -> None:
+    """A worker stopped mid-episode hands the group over; the next worker plays its episodes again from the
+    start (skyrl-gym environments cannot replay a transcript) and the first counts the tokens it gave up."""
+    from fleet_testkit import read_stream
+
+    config = _config(run_id, tansu_bootstrap, tmp_path / "store", qwen2_folder, "failure_reward")
+    _publish_folder(config)
+    await ensure_topics(config, REGION)
+    slow = _prompt(config, "slow", {"name": "skyrl_envs:GuessGame", "args": {"max_turns": 3, "delay_s": 0.4}},
+                   reference="no such guess")
+    async with Producer(config, REGION, "test-dispatcher") as producer:
+        await producer.send("prompts", slow.group_id, slow)
+    first, stop = RolloutWorker(config, REGION, "n1"), asyncio.Event()
+    turns = _record_turns(first)
+    task = asyncio.create_task(first.run(stop))
+    try:
+        async with asyncio.timeout(60):  # mid-episode: a model turn done, the game's answer awaited
+            while not turns:
+                assert not task.done(), "the worker stopped"
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+    assert first.groups_handed_over == 1 and first.groups_done == 0
+    assert first.episode_tokens_discarded >= sum(len(out.completion_ids) for e in turns.values() for _, out in e) > 0
+
+    second = RolloutWorker(config, REGION, "n2")
+    again = _record_turns(second)
+    await _run(second, 1)
+    out = await read_stream(config, REGION, "trajectories", 1, timeout_s=20)
+    assert len(out) == 1 and isinstance(out[0].record, GroupRecord)
+    g = out[0].record
+    assert g.node == "n2" and g.group_id == slow.group_id
+    for i, s in enumerate(g.samples):  # every episode played again in full: 3 turns, token-exact
+        assert len(again[f"{g.group_id}#{i}"]) == 3
+        _assert_token_exact(g, s, again[f"{g.group_id}#{i}"], TurnTemplate(second.codec, sorted(second.engine.eos_ids)))
