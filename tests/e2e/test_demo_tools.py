@@ -20,8 +20,8 @@ import yaml
 from demo_testkit import ROOT, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-DEMO_TIMEOUT_S = 300  # 40 steps take ~1 min on 2 cores
-STEPS = 40
+DEMO_TIMEOUT_S = 300  # 32 steps take ~1 min on 2 cores
+STEPS = 32
 
 
 def test_tools_example_learns_to_read_its_tool(tmp_path: pathlib.Path, workdir: pathlib.Path) -> None:
