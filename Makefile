@@ -8,7 +8,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install refresh test test-fast demo demo-hf lint lint-infra bench clean
+.PHONY: install refresh test test-fast demo demo-hf demo-tools lint lint-infra bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
@@ -40,6 +40,11 @@ demo: refresh
 demo-hf: refresh
 	HF_HUB_OFFLINE=1 $(PY) -m fleetrl.demo.hf_inputs examples/hf
 	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.hf.yaml
+
+# "Multi-turn environments and tools": the same inputs with lookup-tool rows, episodes in a skyrl-gym environment.
+demo-tools: refresh
+	HF_HUB_OFFLINE=1 $(PY) -m fleetrl.demo.hf_inputs examples/tools --rows tools
+	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.tools.yaml
 
 lint: refresh
 	$(VENV)/bin/ruff check fleetrl broker hub rollout trainer regions tests bench

@@ -34,7 +34,7 @@ samples in both runs). The last line:
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
 
-    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid tail|preempt]
+    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid tail|preempt] [--workload tools]
 
 `FLEETRL_BENCH_KEEP=DIR` keeps every run's config and logs under DIR. Results: docs/pipeline.md.
 """
@@ -83,6 +83,9 @@ class Fleet:
     """Seconds between preemption notices to a random node that is up (0: none)."""
     link_delay_s: float = 0.05
     """One-way delay between home and every region (seconds)."""
+    workload: str = "reverse"
+    """`reverse`: one completion per sample. `tools`: episodes of `bench/tool_env.py` (3 model turns, tool
+    calls of 0.05 s, 10 % of them 1 s: EMULATED latencies)."""
 
     @property
     def warm_steps(self) -> int:
@@ -142,12 +145,17 @@ def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: 
                             "lr": 1e-2, "max_new_tokens": fleet.max_new_tokens, "max_steps": fleet.steps}
     if mode == "async":
         algo["max_staleness"] = fleet.max_staleness
+    dataset: dict[str, Any] = {"task": "reverse", "seed": seed}
+    if fleet.workload == "tools":
+        dataset["env"] = {"name": "tool_env:LatencyEnv", "python_path": [str(pathlib.Path(__file__).parent)],
+                          "max_turns": 3, "max_episode_tokens": 3 * fleet.max_new_tokens + 32,
+                          "config": {"max_turns": 3, "latency_s": 0.05, "tail_latency_s": 1.0, "tail_p": 0.1}}
     return {
         "run": f"pipe-{mode}-{seed}",
         "model": {"tiny": {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                            "seed": seed}},
         "algorithm": algo,
-        "dataset": {"task": "reverse", "seed": seed},
+        "dataset": dataset,
         "hub": {"home_store": store, "threads": 1, "poll_interval_s": 0.1, "anchor_interval": 32},
         "mqtt": {"url": f"mqtt://127.0.0.1:{ports['mqtt']}", "heartbeat_interval_s": 1},
         "kafka": {"partitions": {"prompts": 2, "partials": 2, "trajectories": 2, "dead_letter": 1}},
@@ -398,6 +406,8 @@ def main() -> None:
     parser.add_argument("--preempt-every", type=float, default=None,
                         help="seconds between preemptions (0: none; default 20, --quick 15)")
     parser.add_argument("--link-delay", type=float, default=0.05, help="one-way home-region link delay (s)")
+    parser.add_argument("--workload", choices=["reverse", "tools"], default="reverse",
+                        help="tools: multi-turn episodes whose tool calls have a long latency tail (EMULATED)")
     args = parser.parse_args()
     # A hang-up or TERM ends the bench through its `finally`s, so every process it started is stopped.
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -405,7 +415,8 @@ def main() -> None:
     os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])
     steps = args.steps or (10 if args.quick else 20)
     preempt = args.preempt_every if args.preempt_every is not None else (15.0 if args.quick else 20.0)
-    base = {"steps": steps, "preempt_every_s": preempt, "link_delay_s": args.link_delay}
+    base: dict[str, Any] = {"steps": steps, "preempt_every_s": preempt, "link_delay_s": args.link_delay,
+                            "workload": args.workload}
     fleet = Fleet(slowdowns=(0.0, args.slowdown), tail_p=args.tail_p, **base)
     print(f"fleet: {len(fleet.slowdowns)} regions x {fleet.nodes} node(s); per-step delay per region "
           f"{list(fleet.slowdowns)} s (EMULATED: a sleep after each decoding step of the real torch engine); "
@@ -413,7 +424,9 @@ def main() -> None:
           f"stop after 1-{fleet.short_tokens} tokens; preemption every {fleet.preempt_every_s:g} s with replacement; "
           f"link delay home<->region {fleet.link_delay_s:g} s each way (EMULATED in the trainer's Kafka clients; "
           f"weights not delayed); {fleet.groups_per_step} groups x {fleet.n_samples} samples per step, "
-          f"{fleet.steps} steps per run; async max_staleness {fleet.max_staleness}", flush=True)
+          f"{fleet.steps} steps per run; async max_staleness {fleet.max_staleness}; workload {fleet.workload}"
+          + (" (episodes of 3 model turns; tool calls 0.05 s, 10% 1 s: EMULATED)" if fleet.workload == "tools" else ""),
+          flush=True)
     timeout_s = 150.0 if args.quick else 600.0
     if args.grid:
         grid(args.grid, base, fleet, timeout_s)

@@ -41,11 +41,15 @@ from fleetrl.broker.naming import (
 )
 from fleetrl.broker.producer import Producer
 from fleetrl.broker.records import (
+    ENV_VERSION,
     FINISH_REASONS,
     SCHEMA_GROUP,
+    SCHEMA_GROUP_V2,
     SCHEMA_PARTIAL,
     SCHEMA_PROMPT,
     SCHEMA_PROMPT_V2,
+    SOURCE_ENV,
+    SOURCE_POLICY,
     GroupRecord,
     HandedOverBy,
     PartialRecord,
@@ -57,18 +61,24 @@ from fleetrl.broker.records import (
     Sampling,
     Timings,
     check_record,
+    expand_segments,
     floats,
     ids,
+    segments_of,
 )
 from fleetrl.broker.topics import TopicChange, TopicSpec, ensure_topics, topic_specs
 
 __all__ = [
+    "ENV_VERSION",
     "FINISH_REASONS",
     "SCHEMA_GROUP",
+    "SCHEMA_GROUP_V2",
     "SCHEMA_HEADER",
     "SCHEMA_PARTIAL",
     "SCHEMA_PROMPT",
     "SCHEMA_PROMPT_V2",
+    "SOURCE_ENV",
+    "SOURCE_POLICY",
     "STREAMS",
     "BrokerError",
     "Consumer",
@@ -108,6 +118,7 @@ __all__ = [
     "encode_record",
     "end_offsets",
     "ensure_topics",
+    "expand_segments",
     "expand_versions",
     "floats",
     "group_lag",
@@ -121,6 +132,7 @@ __all__ = [
     "replica_topic",
     "rle_versions",
     "rollout_group",
+    "segments_of",
     "topic_name",
     "topic_specs",
     "trainer_group",

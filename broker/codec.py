@@ -18,6 +18,7 @@ import numpy as np
 from fleetrl.broker.errors import RecordError
 from fleetrl.broker.records import (
     SCHEMA_GROUP,
+    SCHEMA_GROUP_V2,
     SCHEMA_PARTIAL,
     SCHEMA_PROMPT,
     SCHEMA_PROMPT_V2,
@@ -109,6 +110,7 @@ def _prompt_map(p: PromptRecord) -> dict[str, Any]:
         "reference": p.reference, "min_version": p.min_version, "dispatched_at": p.dispatched_at,
         **({"messages": p.messages} if p.messages is not None else {}),
         **({"columns": p.columns} if p.columns is not None else {}),
+        **({"env": p.env} if p.env is not None else {}),
     }
 
 
@@ -119,12 +121,13 @@ def _tokens_map(tokens: IntArray, logprobs: FloatArray, versions: IntArray) -> d
 def to_map(record: Record) -> dict[str, Any]:
     if isinstance(record, GroupRecord):
         return {
-            "schema": SCHEMA_GROUP, "group_id": record.group_id, "run": record.run, "task": record.task,
+            "schema": record.schema, "group_id": record.group_id, "run": record.run, "task": record.task,
             "attempt": record.attempt, "region": record.region, "node": record.node,
             "prompt_ids": _pack_array(record.prompt_ids, _I4),
             "samples": [
                 {**_tokens_map(s.completion_ids, s.logprobs, s.versions), "reward": float(s.reward),
-                 "finish": s.finish_reason}
+                 "finish": s.finish_reason,
+                 **({"seg": _pack_segments(s.segments)} if s.segments is not None else {})}
                 for s in record.samples
             ],
             "timings": {"queued": record.timings.queued, "started": record.timings.started,
@@ -181,12 +184,28 @@ def decode_record(value: bytes, limits: RecordLimits | None = None, expect: str 
 
 
 def _accepted(expect: str) -> tuple[str, ...]:
-    """Readers of prompts accept /1 and /2 (DESIGN.md §3)."""
-    return (SCHEMA_PROMPT, SCHEMA_PROMPT_V2) if expect == SCHEMA_PROMPT else (expect,)
+    """Readers of prompts and groups accept /1 and /2 (DESIGN.md §3)."""
+    if expect == SCHEMA_PROMPT:
+        return (SCHEMA_PROMPT, SCHEMA_PROMPT_V2)
+    return (SCHEMA_GROUP, SCHEMA_GROUP_V2) if expect == SCHEMA_GROUP else (expect,)
+
+
+def _pack_segments(segments: IntArray) -> bytes:
+    """`segments` as `<i4` pairs (first token index, source)."""
+    return np.ascontiguousarray(segments, dtype=_I4).reshape(-1, 2).tobytes()
+
+
+def _unpack_segments(value: Any, field: str) -> IntArray | None:
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or len(value) % 8:
+        raise RecordError("malformed", "segments must be <i4 pairs", field=field)
+    seg = np.frombuffer(value, dtype=_I4).reshape(-1, 2)
+    return seg if _LITTLE else seg.astype(np.int32)
 
 
 def _from_map(schema: Any, obj: dict[str, Any]) -> Record:
-    if schema == SCHEMA_GROUP:
+    if schema in (SCHEMA_GROUP, SCHEMA_GROUP_V2):
         return _group(obj)
     if schema in (SCHEMA_PROMPT, SCHEMA_PROMPT_V2):
         return _prompt(obj)
@@ -212,7 +231,7 @@ def _prompt(o: dict[str, Any]) -> PromptRecord:
                           max_new_tokens=int(s["max_new_tokens"])),
         reference=o.get("reference"), min_version=_i(o, "min_version"),
         dispatched_at=float(o.get("dispatched_at", 0.0)),
-        messages=o.get("messages"), columns=_columns(o.get("columns")),
+        messages=o.get("messages"), columns=_columns(o.get("columns")), env=o.get("env"),
     )
 
 
@@ -240,7 +259,9 @@ def _group(o: dict[str, Any]) -> GroupRecord:
     samples = []
     for i, s in enumerate(_list(o, "samples")):
         tokens, logprobs, versions = _tokens(s, f"samples[{i}]")
-        samples.append(Sample(tokens, logprobs, versions, reward=float(s["reward"]), finish_reason=_s(s, "finish")))
+        segments = _unpack_segments(s.get("seg"), f"samples[{i}].segments")
+        samples.append(Sample(tokens, logprobs, versions, reward=float(s["reward"]), finish_reason=_s(s, "finish"),
+                              segments=segments))
     t = o.get("timings") or {}
     return GroupRecord(
         group_id=_s(o, "group_id"), run=_s(o, "run"), task=_s(o, "task"), attempt=_i(o, "attempt"),

@@ -26,6 +26,12 @@ MAX_COLUMNS_BYTES = 64 * 1024
 """Bound of a prompt's `columns`, packed."""
 SCHEMA_PARTIAL = "fleetrl.partial/1"
 SCHEMA_GROUP = "fleetrl.group/1"
+SCHEMA_GROUP_V2 = "fleetrl.group/2"
+"""A group whose samples carry `segments` (episodes: policy and environment tokens); readers accept both."""
+SOURCE_POLICY, SOURCE_ENV = 0, 1
+"""`segments` sources: a token the policy generated, a token the environment wrote (tool result, observation)."""
+ENV_VERSION = -1
+"""The per-token version of an environment token (its logprob is 0): no policy produced it."""
 FINISH_REASONS = frozenset({"stop", "length", "abort"})
 
 IntArray = npt.NDArray[np.int32]
@@ -69,11 +75,15 @@ class PromptRecord:
     """`fleetrl.prompt/2`: the chat form, `[{role, content}]`, rendered by the worker's chat template."""
     columns: dict[str, Any] | None = None
     """`fleetrl.prompt/2`: the dataset row's other fields, handed to reward functions (msgpack-able)."""
+    env: dict[str, Any] | None = None
+    """`fleetrl.prompt/2`: the environment that runs the episode, `{name, args}` (DESIGN.md §11); None:
+    the run's `dataset.env`, if any."""
 
     @property
     def schema(self) -> str:
         """`/2` only when a /2 field is set, so that /1 readers keep reading plain prompts."""
-        return SCHEMA_PROMPT_V2 if self.messages is not None or self.columns is not None else SCHEMA_PROMPT
+        v2 = self.messages is not None or self.columns is not None or self.env is not None
+        return SCHEMA_PROMPT_V2 if v2 else SCHEMA_PROMPT
 
 
 @dataclass(slots=True)
@@ -119,6 +129,36 @@ class Sample:
     """Policy version that produced each token (run-length coded on the wire)."""
     reward: float
     finish_reason: str
+    segments: IntArray | None = None
+    """`fleetrl.group/2`: run-length sources, shape (runs, 2) of (first token index, source); None: every
+    token is the policy's. Environment tokens carry logprob 0 and version -1 and never enter the loss."""
+
+    def sources(self) -> IntArray:
+        """The source of every token (0 policy, 1 environment)."""
+        return expand_segments(self.segments, len(self.completion_ids))
+
+    def policy_mask(self) -> npt.NDArray[np.bool_]:
+        """True where the policy generated the token."""
+        return self.sources() == SOURCE_POLICY
+
+
+def expand_segments(segments: IntArray | None, n_tokens: int) -> IntArray:
+    """Per-token sources of run-length `segments` (already bounds-checked)."""
+    if segments is None or len(segments) == 0:
+        return np.zeros(n_tokens, dtype=np.int32)
+    seg = np.asarray(segments, dtype=np.int32).reshape(-1, 2)
+    ends = np.append(seg[1:, 0], n_tokens)
+    out: IntArray = np.repeat(seg[:, 1], ends - seg[:, 0]).astype(np.int32)
+    return out
+
+
+def segments_of(sources: Any) -> IntArray:
+    """Run-length `segments` of per-token sources: one (first index, source) row per run."""
+    src = np.asarray(sources, dtype=np.int32)
+    if len(src) == 0:
+        return np.zeros((0, 2), dtype=np.int32)
+    starts = np.concatenate([[0], np.flatnonzero(src[1:] != src[:-1]) + 1]).astype(np.int32)
+    return np.stack([starts, src[starts]], axis=1).astype(np.int32)
 
 
 @dataclass(slots=True)
@@ -144,12 +184,17 @@ class GroupRecord:
     reward_parts: dict[str, float] | None = None
     """Optional: each custom reward function's mean over the samples (the trainer's step log shows them)."""
 
-    schema = SCHEMA_GROUP
+    @property
+    def schema(self) -> str:
+        """`/2` only when a sample carries segments, so that /1 readers keep reading single completions."""
+        return SCHEMA_GROUP_V2 if any(s.segments is not None for s in self.samples) else SCHEMA_GROUP
 
     @property
     def min_version(self) -> int:
-        """Oldest policy version any token of the group was sampled from."""
-        return min((int(s.versions.min()) for s in self.samples if len(s.versions)), default=0)
+        """Oldest policy version any policy token of the group was sampled from (environment tokens,
+        version -1, are nobody's)."""
+        olds = [int(v.min()) for v in (s.versions[s.versions >= 0] for s in self.samples) if len(v)]
+        return min(olds, default=0)
 
 
 Record = PromptRecord | PartialRecord | GroupRecord
@@ -171,10 +216,16 @@ class RecordLimits:
         return cls(
             vocab_size=_vocab_size(config.model),
             known_tasks=config.dataset.known_tasks,
-            max_tokens_per_sample=config.algorithm.max_new_tokens,
+            max_tokens_per_sample=max(config.algorithm.max_new_tokens, _episode_tokens(config.dataset)),
             max_prompt_tokens=config.dataset.max_prompt_tokens,
             max_samples_per_group=config.algorithm.n_samples,
         )
+
+
+def _episode_tokens(dataset: Any) -> int:
+    """An episode (`dataset.env`) may run longer than one completion: up to `env.max_episode_tokens`."""
+    env = getattr(dataset, "env", None)
+    return int(env.max_episode_tokens or 0) if env is not None else 0
 
 
 def _vocab_size(model: Any) -> int:
@@ -206,6 +257,8 @@ def _check_prompt(p: PromptRecord, limits: RecordLimits) -> None:
         _check_messages(p.messages, g)
     if p.columns is not None:
         _check_columns(p.columns, g)
+    if p.env is not None:
+        _check_env(p.env, g)
     if p.prompt_ids is not None:
         _check_ids("prompt_ids", p.prompt_ids, limits, limits.max_prompt_tokens, g)
     if not 1 <= p.n_samples <= limits.max_samples_per_group:
@@ -224,7 +277,7 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
     _check_ids("prompt_ids", r.prompt_ids, limits, limits.max_prompt_tokens, g)
     _check_count(len(r.samples), limits, g)
     for i, s in enumerate(r.samples):
-        _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, g)
+        _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, g, s.segments)
         if s.finish_reason not in FINISH_REASONS:
             raise RecordError("finish_reason", f"unknown finish_reason {s.finish_reason!r}",
                               field=f"samples[{i}].finish_reason", group_id=g)
@@ -256,7 +309,8 @@ def _check_ids(name: str, arr: IntArray, limits: RecordLimits, max_len: int, g: 
 
 
 def _check_tokens(
-    name: str, tokens: IntArray, logprobs: FloatArray, versions: IntArray, limits: RecordLimits, g: str
+    name: str, tokens: IntArray, logprobs: FloatArray, versions: IntArray, limits: RecordLimits, g: str,
+    segments: IntArray | None = None,
 ) -> None:
     _check_ids(f"{name}.completion_ids", tokens, limits, limits.max_tokens_per_sample, g)
     if not len(logprobs) == len(versions) == len(tokens):
@@ -264,8 +318,29 @@ def _check_tokens(
                           f"{len(versions)} versions", field=name, group_id=g)
     if len(logprobs) and not (np.isfinite(logprobs).all() and float(logprobs.max()) <= 0.0):
         raise RecordError("logprob_bound", "logprobs must be finite and <= 0", field=f"{name}.logprobs", group_id=g)
-    if len(versions) and int(versions.min()) < 0:
+    if segments is None:
+        if len(versions) and int(versions.min()) < 0:
+            raise RecordError("version_bound", "negative policy version", field=f"{name}.versions", group_id=g)
+        return
+    _check_segments(f"{name}.segments", segments, len(tokens), g)
+    env = expand_segments(segments, len(tokens)) == SOURCE_ENV
+    if (versions[~env] < 0).any():
         raise RecordError("version_bound", "negative policy version", field=f"{name}.versions", group_id=g)
+    if (versions[env] != ENV_VERSION).any() or (logprobs[env] != 0.0).any():
+        raise RecordError("segment_bound", "environment tokens must carry logprob 0 and version -1",
+                          field=f"{name}.segments", group_id=g)
+
+
+def _check_segments(name: str, segments: IntArray, n_tokens: int, g: str) -> None:
+    seg = np.asarray(segments).reshape(-1, 2) if np.asarray(segments).size % 2 == 0 else None
+    ok = seg is not None and (
+        (n_tokens == 0 and len(seg) == 0)
+        or (len(seg) > 0 and seg[0, 0] == 0 and bool((np.diff(seg[:, 0]) > 0).all())
+            and int(seg[-1, 0]) < n_tokens and bool(np.isin(seg[:, 1], (SOURCE_POLICY, SOURCE_ENV)).all()))
+    )
+    if not ok:
+        raise RecordError("segment_bound", f"segments must start at token 0, increase, stay below {n_tokens} "
+                          "and name source 0 (policy) or 1 (environment)", field=name, group_id=g)
 
 
 def _check_messages(messages: Any, g: str) -> None:
@@ -286,3 +361,10 @@ def _check_columns(columns: dict[str, Any], g: str) -> None:
     if size > MAX_COLUMNS_BYTES:
         raise RecordError("columns_bound", f"columns pack to {size} bytes > {MAX_COLUMNS_BYTES}", field="columns",
                           group_id=g)
+
+
+def _check_env(env: Any, g: str) -> None:
+    ok = isinstance(env, dict) and isinstance(env.get("name"), str) and bool(env["name"]) \
+        and isinstance(env.get("args", {}), dict) and set(env) <= {"name", "args"}
+    if not ok:
+        raise RecordError("malformed", "env must be {name: str, args: {...}}", field="env", group_id=g)

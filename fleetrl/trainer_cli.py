@@ -21,7 +21,7 @@ def prompt_source(config: FleetConfig) -> Callable[[], Iterator[PromptItem]]:
         from fleetrl.trainer import dataset_prompts, load_rows
 
         rows = load_rows(d)  # once: each restart of the iterator reads the same rows again
-        keep = config.reward.custom
+        keep = config.reward.custom or config.dataset.env is not None  # rewards and environments read rows
         return lambda: dataset_prompts(d, rows, keep_columns=keep)
     from fleetrl.rollout import get_task
 

@@ -1,5 +1,5 @@
 """Checks of a run's workload before any process starts: the model folder, the tokenizer, the task,
-the dataset and its columns, the reward functions and endpoint (DESIGN.md §11).
+the dataset and its columns, the reward functions and endpoint, the environment (DESIGN.md §11).
 
 The pydantic models check the shape of `fleet.yaml`; what needs the filesystem, an import or the
 network is checked here, by `fleetrl config check`, `fleetrl demo`, the trainer and the agents, so
@@ -37,8 +37,9 @@ def check_workload(config: FleetConfig, source: str = "fleet.yaml",
     chat_template = _check_tokenizer(config, fail) if "model" in parts else True
     if "task" in parts:
         _check_task(config, fail)
-    if "reward" in parts:
+    if "reward" in parts:  # what the rollout worker runs: reward functions and environments
         _check_rewards(config, fail)
+        _check_env(config, fail)
     if "dataset" in parts and config.dataset.path is not None:
         _check_dataset(config, chat_template, fail)
 
@@ -85,8 +86,8 @@ def _check_task(config: FleetConfig, fail: Fail) -> None:
     from fleetrl.rollout import TaskError, get_task
 
     d = config.dataset
-    if d.path is not None and config.reward.custom:
-        return  # the task names are labels only: the custom reward scores every group
+    if d.path is not None and (config.reward.custom or d.env is not None):
+        return  # the task names are labels only: the custom reward or the environment scores every group
     for i, name in enumerate([d.task, *d.tasks]):
         try:
             get_task(name)
@@ -107,6 +108,22 @@ def _check_rewards(config: FleetConfig, fail: Fail) -> None:
             fail(f"reward.functions[{i}].fn", str(exc))
     if r.url is not None:
         _check_reachable(r.url, fail)
+
+
+def _check_env(config: FleetConfig, fail: Fail) -> None:
+    from fleetrl.rollout.episodes import load_env_factory
+    from fleetrl.rollout.errors import EnvError
+
+    env = config.dataset.env
+    if env is None:
+        return
+    try:
+        load_env_factory(env.name, env.python_path)
+    except EnvError as exc:
+        fail("dataset.env.name", str(exc))
+    if env.max_episode_tokens is not None and env.max_episode_tokens < config.algorithm.max_new_tokens:
+        fail("dataset.env.max_episode_tokens", f"{env.max_episode_tokens} is below algorithm.max_new_tokens "
+                                               f"({config.algorithm.max_new_tokens}), the bound of one model turn")
 
 
 def _check_reachable(url: str, fail: Fail) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fleetrl.rollout.errors import EngineError, RolloutError, TaskError, WorkerError
+from fleetrl.rollout.errors import EngineError, EnvError, RolloutError, TaskError, WorkerError
 from fleetrl.rollout.tasks import TASKS, CharTokenizer, Task, TaskPrompt, get_task
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ __all__ = [
     "CharTokenizer",
     "Engine",
     "EngineError",
+    "EnvError",
     "FinishedGroup",
     "GroupRequest",
     "RolloutError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleetrl.broker import (
     Delivery,
@@ -22,6 +23,7 @@ from fleetrl.broker import (
     Timings,
     floats,
     ids,
+    segments_of,
 )
 from fleetrl.rollout.rewards import GroupInput
 from fleetrl.rollout.tokenize import TextCodec
@@ -33,6 +35,8 @@ class Job:
     prompt: PromptRecord
     prompt_ids: list[int]
     resume: list[PartialSample] | None
+    env: dict[str, Any] | None = None
+    """The environment that runs this group's episodes, `{name, args}` (set by the worker), or None."""
     received_mono: float = field(default_factory=time.monotonic)
     started_mono: float | None = None
     started_wall: float = 0.0
@@ -61,6 +65,16 @@ class Job:
             prompt = dataclasses.replace(prompt, prompt_ids=ids(prompt_ids))
         return cls(d, prompt, prompt_ids, resume)
 
+    def resolve_env(self, default: Any) -> None:
+        """The record's `env`, else the row's `env_class` column (SkyRL's datasets name it per row), else
+        `dataset.env` (`default`, an EnvConfig or None)."""
+        p = self.prompt
+        if p.env is not None:
+            self.env = {"name": p.env["name"], "args": dict(p.env.get("args") or {})}
+        elif default is not None:
+            row_env = (p.columns or {}).get("env_class")
+            self.env = {"name": row_env if isinstance(row_env, str) and row_env else default.name, "args": {}}
+
     def start(self) -> None:
         self.started_mono, self.started_wall = time.monotonic(), time.time()
 
@@ -76,12 +90,16 @@ def reward_input(job: Job, samples: list[PartialSample], codec: TextCodec) -> Gr
 
 
 def group_record(job: Job, samples: list[PartialSample], rewards: list[float], region: str, node: str,
-                 reward_parts: dict[str, float] | None = None) -> GroupRecord:
-    """Build the `fleetrl.group/1` record of finished, scored samples."""
+                 reward_parts: dict[str, float] | None = None,
+                 sources: list[list[int]] | None = None) -> GroupRecord:
+    """Build the `fleetrl.group/1` record of finished, scored samples (`/2` with `sources`: each episode's
+    per-token sources, 0 policy, 1 environment)."""
     p = job.prompt
+    segs = [segments_of(src) for src in sources] if sources is not None else [None] * len(samples)
     scored = [
-        Sample(s.completion_ids, s.logprobs, s.versions, reward=float(r), finish_reason=s.finish_reason or "abort")
-        for s, r in zip(samples, rewards, strict=True)
+        Sample(s.completion_ids, s.logprobs, s.versions, reward=float(r), finish_reason=s.finish_reason or "abort",
+               segments=seg)
+        for s, r, seg in zip(samples, rewards, segs, strict=True)
     ]
     return GroupRecord(
         group_id=p.group_id, run=p.run, task=p.task, attempt=p.attempt, region=region, node=node,

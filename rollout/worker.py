@@ -14,6 +14,12 @@ token generated so far with its logprob and version, and `handed_over_by`:
 * `sigterm` / `preempted`: the worker is stopping; it admits nothing more and hands over every
   unfinished group within `rollout.handover_timeout_s`, commits, and returns.
 The engine steps in a thread; weights refresh in the background (`WeightSync`).
+
+A group with an environment (`dataset.env`, the record's `env`) runs its samples as episodes
+(rollout/episodes.py): each model turn is a one-sample request in the same engine, submitted and
+withdrawn by this loop between steps, so turns of many episodes share the continuous batch while
+environment steps run in their own threads. Such a group is handed over as a restart (no samples):
+its episodes begin again elsewhere, and the tokens given up are counted (`episode_tokens_discarded`).
 """
 
 from __future__ import annotations
@@ -23,16 +29,21 @@ import contextlib
 import time
 from collections import Counter, deque
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fleetrl.broker import (
     Consumer,
     Delivery,
     KafkaError,
+    PartialSample,
     Producer,
     RecordError,
     RecordLimits,
+    Sampling,
     encode_record,
+    floats,
+    ids,
     rollout_group,
 )
 from fleetrl.config import EngineConfig, FleetConfig
@@ -41,7 +52,8 @@ from fleetrl.hub import Hub
 from fleetrl.log import get_logger
 from fleetrl.rollout.commits import CommitQueue
 from fleetrl.rollout.engine import Engine, FinishedGroup, GroupRequest
-from fleetrl.rollout.errors import RewardError, TaskError
+from fleetrl.rollout.episodes import EpisodeRunner, TurnTemplate, load_env_factory
+from fleetrl.rollout.errors import EngineError, EnvError, RewardError, TaskError
 from fleetrl.rollout.jobs import Job, group_record, partial_record, reward_input
 from fleetrl.rollout.rewards import build_rewards
 from fleetrl.rollout.tasks import get_task
@@ -109,6 +121,8 @@ class RolloutWorker:
         """Seconds spent in engine steps (decoding, applying weights): the rest of the worker's life
         the engine was idle (no work, waiting for a version, or starting)."""
         self.groups_done = 0
+        self.episodes_failed = 0
+        """Episodes that ended on an environment error with the failure reward (`env.on_error`)."""
         self.groups_handed_over = 0
         self.dead_lettered: Counter[str] = Counter()
         """Records this worker sent to the dead-letter topic, by reason (bad prompts, failed rewards)."""
@@ -119,6 +133,15 @@ class RolloutWorker:
         self._rate_samples: deque[tuple[float, int]] = deque([(self._started, self.engine.tokens_sampled)])
         self._admitting = True
         self._work_arrived = asyncio.Event()
+        self.env_cfg = config.dataset.env
+        self._env_pool: ThreadPoolExecutor | None = None
+        self._episodes: dict[str, asyncio.Task[None]] = {}  # group id -> its episodes' task
+        self._runners: dict[str, EpisodeRunner] = {}  # group id -> its episodes' runner
+        self._turns: dict[str, asyncio.Future[list[PartialSample]]] = {}  # turn request id -> its result
+        self._turn_queue: list[GroupRequest] = []  # turns to submit before the next step
+        self._turn_withdraw: list[str] = []  # turns of cancelled episodes to take out before the next step
+        self.episode_tokens_discarded = 0
+        """Tokens of episodes handed over unfinished: they are generated again where the episode restarts."""
         self.stop_reason = "sigterm"
         """Reason written into partials handed over when `stop` is set (the agent sets `drain`, `stop`)."""
 
@@ -128,6 +151,8 @@ class RolloutWorker:
             await self._run(stop, preempted)
         finally:
             self.hub.close()
+            if self._env_pool is not None:
+                self._env_pool.shutdown(wait=False, cancel_futures=True)  # a hanging tool keeps only its thread
 
     async def _run(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
         limits = RecordLimits.from_config(self.config)
@@ -161,10 +186,16 @@ class RolloutWorker:
             if intake.done():
                 intake.result()  # the intake died: surface why
             self._start_ready_jobs()
+            self._sync_turns()
             if self.engine.has_work() or self.engine.has_staged():
                 t0 = time.monotonic()
                 for group in await asyncio.to_thread(self.engine.step):
-                    self._spawn(self._finish(group))
+                    turn = self._turns.get(group.group_id)
+                    if turn is not None:
+                        if not turn.done():
+                            turn.set_result(group.samples)
+                    else:
+                        self._spawn(self._finish(group))
                 self.engine_steps += 1
                 self.engine_busy_s += time.monotonic() - t0
             else:
@@ -223,6 +254,7 @@ class RolloutWorker:
             log.info("worker.duplicate_delivery", group_id=job.group_id, offset=d.offset)
             self._spawn(self._mark_done(d))
             return
+        job.resolve_env(self.env_cfg)
         log.info("worker.admitted", group_id=job.group_id, stream=d.stream, offset=d.offset)
         self._waiting.append(job)
         self._work_arrived.set()
@@ -253,6 +285,9 @@ class RolloutWorker:
         p = job.prompt
         job.start()
         self._jobs[job.group_id] = job
+        if job.env is not None:
+            self._episodes[job.group_id] = asyncio.create_task(self._run_episodes(job), name=f"episodes-{job.group_id}")
+            return
         self.engine.submit(GroupRequest(p.group_id, job.prompt_ids, p.sampling, p.n_samples,
                                         seed=self.cfg.seed, resume=job.resume))
 
@@ -268,7 +303,8 @@ class RolloutWorker:
     def stats(self) -> dict[str, Any]:
         """Counters for heartbeats and logs (the region agent reports them)."""
         in_flight = sum(self.engine.tokens_so_far(g) for g in self.engine.group_ids())
-        return {"groups_done": self.groups_done, "handed_over": self.groups_handed_over,
+        return {"groups_done": self.groups_done, "episodes_failed": self.episodes_failed,
+                "episode_tokens_discarded": self.episode_tokens_discarded, "handed_over": self.groups_handed_over,
                 "dead_lettered": dict(self.dead_lettered),
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version,
@@ -352,6 +388,84 @@ class RolloutWorker:
         for task in [t for t in self._tasks if t.done()]:
             self._tasks.discard(task)
             task.result()  # an effect that failed beyond its retries stops the worker (nothing committed)
+        for gid, task in [(g, t) for g, t in self._episodes.items() if t.done()]:
+            del self._episodes[gid]
+            if not task.cancelled():
+                task.result()
+
+    # -- episodes (rollout/episodes.py) ----------------------------------------------------------
+
+    def _sync_turns(self) -> None:
+        """Between steps (the engine is not stepping): withdraw cancelled turns, submit new ones."""
+        for rid in self._turn_withdraw:
+            if rid in self.engine.group_ids():
+                self.engine.take(rid)
+        self._turn_withdraw.clear()
+        queue, self._turn_queue = self._turn_queue, []
+        for request in queue:
+            turn = self._turns.get(request.group_id)
+            if turn is None or turn.done():
+                continue
+            try:
+                self.engine.submit(request)
+            except EngineError:  # the context is full: the turn is empty and ends its episode
+                turn.set_result([PartialSample(ids([]), floats([]), ids([]), "length")])
+
+    async def _generate_turn(self, request_id: str, context: list[int], sampling: Sampling) -> PartialSample:
+        """One model turn of an episode, decoded by this worker's engine beside everything else."""
+        turn: asyncio.Future[list[PartialSample]] = asyncio.get_running_loop().create_future()
+        self._turns[request_id] = turn
+        self._turn_queue.append(GroupRequest(request_id, context, sampling, 1, seed=self.cfg.seed))
+        self._work_arrived.set()
+        try:
+            return (await turn)[0]
+        except asyncio.CancelledError:
+            self._turn_withdraw.append(request_id)
+            raise
+        finally:
+            self._turns.pop(request_id, None)
+
+    def _episode_runner(self, job: Job) -> EpisodeRunner:
+        cfg = self.env_cfg
+        if cfg is None:  # a record that names its own environment in a run without dataset.env
+            from fleetrl.config import EnvConfig
+
+            cfg = self.env_cfg = EnvConfig(name=job.env["name"] if job.env else "")
+        if self._env_pool is None:
+            self._env_pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="fleetrl-env")
+        assert job.env is not None
+        budget = cfg.max_episode_tokens or self.config.algorithm.max_new_tokens
+        return EpisodeRunner(cfg, load_env_factory(job.env["name"], cfg.python_path), self.codec,
+                             TurnTemplate(self.codec, sorted(self.engine.eos_ids)), self._env_pool,
+                             self._generate_turn, budget)
+
+    async def _run_episodes(self, job: Job) -> None:
+        try:
+            runner = self._runners[job.group_id] = self._episode_runner(job)
+            results = await runner.run_group(job.group_id, job.prompt, job.prompt_ids,
+                                             (job.env or {}).get("args") or {})
+        except (EnvError, TaskError) as exc:  # a group whose environment failed: it goes, the worker goes on
+            log.warning("worker.env_error", group_id=job.group_id, error=str(exc))
+            self._jobs.pop(job.group_id, None)
+            self._runners.pop(job.group_id, None)
+            await self._dead_letter(job.delivery, "env_error", str(exc), "env")
+            return
+        self._jobs.pop(job.group_id, None)
+        self._runners.pop(job.group_id, None)
+        for r in results:
+            if r.error is not None:
+                self.episodes_failed += 1
+                log.warning("worker.episode_failed", group_id=job.group_id, error=r.error)
+        record = group_record(job, [r.sample for r in results], [r.reward for r in results], self.region,
+                              self.node, sources=[r.segments for r in results])
+        await self.producer.send("trajectories", job.group_id, record)
+        crash_point("rollout.group.produced")
+        self.groups_done += 1
+        self.tokens_generated += sum(int((r.sample.versions >= 0).sum()) for r in results)
+        log.info("worker.group_done", group_id=job.group_id, episodes=len(results),
+                 turns=sum(r.turns for r in results),
+                 reward=round(sum(r.reward for r in results) / len(results), 4))
+        await self._mark_done(job.delivery)
 
     # -- handover -------------------------------------------------------------------------------
 
@@ -373,6 +487,18 @@ class RolloutWorker:
         for gid in list(self._jobs):
             if gid in self.engine.group_ids():
                 self._spawn(self._hand_over(self._jobs.pop(gid), self.engine.take(gid), reason))
+        for gid, task in list(self._episodes.items()):
+            task.cancel()  # its episodes restart elsewhere: the tokens so far are given up (counted)
+            turns = [rid for rid in self.engine.group_ids() if rid.startswith(f"{gid}#")]
+            runner = self._runners.pop(gid, None)
+            self.episode_tokens_discarded += sum(self.engine.tokens_so_far(rid) for rid in turns) + (
+                runner.tokens_generated if runner is not None else 0)
+            for rid in turns:
+                self.engine.take(rid)
+            if gid in self._jobs:
+                self._spawn(self._hand_over(self._jobs.pop(gid), None, reason))
+        await asyncio.gather(*self._episodes.values(), return_exceptions=True)
+        self._episodes.clear()
         for job in self._waiting:
             self._spawn(self._hand_over(job, None, reason))
         self._waiting = []

@@ -33,9 +33,15 @@ class TrainSample:
     old_logprobs: npt.NDArray[np.float32] | None = None
     """One per completion token under the weights before the step's first update (set by the learner
     when it makes several updates per step; None: the current logprobs, detached, are the old ones)."""
+    policy_mask: npt.NDArray[np.bool_] | None = None
+    """One per completion token: False for tokens the environment wrote (tool results, observations),
+    which stay in the context but out of the loss, the KL and the token counts. None: all the policy's."""
 
     @property
     def n_completion(self) -> int:
+        """Completion tokens that enter the loss (the policy's)."""
+        if self.policy_mask is not None:
+            return int(self.policy_mask.sum())
         return len(self.input_ids) - self.prompt_len
 
 
@@ -73,15 +79,19 @@ def build_step_batch(groups: Sequence[GroupRecord], kind: AdvantageKind, version
         for s, a in zip(g.samples, adv, strict=True):
             # With no prompt token nothing predicts the first completion token: it is not scored.
             skip = 1 if len(prompt) == 0 else 0
-            if len(s.completion_ids) <= skip:
+            mask = s.policy_mask()[skip:] if s.segments is not None else None
+            if len(s.completion_ids) <= skip or (mask is not None and not mask.any()):
                 continue
-            lags.append(version - int(s.versions.min()))
+            # One advantage per sample: an episode's turns share it (environment tokens are masked).
+            policy_versions = s.versions[skip:] if mask is None else s.versions[skip:][mask]
+            lags.append(version - int(policy_versions.min()))
             samples.append(TrainSample(
                 input_ids=np.concatenate([prompt, np.asarray(s.completion_ids, dtype=np.int64)]),
                 prompt_len=max(len(prompt), 1),
                 behaviour_logprobs=np.asarray(s.logprobs[skip:], dtype=np.float32),
                 versions=np.asarray(s.versions[skip:], dtype=np.int32),
                 advantage=float(a),
+                policy_mask=mask,
             ))
     batch = StepBatch(samples, version, sum(s.n_completion for s in samples), len(samples))
     batch.stats = {
@@ -126,7 +136,7 @@ def collate(samples: Sequence[TrainSample], device: torch.device | str) -> Micro
         attn[i, :L] = 1
         # Completion token j sits at position prompt_len + j and is predicted from the one before.
         start = s.prompt_len - 1
-        mask[i, start:L - 1] = 1.0
+        mask[i, start:L - 1] = 1.0 if s.policy_mask is None else torch.from_numpy(s.policy_mask.astype("float32"))
         beh[i, start:L - 1] = torch.tensor(s.behaviour_logprobs)  # decoded arrays are read-only views
         if old is not None:
             old[i, start:L - 1] = torch.tensor(s.old_logprobs)

@@ -168,6 +168,8 @@ def _resolve_paths(config: FleetConfig, base: pathlib.Path) -> None:
     if d.path is not None:
         d.path = _resolve(base, d.path)
     r.python_path = [_resolve(base, folder) for folder in r.python_path]
+    if d.env is not None:
+        d.env.python_path = [_resolve(base, folder) for folder in d.env.python_path]
     ckpt = pathlib.Path(config.trainer.checkpoint_dir)
     if not ckpt.is_absolute():
         config.trainer.checkpoint_dir = str((base / ckpt).resolve())

@@ -1,6 +1,7 @@
 """Inputs of the "your own model" example, built on this machine with no download (`examples/fleet.hf.yaml`).
 
     python -m fleetrl.demo.hf_inputs examples/hf        # writes examples/hf/model and prompts.jsonl
+    python -m fleetrl.demo.hf_inputs examples/tools --rows tools   # the same for examples/fleet.tools.yaml
 
 * a Hugging Face causal-LM folder: a Qwen2 (or Llama) architecture at random weights, saved in bf16
   as safetensors shards with an index, with a generation config listing two EOS ids;
@@ -40,6 +41,20 @@ def example_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
     for _ in range(n):
         k = rng.choice(KEYWORDS)
         rows.append({"prompt": [{"role": "user", "content": rng.choice(_FORMS).format(k=k)}], "keyword": k})
+    return rows
+
+
+def tool_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """`n` chat prompts of `examples/fleet.tools.yaml`: ask the lookup tool for an item's colour. Each row
+    carries the `table` its environment's tool reads (examples/tools/lookup_env.py), shuffled per row,
+    and the `item` asked about: the colour is in no prompt."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        colours = rng.sample(KEYWORDS, len(KEYWORDS))
+        item = f"item {rng.randrange(len(KEYWORDS))}"
+        rows.append({"prompt": [{"role": "user", "content": f"What colour is {item}? Ask the lookup tool."}],
+                     "item": item, "table": {f"item {i}": c for i, c in enumerate(colours)}})
     return rows
 
 
@@ -106,8 +121,9 @@ def build_model_folder(out: str | pathlib.Path, *, arch: str = "qwen2", dtype: s
     return path
 
 
-def write_prompts(path: pathlib.Path, n: int = 256, seed: int = 0) -> pathlib.Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in example_rows(n, seed)))
+def write_prompts(path: pathlib.Path, n: int = 256, seed: int = 0, rows: str = "keywords") -> pathlib.Path:
+    made = tool_rows(n, seed) if rows == "tools" else example_rows(n, seed)
+    path.write_text("".join(json.dumps(r) + "\n" for r in made))
     return path
 
 
@@ -115,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="build the inputs of examples/fleet.hf.yaml (no download)")
     parser.add_argument("folder", nargs="?", default="examples/hf", help="where to write model/ and prompts.jsonl")
     parser.add_argument("--arch", default="qwen2", choices=sorted(_ARCHS))
+    parser.add_argument("--rows", default="keywords", choices=["keywords", "tools"],
+                        help="keywords: examples/fleet.hf.yaml's prompts; tools: examples/fleet.tools.yaml's")
     args = parser.parse_args(argv)
     folder = pathlib.Path(args.folder)
     model = build_model_folder(folder / "model", arch=args.arch)
-    prompts = write_prompts(folder / "prompts.jsonl")
+    prompts = write_prompts(folder / "prompts.jsonl", rows=args.rows)
     print(json.dumps({"model": str(model), "prompts": str(prompts)}))
     return 0
 

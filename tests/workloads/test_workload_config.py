@@ -94,3 +94,24 @@ def test_bad_workload_is_one_line_naming_the_field(tmp_path: pathlib.Path, qwen2
     assert rc == 2
     assert len(err.splitlines()) == 1, err
     assert f"fleet.yaml: {field}: " in err and message in err, err
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("no_such_env", "not a skyrl-gym environment id"),
+    ("skyrl_envs_nosuch:Env", "cannot import 'skyrl_envs_nosuch'"),
+    ("skyrl_envs:NoSuchEnv", "has no environment class or factory 'NoSuchEnv'"),
+])
+def test_bad_environment_is_one_line_naming_the_field(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                                      name: str, message: str) -> None:
+    path = _config(tmp_path, None, dataset={"task": "reverse", "env": {"name": name, "python_path": [str(HERE)]}})
+    rc, err = _check(path, capsys)
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "fleet.yaml: dataset.env.name: " in err and message in err, err
+
+
+def test_a_skyrl_environment_passes(tmp_path: pathlib.Path, qwen2_folder: pathlib.Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = _config(tmp_path, qwen2_folder, dataset={"task": "lookup", "path": str(_chat_rows(tmp_path)),
+                                                    "env": {"name": "skyrl_envs:LookupEnv", "python_path": ["."]}})
+    shutil.copy(HERE / "skyrl_envs.py", tmp_path / "skyrl_envs.py")  # python_path is relative to the config
+    assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
