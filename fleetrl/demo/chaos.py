@@ -43,14 +43,10 @@ KILL_KINDS = ("trainer", "agent", "worker", "replicator", "broker")
 CRASH_KINDS = ("trainer", "replicator", "worker")
 """The process kinds of the demo that reach crash points (`fleetrl.crashpoints.POINTS`)."""
 RESTART_S = 1.0
-"""Seconds between a kill and the restart (systemd's RestartSec)."""
 RECOVER_S = 20.0
 """A restarted process is not killed again for this long: a trainer needs ~10 s on 2 busy cores to load
 torch and resume from its checkpoint, and killing it again before it trains a step proves nothing."""
-TRAINER_RECOVER_MAX_S = 120.0
-"""A restarted trainer is spared until it has trained a step (at most this long): with a kill every few
-seconds on busy cores, a trainer killed again before its first step would never train, and the run would
-prove only that."""
+"""Seconds between a kill and the restart (systemd's RestartSec)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +166,6 @@ class Chaos:
         self.restarts: dict[str, tuple[float, Child]] = {}
         """Child name -> (when to restart it, the child): killed, waiting for their RestartSec."""
         self.restarted_at: dict[str, float] = {}
-        self.step_at_restart: dict[str, int] = {}
-        """Child name -> the run's step when it was last restarted."""
         """Child name -> when it was last restarted (spared from kills for RECOVER_S)."""
         self.kill_turn = 0
         self.leaving: set[str] = set()
@@ -234,7 +228,7 @@ class Chaos:
         hit); a process restarted less than RECOVER_S ago is spared, as it has not come back yet."""
         now = time.monotonic()
         targets = [t for t in self._targets() if _kind(t[0]) in self.plan.kill_only
-                   and now - self.restarted_at.get(t[0], -RECOVER_S) >= RECOVER_S and self._recovered(t[0], now)]
+                   and now - self.restarted_at.get(t[0], -RECOVER_S) >= RECOVER_S]
         kinds = self.plan.kill_only
         for i in range(len(kinds)):
             kind = kinds[(self.kill_turn + i) % len(kinds)]
@@ -244,13 +238,6 @@ class Chaos:
                 name, pid, child = self.rng.choice(of_kind)
                 self.kill(name, pid, child)
                 return
-
-    def _recovered(self, name: str, now: float) -> bool:
-        """A trainer has recovered once it trained a step after its restart (or TRAINER_RECOVER_MAX_S passed)."""
-        if name != "trainer" or name not in self.restarted_at:
-            return True
-        step_then = self.step_at_restart.get(name, 0)
-        return self.demo.progress.step > step_then or now - self.restarted_at[name] >= TRAINER_RECOVER_MAX_S
 
     def kill(self, name: str, pid: int, child: Child | None) -> None:
         try:
@@ -275,7 +262,6 @@ class Chaos:
         child.restart()
         del self.restarts[name]
         self.restarted_at[name] = time.monotonic()
-        self.step_at_restart[name] = self.demo.progress.step
         self.demo.restarted(child)
         self._fault("restart", name, f"pid {child.pid}")
 
