@@ -55,12 +55,11 @@ GC = ["hub.gc.manifest_deleted@2", "hub.gc.holder_deleted@3", "hub.gc.object_del
 DOUBLE_TRAINER = [
     "hub.publish.manifest_written@3", "hub.publish.manifest_written",  # dies again in the republish
     "trainer.checkpoint.state_written@2", "hub.publish.objects_written",  # and in the next point of it
-    "trainer.checkpoint.renamed@2", "trainer.checkpoint.renamed",
 ]
 DOUBLE_REPLICATOR = ["hub.replicate.manifest_copied@2", "hub.replicate.manifest_copied",
                      "hub.replicate.holder_written@2", "hub.replicate.home_holder_written"]
 DOUBLE_WORKER = ["rollout.group.produced@2", "rollout.group.produced", "rollout.offsets.committed"]
-STEPS = 30
+STEPS = 32
 SWEEP_TIMEOUT_S = 600
 # The sweep's demo run is the first test's setup: its bound, not the suite's 300 s per test.
 pytestmark.append(pytest.mark.timeout(SWEEP_TIMEOUT_S + 120))
