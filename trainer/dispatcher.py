@@ -13,15 +13,12 @@ credit (`credits.py`). A group whose region has been silent for `silent_region_t
 again, to another region where one has credit, with `attempt + 1`; the collector trains whichever
 attempt arrives first and drops the other as a duplicate.
 
-The groups admitted in one round are sent concurrently and their acknowledgements awaited together,
-so a round costs one link round trip, not one per group. The state here is plain data (cursor into
-the prompt source, groups in flight) and goes into every checkpoint; sending is an injected
-coroutine, so the state machine is tested without Kafka.
+The state here is plain data (cursor into the prompt source, groups in flight) and goes into every
+checkpoint; sending is an injected coroutine, so the state machine is tested without Kafka.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -109,7 +106,6 @@ class Dispatcher:
         `released` is how many admitted groups were dropped stale (they hold no place).
         """
         sent = await self._retry_unsent(now)
-        sends: list[tuple[str, InFlight]] = []
         while not self.exhausted and self.budget(step, released) > 0:
             item = next(self._prompts, None)
             if item is None:
@@ -124,26 +120,12 @@ class Dispatcher:
             region = self.credits.pick(self._per_region(), now)
             flight = InFlight(index, region, 0, now, version, p.task, p.prompt, p.reference,
                               messages=p.messages, columns=p.columns)
-            self.in_flight[gid] = flight  # counts for the next group's pick
-            sends.append((gid, flight))
-        return sent + await self._send_all(sends, now)
-
-    async def _send_all(self, sends: list[tuple[str, InFlight]], now: float) -> int:
-        """Send every record at once and wait for all the acknowledgements: a region's records share
-        the link's round trips (the producer batches them per partition, in order) instead of paying
-        one round trip each. Returns how many were acknowledged; a fatal error cancels the rest."""
-        if len(sends) <= 1:
-            return sum([await self._send(gid, f, now) for gid, f in sends])
-        try:
-            async with asyncio.TaskGroup() as tasks:
-                running = [tasks.create_task(self._send(gid, f, now), name=f"dispatch-{gid}") for gid, f in sends]
-        except BaseExceptionGroup as group:  # one clear error, as a sequential send would raise
-            raise group.exceptions[0] from None
-        return sum(t.result() for t in running)
+            sent += await self._send(gid, flight, now)
+        return sent
 
     async def redispatch_silent(self, now: float, timeout_s: float) -> int:
         """Send again, with a new attempt, every group whose region has been silent too long."""
-        sends: list[tuple[str, InFlight]] = []
+        moved = 0
         for gid, f in list(self.in_flight.items()):
             quiet = self.credits.silent_since(f.region)
             if not f.sent or now - f.dispatched_at <= timeout_s or (quiet is not None and now - quiet <= timeout_s):
@@ -153,8 +135,8 @@ class Dispatcher:
             f.attempt += 1
             f.dispatched_at = now
             log.warning("dispatch.redispatched", group_id=gid, attempt=f.attempt, from_region=old, to_region=f.region)
-            sends.append((gid, f))
-        return await self._send_all(sends, now)
+            moved += await self._send(gid, f, now)
+        return moved
 
     async def redispatch_region(self, region: str, now: float, exclude: frozenset[str]) -> int:
         """Send every group still in flight in `region` (a gone region, see handover.py) to another
@@ -219,13 +201,13 @@ class Dispatcher:
             return 1
 
     async def _retry_unsent(self, now: float) -> int:
-        sends: list[tuple[str, InFlight]] = []
+        sent = 0
         for gid, f in list(self.in_flight.items()):
             if not f.sent:
                 f.region = self.credits.pick(self._per_region(), now)
                 f.dispatched_at = now
-                sends.append((gid, f))
-        return await self._send_all(sends, now)
+                sent += await self._send(gid, f, now)
+        return sent
 
     def _per_region(self) -> dict[str, int]:
         counts: dict[str, int] = {}
