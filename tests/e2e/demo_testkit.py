@@ -63,7 +63,11 @@ def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int =
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)  # the demo's own bounded cleanup
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the demo and whatever it left
+            out, _ = proc.communicate(timeout=10)
         raise AssertionError(f"demo ran over {timeout_s} s:\n{out[-4000:]}") from None
     assert proc.returncode == 0, out[-6000:]
     summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
