@@ -60,7 +60,7 @@ DOUBLE_REPLICATOR = ["hub.replicate.manifest_copied@2", "hub.replicate.manifest_
                      "hub.replicate.holder_written@2", "hub.replicate.home_holder_written"]
 DOUBLE_WORKER = ["rollout.group.produced@2", "rollout.group.produced", "rollout.offsets.committed"]
 STEPS = 32
-SWEEP_TIMEOUT_S = 600
+SWEEP_TIMEOUT_S = 900
 # The sweep's demo run is the first test's setup: its bound, not the suite's 300 s per test.
 pytestmark.append(pytest.mark.timeout(SWEEP_TIMEOUT_S + 120))
 
