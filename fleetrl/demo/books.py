@@ -26,38 +26,34 @@ _AUDIT_TIMEOUT_S = 900.0
 
 def run_audit(config_path: pathlib.Path, workdir: pathlib.Path, env: dict[str, str]) -> dict[str, Any]:
     """`fleetrl audit --json` as a process (its log in `workdir/logs/audit.log`); its report."""
-    argv = [sys.executable, "-m", "fleetrl.cli", "audit", "--config", str(config_path), "--json", "--log-json"]
-    log_path = workdir / "logs" / "audit.log"
-    with open(log_path, "wb") as log:
-        try:
-            out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, timeout=_AUDIT_TIMEOUT_S, env=env,
-                                 check=False)
-        except subprocess.TimeoutExpired:
-            raise DemoError(f"fleetrl audit took over {_AUDIT_TIMEOUT_S:.0f} s; see {log_path}") from None
-    try:
-        report: dict[str, Any] = json.loads(out.stdout)
-    except ValueError:
-        raise DemoError(f"fleetrl audit exited {out.returncode} without a report; see {log_path}") from None
+    report: dict[str, Any] = _json_of("audit", ["audit", "--json"], config_path, workdir, env)
     return report
 
 
 def verify_stores(config_path: pathlib.Path, workdir: pathlib.Path, env: dict[str, str]) -> list[dict[str, Any]]:
     """`fleetrl hub verify --all --store all` as a process: per store, whether its versions are gapless,
     `latest` names the newest and every version verifies (its log in `workdir/logs/verify.log`)."""
-    argv = [sys.executable, "-m", "fleetrl.cli", "hub", "verify", "--all", "--store", "all",
-            "--config", str(config_path), "--log-json"]
-    log_path = workdir / "logs" / "verify.log"
+    reports: list[dict[str, Any]] = _json_of("verify", ["hub", "verify", "--all", "--store", "all"], config_path,
+                                             workdir, env)
+    return reports
+
+
+def _json_of(name: str, args: list[str], config_path: pathlib.Path, workdir: pathlib.Path,
+             env: dict[str, str]) -> Any:
+    """Run `fleetrl ARGS` (bounded; its log in `workdir/logs/NAME.log`) and parse the JSON it prints."""
+    argv = [sys.executable, "-m", "fleetrl.cli", *args, "--config", str(config_path), "--log-json"]
+    log_path = workdir / "logs" / f"{name}.log"
+    what = f"fleetrl {' '.join(args[:2])}"
     with open(log_path, "wb") as log:
         try:
             out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=log, timeout=_AUDIT_TIMEOUT_S, env=env,
                                  check=False)
         except subprocess.TimeoutExpired:
-            raise DemoError(f"fleetrl hub verify took over {_AUDIT_TIMEOUT_S:.0f} s; see {log_path}") from None
+            raise DemoError(f"{what} took over {_AUDIT_TIMEOUT_S:.0f} s; see {log_path}") from None
     try:
-        reports: list[dict[str, Any]] = json.loads(out.stdout)
+        return json.loads(out.stdout)
     except ValueError:
-        raise DemoError(f"fleetrl hub verify exited {out.returncode} without a report; see {log_path}") from None
-    return reports
+        raise DemoError(f"{what} exited {out.returncode} without a report; see {log_path}") from None
 
 
 class DeadLetterTally:
