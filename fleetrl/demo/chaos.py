@@ -4,9 +4,10 @@
                             a replicator, and with --durable a region's tansu) and restart it after
                             `RESTART_S`, as systemd's Restart=always would (a worker is restarted by its
                             agent's supervisor, as in production)
-    --preempt-every S       create the notice file of a random live agent (its `--notice-file`, the
-                            file notice source): it hands over and exits 0; a replacement node
-                            `<node>-r<k>` starts in its region, as a spot fleet replaces a node
+    --preempt-every S       create the notice file of a random live agent up for `RECOVER_S` (its
+                            `--notice-file`, the file notice source): it hands over and exits 0; a
+                            replacement node `<node>-r<k>` starts in its region, as a spot fleet
+                            replaces a node
     --partition R:START:S   cut region R's links home (Kafka to the trainer, MQTT, the home store) at
                             START s for S s, through the relays of `fleetrl.demo.relay`
     --fuzz-rate R           a fraction R of the records in prompts and trajectories are hostile,
@@ -296,9 +297,14 @@ class Chaos:
     # -- preempt --------------------------------------------------------------------------------
 
     def _preempt_one(self) -> None:
+        """Notice a random live agent that has been up for RECOVER_S: preempting a node that has not come
+        up yet (its worker still loading) tests nothing, and on a slow machine a schedule that keeps
+        picking the newest node starves its region for good."""
+        now = time.monotonic()
         agents = [c for c in self.demo.children
                   if c.name.startswith("agent-") and c.returncode() is None and c.name not in self.leaving
-                  and c.name not in self.restarts]
+                  and c.name not in self.restarts
+                  and now - self.restarted_at.get(c.name, self.log.started) >= RECOVER_S]
         if not agents:
             return
         agent = self.rng.choice(agents)
@@ -309,8 +315,9 @@ class Chaos:
         self._fault("preempt", agent.name, str(notice))
         self.replacements += 1
         new_node = f"{node.split('-r')[0]}-r{self.replacements}"
-        self.demo.start_agent(region, new_node)
-        self._fault("replace", f"agent-{region}-{new_node}")
+        replacement = self.demo.start_agent(region, new_node)
+        self.restarted_at[replacement.name] = time.monotonic()
+        self._fault("replace", replacement.name)
 
     # -- partitions -----------------------------------------------------------------------------
 
