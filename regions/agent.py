@@ -51,8 +51,8 @@ from fleetrl.regions.identity import check_identity
 from fleetrl.regions.metrics import AgentMetrics
 from fleetrl.regions.preemption import Notice, PreemptionWatcher, SignalWatcher
 from fleetrl.regions.supervisor import EngineSupervisor
+from fleetrl.rollout import engine_config, engine_devices
 from fleetrl.rollout.announcements import announced_version
-from fleetrl.rollout.worker import engine_config, engine_devices
 from fleetrl.runtime import cancel_all, describe_task
 
 log = get_logger(__name__)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fleetrl.rollout.errors import EngineError, EnvError, RolloutError, TaskError, WorkerError
+from fleetrl.rollout.nodes import engine_config, engine_devices
 from fleetrl.rollout.tasks import TASKS, CharTokenizer, Task, TaskPrompt, get_task
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ __all__ = [
     "VllmEngine",
     "WorkerError",
     "build_engine",
+    "engine_config",
+    "engine_devices",
     "get_task",
     "run_worker",
 ]

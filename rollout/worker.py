@@ -46,7 +46,7 @@ from fleetrl.broker import (
     ids,
     rollout_group,
 )
-from fleetrl.config import EngineConfig, FleetConfig
+from fleetrl.config import FleetConfig
 from fleetrl.crashpoints import crash_point
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
@@ -55,6 +55,7 @@ from fleetrl.rollout.engine import Engine, FinishedGroup, GroupRequest
 from fleetrl.rollout.episodes import EpisodeRunner, TurnTemplate, load_env_factory
 from fleetrl.rollout.errors import EngineError, EnvError, RewardError, TaskError
 from fleetrl.rollout.jobs import Job, group_record, partial_record, reward_input
+from fleetrl.rollout.nodes import engine_config, engine_devices
 from fleetrl.rollout.rewards import build_rewards
 from fleetrl.rollout.tasks import get_task
 from fleetrl.rollout.tokenize import TextCodec, load_codec
@@ -63,21 +64,6 @@ from fleetrl.rollout.weights import WeightSync
 log = get_logger(__name__)
 RATE_WINDOW_S = 30.0
 _IDLE_WAKE_S = 0.05  # an idle loop's longest nap: bounds how late it sees a stop or new weights
-
-
-def engine_config(config: FleetConfig, region: str, node: str) -> EngineConfig:
-    """The engine config of a node: the node's own, else its region's."""
-    r = config.region(region)
-    return next((n.engine for n in r.nodes if n.name == node and n.engine is not None), r.engine)
-
-
-def engine_devices(config: FleetConfig, region: str, node: str) -> list[str]:
-    """One entry per engine the node runs (its supervised worker processes): `engine.devices`, else one
-    engine on the torch `device` (or, for vLLM, on every visible GPU: an empty entry)."""
-    cfg = engine_config(config, region, node)
-    if cfg.devices:
-        return list(cfg.devices)
-    return [cfg.device] if cfg.kind == "torch" else [""]
 
 
 def build_engine(config: FleetConfig, region: str, node: str, engine_index: int = 0) -> Engine:
