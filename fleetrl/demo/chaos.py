@@ -4,9 +4,9 @@
                             a replicator, and with --durable a region's tansu) and restart it after
                             `RESTART_S`, as systemd's Restart=always would (a worker is restarted by its
                             agent's supervisor, as in production)
-    --preempt-every S       create the notice file of a random live agent up for `RECOVER_S` (its
-                            `--notice-file`, the file notice source): it hands over and exits 0; a
-                            replacement node `<node>-r<k>` starts in its region, as a spot fleet
+    --preempt-every S       create the notice file of a random live agent whose worker is generating
+                            (its `--notice-file`, the file notice source): it hands over and exits 0;
+                            a replacement node `<node>-r<k>` starts in its region, as a spot fleet
                             replaces a node
     --partition R:START:S   cut region R's links home (Kafka to the trainer, MQTT, the home store) at
                             START s for S s, through the relays of `fleetrl.demo.relay`
@@ -297,14 +297,13 @@ class Chaos:
     # -- preempt --------------------------------------------------------------------------------
 
     def _preempt_one(self) -> None:
-        """Notice a random live agent that has been up for RECOVER_S: preempting a node that has not come
-        up yet (its worker still loading) tests nothing, and on a slow machine a schedule that keeps
-        picking the newest node starves its region for good."""
-        now = time.monotonic()
+        """Notice a random live agent whose worker is generating: preempting a node that has not come up
+        yet (its worker still importing torch and loading weights) tests nothing, and on a slow machine
+        a schedule that keeps picking the newest nodes starves the fleet for good (CI's 2 cores: 30 s
+        from an agent's start to its worker's first group)."""
         agents = [c for c in self.demo.children
                   if c.name.startswith("agent-") and c.returncode() is None and c.name not in self.leaving
-                  and c.name not in self.restarts
-                  and now - self.restarted_at.get(c.name, self.log.started) >= RECOVER_S]
+                  and c.name not in self.restarts and self.demo.generating(c)]
         if not agents:
             return
         agent = self.rng.choice(agents)
@@ -316,7 +315,6 @@ class Chaos:
         self.replacements += 1
         new_node = f"{node.split('-r')[0]}-r{self.replacements}"
         replacement = self.demo.start_agent(region, new_node)
-        self.restarted_at[replacement.name] = time.monotonic()
         self._fault("replace", replacement.name)
 
     # -- partitions -----------------------------------------------------------------------------

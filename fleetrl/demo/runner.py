@@ -226,6 +226,11 @@ class Demo:
         self.agents[child.name] = (region, node)
         return self._spawn(child, agent=(region, node))
 
+    def generating(self, agent: Child) -> bool:
+        """Whether the agent's worker has loaded its weights and taken work (its `worker.started`)."""
+        region, node = self.agents[agent.name]
+        return node in self.progress.regions[region].generating
+
     def notice_file(self, region: str, node: str) -> pathlib.Path:
         return self.workdir / "notices" / f"{region}-{node}"
 

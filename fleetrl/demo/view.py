@@ -58,6 +58,8 @@ class LogTail:
 class RegionView:
     nodes: dict[str, str] = field(default_factory=dict)
     """Node name -> its last state (`starting` until the agent says otherwise)."""
+    generating: set[str] = field(default_factory=set)
+    """Nodes whose worker has loaded its weights and taken work (`worker.started`)."""
     groups_done: int = 0
     done_at: deque[float] = field(default_factory=deque)
     replica_version: int | None = None
@@ -133,6 +135,7 @@ class Progress:
             view.nodes[node] = str(event["state"])
         elif name == "worker.started":
             view.nodes[node] = "up"
+            view.generating.add(node)
 
     def _row(self, e: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()

@@ -1,5 +1,6 @@
-"""What the e2e tests of `fleetrl demo` share: the shipped demo config on free ports, and the
-clean-up of whatever a demo run left alive (by the PIDs it recorded)."""
+"""What the e2e tests of `fleetrl demo` share: the shipped configs on free ports (with the examples'
+inputs built as the README says), a bounded demo run, and the clean-up of whatever a demo run left
+alive (by the PIDs it recorded)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,30 @@ def demo_config(tmp_path: pathlib.Path) -> tuple[dict[str, Any], pathlib.Path]:
     return doc, path
 
 
+def example_config(tmp_path: pathlib.Path, example: str, *rows: str) -> tuple[dict[str, Any], pathlib.Path]:
+    """`examples/fleet.<example>.yaml` on free ports, reading the inputs that `python -m
+    fleetrl.demo.hf_inputs <dir> [--rows ...]` builds (as the README says) into `tmp_path/<example>`; the
+    caller may change the returned document and write it again to the returned path."""
+    inputs = tmp_path / example
+    subprocess.run([sys.executable, "-m", "fleetrl.demo.hf_inputs", str(inputs), *rows], check=True,
+                   env=_env(), capture_output=True, timeout=120)
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / f"fleet.{example}.yaml").read_text())
+    doc["model"]["path"] = str(inputs / "model")
+    doc["dataset"]["path"] = str(inputs / "prompts.jsonl")
+    doc["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
+    for region in doc["regions"]:
+        region["kafka"] = f"127.0.0.1:{free_port()}"
+    path = tmp_path / f"fleet.{example}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return doc, path
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("FLEETRL_HUB_KEY", None)
+    return env
+
+
 def kill_leftovers(work: pathlib.Path) -> None:
     """SIGKILL every process the demo in `work` recorded (pids.json) that is still alive."""
     pids_file = work / "pids.json"
@@ -52,8 +77,7 @@ def kill_leftovers(work: pathlib.Path) -> None:
 def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int = STEPS,
              timeout_s: float = DEMO_TIMEOUT_S) -> dict[str, Any]:
     """Run the demo to its end (bounded); returns summary.json after asserting exit 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("FLEETRL_HUB_KEY", None)
+    env = _env()
     out_dir = work.parent / "out"
     proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
                              str(work), "--steps", str(steps), "--out", str(out_dir), *chaos],
@@ -84,6 +108,15 @@ def assert_accounted(summary: dict[str, Any], steps: int = STEPS) -> None:
     assert summary["steps"] == steps and len(summary["rewards"]) == steps
     assert a["trained"] == steps * 8  # groups_per_step of the demo config, each trained once
     assert summary["still_running"] == []
+
+
+def assert_learned(summary: dict[str, Any], steps: int, label: str) -> None:
+    """The audit is ok and the mean reward of the last 10 steps is above that of the first 10."""
+    assert summary["audit"]["ok"] and summary["audit"]["problems"] == [], summary["audit"]
+    rewards = summary["rewards"]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"{label}: {len(rewards)} steps, reward first 10 {first:.3f} -> last 10 {last:.3f}")
+    assert len(rewards) == steps and last > first, rewards
 
 
 def kills_of(summary: dict[str, Any], kind: str) -> list[dict[str, Any]]:

@@ -1,0 +1,76 @@
+"""`fleetrl demo --preempt-every`: a notice goes only to a node whose worker is generating (no servers).
+
+A schedule that also notices nodes still loading keeps hitting the newest ones on a slow machine: on
+CI's 2 cores every replacement was preempted before its worker took work, and a region never produced.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
+from fleetrl.demo.procs import Child
+from fleetrl.demo.view import Progress, RegionView
+
+
+class Fleet:
+    """The part of the demo's runner that preemption uses: its agents (real sleeping processes), their
+    notice files, and the progress view fed from their logs."""
+
+    def __init__(self, workdir: pathlib.Path) -> None:
+        self.workdir, self.children, self.agents = workdir, [], {}
+        self.progress = Progress(4, {"a": RegionView(), "b": RegionView()})
+        (workdir / "notices").mkdir()
+
+    def start_agent(self, region: str, node: str) -> Child:
+        child = Child(f"agent-{region}-{node}", [sys.executable, "-c", "import time; time.sleep(30)"],
+                      self.workdir / f"{region}-{node}.log", {}).start()
+        self.children.append(child)
+        self.agents[child.name] = (region, node)
+        return child
+
+    def agent_of(self, child: Child) -> tuple[str, str]:
+        return self.agents[child.name]
+
+    def notice_file(self, region: str, node: str) -> pathlib.Path:
+        return self.workdir / "notices" / f"{region}-{node}"
+
+    def generating(self, agent: Child) -> bool:
+        region, node = self.agents[agent.name]
+        return node in self.progress.regions[region].generating
+
+
+@pytest.fixture
+def fleet(tmp_path: pathlib.Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    f.start_agent("a", "node-1")
+    f.start_agent("b", "node-1")
+    yield f
+    for c in f.children:
+        if c.proc is not None:
+            c.proc.kill()
+            c.proc.wait(timeout=10)
+        if c._log is not None:
+            c._log.close()
+
+
+def test_only_a_node_whose_worker_generates_is_preempted(fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    chaos = Chaos(FaultPlan(preempt_every_s=1.0), fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
+    chaos._preempt_one()  # neither worker is up yet: nothing to notice
+    assert chaos.log.faults == [] and not list((tmp_path / "notices").iterdir())
+
+    fleet.progress.feed({"event": "worker.started"}, ("b", "node-1"))
+    for _ in range(3):  # only b's node is up; its replacement is not, so nothing else is noticed
+        chaos._preempt_one()
+    assert [(f.kind, f.target) for f in chaos.log.faults] == [("preempt", "agent-b-node-1"),
+                                                               ("replace", "agent-b-node-1-r1")]
+    assert (tmp_path / "notices" / "b-node-1").exists()
+
+    fleet.progress.feed({"event": "worker.started"}, ("b", "node-1-r1"))
+    chaos._preempt_one()
+    assert chaos.log.faults[-2].target == "agent-b-node-1-r1"  # the replacement, once it generates
