@@ -7,7 +7,8 @@ rest itself) gets exactly one verdict:
 * `duplicate` - its `group_id` was already trained, dropped or buffered (a redelivery after a
   restart, or a second attempt after a redispatch): a group trains at most once;
 * `stale`     - its oldest token is more than `max_staleness + 1` versions behind the learner;
-  dropped and counted (a metric), and remembered so that a later copy is a duplicate;
+  dropped and counted (a metric), and remembered so that a later copy is a duplicate (behind: in
+  optimizer steps along the weights' lineage, see `Collector.lag_of`);
 * `foreign`   - a record of another run (dead-lettered by the trainer with that reason).
 
 The ledger of settled groups (`ledger.py`: trained once or dropped stale, the newest in detail,
@@ -36,6 +37,10 @@ class Collector:
         self.ledger = Ledger(run, ledger_detail_groups)
         self.pending: OrderedDict[str, GroupRecord] = OrderedDict()
         self.duplicates = 0
+        self.republished: list[tuple[int, int]] = []
+        """(version, checkpoint version) of each republish, oldest first: `version` holds the very
+        weights of `checkpoint version` (a restarted trainer's checkpoint, published again as the
+        store's next version), and the versions between them were published from weights now lost."""
 
     @property
     def trained(self) -> list[TrainedEntry]:
@@ -51,7 +56,31 @@ class Collector:
         return gid in self.pending or self.ledger.settled(gid)
 
     def lag(self, record: GroupRecord, version: int) -> int:
-        return version - record.min_version
+        return self.lag_of(record.min_version, version)
+
+    def lag_of(self, made_with: int, version: int) -> int:
+        """Optimizer steps between the weights of version `made_with` and those of `version`, along
+        the weights' lineage: a republished version counts as its checkpoint's weights (0 steps), and a
+        version published after that checkpoint by a trainer that died (its weights lost) is as many
+        steps off the checkpoint as it was ahead of it. Without republishes, `version - made_with`."""
+        steps = 0
+        for published, ckpt in reversed(self.republished):
+            if published > version:
+                continue  # a republish later than `version` (only when asked about the past)
+            if made_with >= published:
+                break
+            steps += version - published
+            if made_with > ckpt:  # on the lost branch after the checkpoint
+                return steps + made_with - ckpt
+            version = ckpt
+        return steps + version - made_with
+
+    def note_republished(self, version: int, checkpoint_version: int) -> None:
+        """`version` was published with the weights of `checkpoint_version` (a restart's republish)."""
+        if version <= checkpoint_version or (self.republished and version <= self.republished[-1][0]):
+            raise ValueError(f"republished version {version} must follow checkpoint version {checkpoint_version} "
+                             f"and every earlier republish {self.republished[-1:]}")
+        self.republished.append((version, checkpoint_version))
 
     def offer(self, record: GroupRecord, version: int) -> Verdict:
         if record.run != self.run:
@@ -111,6 +140,7 @@ class Collector:
             "ledger": ledger,
             "pending": [encode_record(r) for r in self.pending.values()],
             "duplicates": self.duplicates,
+            "republished": [list(pair) for pair in self.republished],
         }
 
     def restore(self, state: dict[str, Any], drawn: int = 0) -> None:
@@ -123,3 +153,4 @@ class Collector:
             assert isinstance(record, GroupRecord)
             self.pending[record.group_id] = record
         self.duplicates = int(state.get("duplicates", 0))
+        self.republished = [(int(v), int(c)) for v, c in state.get("republished", [])]

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from fleetrl.broker import Consumer, Delivery, KafkaError, PartialRecord, RecordLimits, trainer_handover_group
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
+from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.dispatcher import Dispatcher
 from fleetrl.trainer.regions import RegionClients
 
@@ -106,9 +107,9 @@ class Handover:
     """Moves the work of gone regions elsewhere; `tick()` once per trainer loop round."""
 
     def __init__(self, config: FleetConfig, clients: RegionClients, dispatcher: Dispatcher,
-                 limits: RecordLimits, max_lag: int) -> None:
+                 limits: RecordLimits, collector: Collector) -> None:
         self.config, self.clients, self.dispatcher, self.limits = config, clients, dispatcher, limits
-        self.max_lag = max_lag
+        self.collector = collector
         self.watch = RegionWatch([r.name for r in config.regions], config.mqtt.heartbeat_interval_s)
         self.group = trainer_handover_group(config.run)
         self._consumers: dict[str, Consumer] = {}
@@ -166,7 +167,7 @@ class Handover:
         if flight is None or flight.region != region or flight.attempt != record.prompt.attempt:
             log.info("handover.superseded", group_id=gid, region=region, attempt=record.prompt.attempt)
             return 0  # trained, moved already, or a newer attempt is out: this copy is not needed
-        if version - record.prompt.min_version > self.max_lag:
+        if self.collector.lag_of(record.prompt.min_version, version) > self.collector.max_lag:
             # Its tokens would arrive too stale to train: start the group afresh at today's version.
             flight.min_version = version
             log.info("handover.too_stale", group_id=gid, region=region, min_version=record.prompt.min_version)

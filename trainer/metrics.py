@@ -19,7 +19,8 @@ class TrainerMetrics(MetricsRegistry):
         r = self.registry
         self.reward_mean = Gauge("fleetrl_trainer_reward_mean", "Mean reward of the last step's samples", registry=r)
         self.staleness = Histogram(
-            "fleetrl_trainer_staleness_versions", "Version lag of each trained group (learner - oldest token)",
+            "fleetrl_trainer_staleness_versions",
+            "Version lag of each trained group (learner - oldest token, in steps along the weights' lineage)",
             buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=r,
         )
         self.stale_dropped = Counter(

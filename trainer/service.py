@@ -117,7 +117,7 @@ class Trainer:
             self.clients = await stack.enter_async_context(
                 RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets,
                               on_dead_letter=self._count_dead_letter))
-            self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector.max_lag)
+            self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector)
             stack.push_async_callback(self.handover.close)
             await self._loop(target, stop)
             await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
@@ -166,6 +166,10 @@ class Trainer:
             pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
             log.warning("trainer.republished", checkpoint_version=self.version, hub_latest=pointer,
                         hub_newest=latest, version=pv.version)
+            if pv.version != self.version:  # (the same number: only `latest` was moved to it)
+                # The groups in flight made with the checkpoint's weights are as fresh as they were:
+                # their staleness counts steps along the weights' lineage, not version numbers.
+                self.collector.note_republished(pv.version, self.version)
             self.version = pv.version
         else:
             # The checkpoint's version is the store's newest; its announcement may not have gone out
@@ -236,8 +240,8 @@ class Trainer:
 
     def _count_stale(self, region: str, record: GroupRecord) -> None:
         self.metrics.stale_dropped.labels(region).inc()
-        log.warning("group.stale", group_id=record.group_id, region=region, lag=self.version - record.min_version,
-                    bound=self.collector.max_lag)
+        log.warning("group.stale", group_id=record.group_id, region=region,
+                    lag=self.collector.lag(record, self.version), bound=self.collector.max_lag)
 
     async def _send_prompt(self, region: str, record: Any) -> None:
         """One bounded send: a partitioned region costs the loop one request timeout, then it is skipped."""
@@ -287,7 +291,7 @@ class Trainer:
         stats = await asyncio.to_thread(self.learner.train_step, batch)
         self.collector.mark_trained(groups, self.step + 1, self.version)
         for g in groups:
-            self.metrics.staleness.observe(self.version - g.min_version)
+            self.metrics.staleness.observe(self.collector.lag(g, self.version))
         self.step += 1
         self.version = await self._publish_step(self.version + 1)
         self.result.step_spans.append((wall0, time.time()))

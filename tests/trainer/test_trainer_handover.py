@@ -12,6 +12,7 @@ from typing import Any
 
 from fleetrl.broker import PromptRecord, RecordLimits
 from fleetrl.config import FleetConfig
+from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher
 from fleetrl.trainer.handover import Handover, RegionWatch
@@ -45,7 +46,8 @@ class Fleet:
         self.credits = RegionCredits({"a": 1.0, "b": 1.0}, window_s=10, tokens_per_group=1)
         self.dispatcher = Dispatcher(cfg, itertools.repeat(("reverse", "ab=", "ba")), self._send, self.credits)
         limits = RecordLimits.from_config(cfg)
-        self.handover = Handover(cfg, RegionClients(cfg, limits, "g", {}), self.dispatcher, limits, max_lag=2)
+        self.handover = Handover(cfg, RegionClients(cfg, limits, "g", {}), self.dispatcher, limits,
+                                 Collector(cfg.run, max_staleness=1))
         self.nodes: dict[tuple[str, str], Any] = {}
 
     async def _send(self, region: str, record: PromptRecord) -> None:

@@ -253,3 +253,27 @@ def test_groups_a_trainer_killed_before_its_first_checkpoint_dispatched_are_unpl
         assert report.ok and report.trained == 4, report.problems()
     else:
         assert report.trained_not_dispatched == [gid(2), gid(3)]
+
+
+def test_staleness_counts_steps_along_the_weights_lineage_across_republishes() -> None:
+    """A trainer checkpointed at version 10, published 11 and 12, and died; its restart republished the
+    checkpoint's weights as 13. Groups made with 10 are as fresh at 13 as at 10; groups made with 11 and
+    12 came from weights now lost, 1 and 2 steps off the checkpoint. A second restart (checkpoint at
+    15, versions 16-17 lost, republished as 18) chains on the first. The pairs survive a checkpoint."""
+    c = Collector(RUN, max_staleness=1)  # a lag over 2 is stale
+    assert c.lag_of(10, 13) == 3  # no republish: version numbers
+    c.note_republished(13, 10)
+    assert [c.lag_of(m, 13) for m in (8, 9, 10, 11, 12, 13)] == [2, 1, 0, 1, 2, 0]
+    assert [c.lag_of(m, 15) for m in (10, 12, 13, 14, 15)] == [2, 4, 2, 1, 0]
+    assert c.lag_of(10, 12) == 2  # asked about a version before the republish: plain numbers
+    assert c.offer(make_group(gid(1), RUN, version=10), 13) == "accepted"  # was stale by numbers (lag 3)
+    assert c.offer(make_group(gid(2), RUN, version=12), 14) == "stale"  # 2 lost steps + 1 step since
+
+    c.note_republished(18, 15)
+    assert [c.lag_of(m, 18) for m in (10, 13, 15, 16, 17)] == [2, 2, 0, 1, 2]
+    assert c.lag_of(12, 19) == 1 + 0 + (15 - 13) + 2  # 18->19, 15=18, 13->15, lost 10->12
+    back = Collector(RUN, max_staleness=1)
+    back.restore(c.state())
+    assert back.republished == [(13, 10), (18, 15)] and back.lag_of(10, 18) == 2
+    with pytest.raises(ValueError, match="republished version 18"):
+        back.note_republished(18, 17)
