@@ -13,7 +13,10 @@ import pathlib
 import pytest
 from demo_testkit import assert_accounted, kills_of, run_demo
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+CHAOS_TIMEOUT_S = 420
+"""A chaos run's bound: on CI's 2 idle cores the slowest took 211 s, and every fault slows a busy machine
+more than a plain run (each restart imports torch again); its SIGINT clean-up may take 60 s more."""
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(CHAOS_TIMEOUT_S + 80)]
 
 
 KINDS = ("trainer", "agent", "worker", "replicator", "broker")
@@ -25,7 +28,7 @@ def test_each_kind_of_process_sigkilled_mid_flight_loses_nothing(demo_config: pa
     game): after each kill training goes on, and the books balance at the end."""
     steps = 8
     summary = run_demo(demo_config, workdir, "--durable", "--kill-every", "4", "--kill-only", ",".join(KINDS),
-                       steps=steps)
+                       steps=steps, timeout_s=CHAOS_TIMEOUT_S)
     for kind in KINDS:
         assert kills_of(summary, "tansu" if kind == "broker" else kind), (kind, summary["faults"])
     for kind in ("trainer", "agent", "replicator", "tansu"):  # restarted by the demo (a worker by its agent)
@@ -42,7 +45,8 @@ def test_a_partitioned_region_is_drained_and_preempted_nodes_are_replaced(demo_c
     region is drained after the link returns, every preempted agent handed over and was replaced,
     nothing crashed, and the books balance."""
     steps = 12
-    summary = run_demo(demo_config, workdir, "--partition", "local-b:10:10", "--preempt-every", "8", steps=steps)
+    summary = run_demo(demo_config, workdir, "--partition", "local-b:10:10", "--preempt-every", "8", steps=steps,
+                       timeout_s=CHAOS_TIMEOUT_S)
     kinds = [(f["kind"], f["target"]) for f in summary["faults"]]
     assert ("partition", "local-b") in kinds and ("heal", "local-b") in kinds
     # after the heal the region's links work again: its replicator copied the final version home -> region
@@ -62,7 +66,7 @@ def test_a_flood_of_hostile_records_is_dead_lettered_and_crashes_nothing(demo_co
     """Over 100,000 hostile records (1 valid record in 2,000) through the live trainer and workers:
     every one in a dead-letter topic with its reason, no daemon crashed, the valid groups trained once."""
     steps = 14  # hostile records during the first 4 steps (14 // 3), 10 more for the consumers to read through them
-    summary = run_demo(demo_config, workdir, "--fuzz-rate", "0.9995", steps=steps)
+    summary = run_demo(demo_config, workdir, "--fuzz-rate", "0.9995", steps=steps, timeout_s=CHAOS_TIMEOUT_S)
     fuzz, dead = summary["fuzz"], summary["dead_letters"]
     assert fuzz["sent"] >= 100_000
     kinds = {k.split("/")[1] for k in fuzz["kinds"]}
