@@ -44,10 +44,13 @@ KILL_KINDS = ("trainer", "agent", "worker", "replicator", "broker")
 CRASH_KINDS = ("trainer", "replicator", "worker")
 """The process kinds of the demo that reach crash points (`fleetrl.crashpoints.POINTS`)."""
 RESTART_S = 1.0
+"""Seconds between a kill and the restart (systemd's RestartSec)."""
 RECOVER_S = 20.0
 """A restarted process is not killed again for this long: a trainer needs ~10 s on 2 busy cores to load
 torch and resume from its checkpoint, and killing it again before it trains a step proves nothing."""
-"""Seconds between a kill and the restart (systemd's RestartSec)."""
+TRAINER_RECOVER_MAX_S = 120.0
+"""A restarted trainer is spared until it trains a step (at most this long): on busy cores its start,
+its group joins and the first groups' arrival can take longer than RECOVER_S."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,20 +228,31 @@ class Chaos:
         return out
 
     def _kill_one(self) -> None:
-        """A random live process of the next kind in turn (kinds take turns, so every kind asked for is
-        hit); a process restarted less than RECOVER_S ago is spared, as it has not come back yet."""
-        now = time.monotonic()
-        targets = [t for t in self._targets() if _kind(t[0]) in self.plan.kill_only
-                   and now - self.restarted_at.get(t[0], -RECOVER_S) >= RECOVER_S]
+        """A random live process of the next kind in turn. Kinds take turns strictly, so each is hit at
+        the same rate; when every process of the kind is still recovering from its last kill
+        (`_recovered`) this turn kills nothing, rather than passing the kill to another kind (which
+        would hit the brokers twice as often while a trainer restarts)."""
         kinds = self.plan.kill_only
-        for i in range(len(kinds)):
-            kind = kinds[(self.kill_turn + i) % len(kinds)]
-            of_kind = [t for t in targets if _kind(t[0]) == kind]
-            if of_kind:
-                self.kill_turn = (self.kill_turn + i + 1) % len(kinds)
-                name, pid, child = self.rng.choice(of_kind)
-                self.kill(name, pid, child)
-                return
+        kind = kinds[self.kill_turn % len(kinds)]
+        self.kill_turn += 1
+        now = time.monotonic()
+        of_kind = [t for t in self._targets() if _kind(t[0]) == kind and self._recovered(t[0], now)]
+        if of_kind:
+            name, pid, child = self.rng.choice(of_kind)
+            self.kill(name, pid, child)
+
+    def _recovered(self, name: str, now: float) -> bool:
+        """Whether a process killed before has come back: RECOVER_S after its restart, and a trainer
+        once it has trained a step since (at most TRAINER_RECOVER_MAX_S)."""
+        since = self.restarted_at.get(name)
+        if since is None:
+            return True
+        if now - since < RECOVER_S:
+            return False
+        if _kind(name) == "trainer":
+            stepped = self.demo.progress.last_step_at
+            return (stepped is not None and stepped > since) or now - since >= TRAINER_RECOVER_MAX_S
+        return True
 
     def kill(self, name: str, pid: int, child: Child | None) -> None:
         try:
@@ -248,6 +262,8 @@ class Chaos:
         self._fault("kill", name, f"pid {pid}")
         if child is not None:
             self.restarts[name] = (time.monotonic() + RESTART_S, child)
+        else:  # a worker: its agent's supervisor restarts it; it recovers from now on
+            self.restarted_at[name] = time.monotonic()
 
     def _restart_due(self, now: float) -> None:
         for name, (due, child) in list(self.restarts.items()):

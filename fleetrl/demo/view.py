@@ -87,6 +87,8 @@ class Progress:
     steps: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Step -> its row of metrics.jsonl (a step redone after a trainer restart replaces the row)."""
     stale_dropped: int = 0
+    last_step_at: float | None = None
+    """When (monotonic) the trainer last finished a step."""
     faults: list[Any] = field(default_factory=list)
     """The injected faults (`fleetrl.demo.chaos.Fault`), shown as they happen."""
     _printed: list[str] = field(default_factory=list)
@@ -108,6 +110,7 @@ class Progress:
             del self.rewards[self.step - 1:]  # a restarted trainer redoes the steps after its checkpoint
             self.rewards.append(float(event["reward_mean"]))
             self.steps[self.step] = self._row(event)
+            self.last_step_at = time.monotonic()
             return self.step_line()
         if name == "group.stale":
             self.stale_dropped += 1

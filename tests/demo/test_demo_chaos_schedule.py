@@ -1,7 +1,9 @@
-"""`fleetrl demo --preempt-every`: a notice goes only to a node whose worker is generating (no servers).
+"""`fleetrl demo`'s fault schedule (no servers): whom `--preempt-every` and `--kill-every` may hit.
 
 A schedule that also notices nodes still loading keeps hitting the newest ones on a slow machine: on
 CI's 2 cores every replacement was preempted before its worker took work, and a region never produced.
+Likewise a trainer killed again before it trained a step proves nothing, and passing its turn to
+another kind hits that kind twice as often.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
+from fleetrl.demo.chaos import RECOVER_S, Chaos, FaultLog, FaultPlan
 from fleetrl.demo.procs import Child
 from fleetrl.demo.view import Progress, RegionView
 
@@ -23,16 +25,23 @@ class Fleet:
     notice files, and the progress view fed from their logs."""
 
     def __init__(self, workdir: pathlib.Path) -> None:
-        self.workdir, self.children, self.agents = workdir, [], {}
+        self.workdir, self.children, self.agents, self.servers = workdir, [], {}, []
         self.progress = Progress(4, {"a": RegionView(), "b": RegionView()})
         (workdir / "notices").mkdir()
 
-    def start_agent(self, region: str, node: str) -> Child:
-        child = Child(f"agent-{region}-{node}", [sys.executable, "-c", "import time; time.sleep(30)"],
-                      self.workdir / f"{region}-{node}.log", {}).start()
+    def start(self, name: str) -> Child:
+        child = Child(name, [sys.executable, "-c", "import time; time.sleep(30)"], self.workdir / f"{name}.log",
+                      {}).start()
         self.children.append(child)
+        return child
+
+    def start_agent(self, region: str, node: str) -> Child:
+        child = self.start(f"agent-{region}-{node}")
         self.agents[child.name] = (region, node)
         return child
+
+    def restarted(self, child: Child) -> None:
+        pass
 
     def agent_of(self, child: Child) -> tuple[str, str]:
         return self.agents[child.name]
@@ -74,3 +83,33 @@ def test_only_a_node_whose_worker_generates_is_preempted(fleet: Fleet, tmp_path:
     fleet.progress.feed({"event": "worker.started"}, ("b", "node-1-r1"))
     chaos._preempt_one()
     assert chaos.log.faults[-2].target == "agent-b-node-1-r1"  # the replacement, once it generates
+
+
+def test_kinds_take_turns_and_a_trainer_is_spared_until_it_trains_a_step(fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    fleet.start("trainer")
+    fleet.start("replicator-a")
+    plan = FaultPlan(kill_every_s=1.0, kill_only=("trainer", "agent", "replicator"))
+    chaos = Chaos(plan, fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
+
+    def kills() -> list[str]:
+        return [f.target.split("-")[0] for f in chaos.log.faults if f.kind == "kill"]
+
+    for _ in range(3):
+        chaos._kill_one()
+    assert kills() == ["trainer", "agent", "replicator"]
+    chaos._restart_due(time.monotonic() + 5)  # RestartSec passed: all three come back
+    restarts = {f.target.split("-")[0] for f in chaos.log.faults if f.kind == "restart"}
+    assert restarts == {"trainer", "agent", "replicator"}
+
+    chaos._kill_one()  # the trainer's turn, but it has just restarted: nobody is killed in its place
+    assert kills() == ["trainer", "agent", "replicator"]
+    long_ago = time.monotonic() - RECOVER_S - 1
+    chaos.restarted_at = dict.fromkeys(chaos.restarted_at, long_ago)
+    chaos.kill_turn = 0
+    chaos._kill_one()  # RECOVER_S passed, but the restarted trainer has not trained a step
+    assert kills() == ["trainer", "agent", "replicator"]
+    fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    chaos._kill_one()  # the agent's turn now; the trainer has stepped, so its next turn kills it
+    chaos._kill_one()
+    chaos._kill_one()
+    assert kills() == ["trainer", "agent", "replicator", "agent", "replicator", "trainer"]
