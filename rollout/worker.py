@@ -308,6 +308,8 @@ class RolloutWorker:
                 "dead_lettered": dict(self.dead_lettered),
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version,
+                "busy_tokens_per_s": round(self.engine.tokens_sampled / self.engine_busy_s, 2)
+                if self.engine_busy_s > 0 else 0.0,
                 "weights": self.weights.have,
                 "rewards": {name: st.as_dict() for name, st in self.rewards.stats.items()},
                 "engine_steps": self.engine_steps, "busy": self.engine.has_work(),
