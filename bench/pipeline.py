@@ -545,7 +545,7 @@ def main() -> None:
           f"workload {fleet.workload}"
           + (" (episodes of 3 model turns; tool calls 0.05 s, 10% 1 s: EMULATED)" if fleet.workload == "tools" else ""),
           flush=True)
-    timeout_s = 150.0 if args.quick else 600.0 + 2 * fleet.window_s
+    timeout_s = 300.0 if args.quick else 600.0 + 2 * fleet.window_s  # bounds: start-up on a busy machine
     if args.grid:
         grid(args.grid, base, fleet, timeout_s)
     out = compare(fleet, args.seeds, timeout_s)
