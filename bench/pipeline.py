@@ -481,7 +481,7 @@ def grid(axis: str, base: dict[str, Any], fleet: Fleet, timeout_s: float) -> Non
         cells = []
         for c in columns:
             over = {"tail_p": c} if axis == "tail" else {"preempt_every_s": c}
-            cell = Fleet(**{**base, "slowdowns": (0.0, slow), "tail_p": fleet.tail_p, **over})
+            cell = Fleet(**{**base, "slowdowns": (fleet.slowdowns[0], slow), "tail_p": fleet.tail_p, **over})
             cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
         print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
 
