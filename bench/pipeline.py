@@ -3,8 +3,10 @@
 Runs the real system twice per seed on one fleet description, `algorithm.mode: sync` then `async`:
 one tansu broker per region, an MQTT broker, the trainer, and one region agent per node (each
 supervising its rollout worker process), all as processes started with the `fleetrl` CLI. Both runs
-train the same number of steps, so the same number of samples. The fleet is heterogeneous and
-unreliable, as the papers' settings are:
+have the same groups per step. Sync spreads each step's groups over the regions by their measured
+capacity (trainer/credits.py), as a synchronous trainer over the same workers would: the baseline
+does not starve its own fast region. The fleet is heterogeneous and unreliable, as the papers'
+settings are:
 
 * regions with different per-token speeds: `regions[].engine.emulate.step_delay_s` sleeps after
   every decoding step of the real torch engine (a throttle: THIS IS EMULATED, and said so below);
@@ -22,19 +24,29 @@ unreliable, as the papers' settings are:
 
 Throughput is measured from the end of step `max_staleness + 2` to the end of the last: start-up
 (brokers, processes, Kafka group joins) counts in neither run, and the async run's window starts
-and ends with a full pipeline, so work it generated ahead before the window is no head start.
+and ends with a full pipeline, so work it generated ahead before the window is no head start. The
+full run trains on until that window covers five preemption intervals (`--window-intervals`), so
+where one preemption falls no longer decides the ratio; `--quick` trains exactly `--steps` steps.
 
-Printed per run: groups trained per second, tokens sampled per second, engine-idle fraction per
-region (1 - time in engine steps / worker uptime, over the measured window), trainer-idle fraction
-(1 - time stepping and publishing / window), mean and max staleness of the trained groups; at
-preemptions, the tokens workers handed over and the trainer moved to another region (kept, not
-regenerated), the groups restarted from scratch and the handovers that ran out of time (their
-tokens are regenerated); tokens sampled and trained, and the mean reward of the last 3 steps (equal
-samples in both runs). The last line:
+`--profile production` keeps every process and sets the throttles in the proportions of a 7B policy
+on H100s (decode time per token, a long-tailed length law, training time emulated in the learner,
+WAN round trip, weight transfer per version), each number with its source (`--help`, and
+docs/pipeline.md).
+
+Printed per run: the window's length and the preemptions inside it, groups trained per second,
+tokens sampled per second, engine-idle fraction per region (1 - time in engine steps / worker
+uptime, over the measured window), trainer-idle fraction (1 - time stepping and publishing /
+window), mean and max staleness of the trained groups; at preemptions, the tokens workers handed
+over and the trainer moved to another region (kept, not regenerated), the groups restarted from
+scratch and the handovers that ran out of time (their tokens are regenerated); tokens sampled and
+trained, and the mean reward of the last 3 steps (the reward comparison takes both runs at the
+smaller step count: equal samples). The last line:
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
+            engine_idle_sync_r0=... engine_idle_async_r0=... window_s_sync=... preemptions_sync=... ...
 
-    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--grid tail|preempt] [--workload tools]
+    .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--profile defaults|production]
+                                       [--grid tail|preempt] [--workload tools]
 
 `FLEETRL_BENCH_KEEP=DIR` keeps every run's config and logs under DIR. Results: docs/pipeline.md.
 """
@@ -86,6 +98,15 @@ class Fleet:
     workload: str = "reverse"
     """`reverse`: one completion per sample. `tools`: episodes of `bench/tool_env.py` (3 model turns, tool
     calls of 0.05 s, 10 % of them 1 s: EMULATED latencies)."""
+    weight_transfer_s: float = 0.0
+    """Added to every worker's pull of each new version (`engine.emulate.weight_transfer_s`: its WAN copy)."""
+    learner_token_s: float = 0.0
+    """Added to every learner step per trained token (`trainer.emulate.token_delay_s`: 0 trains at the
+    tiny model's own CPU speed)."""
+    window_s: float = 0.0
+    """Train on until the measured window (from the end of the warm-up steps) has lasted this long and
+    holds at least `steps - warm_steps` steps, then stop the trainer (0: exactly `steps` steps). The full
+    run sets it to five preemption intervals, so both modes meet several preemptions."""
 
     @property
     def warm_steps(self) -> int:
@@ -109,6 +130,9 @@ class RunResult:
     busy_s: dict[str, float] = field(default_factory=dict)
     uptime_s: dict[str, float] = field(default_factory=dict)
     preemptions: int = 0
+    """Preemption notices inside the measured window."""
+    preemptions_total: int = 0
+    """Preemption notices over the whole run (warm-up included)."""
     tokens_handed_over: int = 0
     handover_timeouts: int = 0
     tokens_moved: int = 0
@@ -134,15 +158,56 @@ class RunResult:
     def trainer_idle(self) -> float:
         return 1.0 - self.trainer_busy_s / self.wall_s
 
-    @property
-    def reward(self) -> float:
-        return statistics.fmean(self.rewards[-3:])
+    def reward(self, steps: int | None = None) -> float:
+        """Mean reward of the 3 steps ending at step `steps` (default: the last)."""
+        end = len(self.rewards) if steps is None else steps
+        return statistics.fmean(self.rewards[max(0, end - 3):end])
+
+
+PRODUCTION_SCALE = {"tokens": 256, "time": 128}
+"""`--profile production`: one bench token stands for 256 real tokens and one bench second for 128 real
+seconds, so every proportion below holds while a run fits in minutes on 2 CPU cores."""
+
+PRODUCTION_SOURCES = """\
+production profile: a 7B policy (Qwen2.5-7B, 7.62 B parameters) trained with GRPO in the shape of DAPO's
+runs, scaled by 1/256 in tokens and 1/128 in time (a bench token is 256 real tokens, a bench second 128
+real seconds); each number, its source, and what it becomes here:
+  * decode: 20 ms per decoding step of a 7B engine on one H100 at ~100 concurrent sequences, i.e. ~5,000
+    tokens/s, as Red Hat's MLPerf Inference v5.1 result measured (Llama-3.1-8B, vLLM, one H100: 5,103
+    tokens/s Server, 5,777 Offline; redhat.com/en/blog/efficient-and-reproducible-llm-inference-red-hat-
+    mlperf-inference-v51-results); the slow region an A100, 2x slower (Lambda's vLLM benchmark, "H100 ~2x
+    better throughput and lower latency than A100": github.com/LambdaLabsML/vllm-benchmark) -> step delay
+    0.040 s (H100 region) and 0.080 s (A100 region) per bench token;
+  * tokens per sample: DAPO's budget, 16,384 tokens (+4,096 soft overlong; 512 prompts x 16 samples a
+    step: Yu et al. 2025, arXiv:2503.14476); a 10 % tail runs to the budget, the rest stop uniformly within
+    4,096 (mean ~3,500: an ASSUMPTION, not a measurement) -> max_new_tokens 64, short_tokens 16, tail 10 %;
+  * training: 8N FLOPs per token (6N forward + backward, Kaplan et al. 2020, arXiv:2001.08361, plus 2N to
+    recompute the old log-probs) over a DAPO step's 8,192 x ~3,700 tokens on 64 H100s (989 TFLOP/s dense
+    bf16, NVIDIA H100 datasheet) at 40 % MFU (ASSUMPTION) = 72 s a step -> 0.0025 s per trained bench token
+    (a bench step's ~225 tokens: 0.56 s), slept in the learner after its real step;
+  * WAN: 150 ms round trip home <-> region (issue 25's figure; a cross-continent inter-region RTT, e.g.
+    cloudping.co's AWS matrix) -> 0.0006 s one way, through the trainer's link-delay throttle;
+  * weights: 15.2 GB of bf16 per version dense; ~220 MB as a delta (the README's hub figure, 2.9 MB a
+    version for a 100.7 M-parameter Qwen2 at lr 1e-6 by bench/hub_delta.py, scaled by parameters), ~0.2 s
+    over a 10 Gbit/s inter-region link (bandwidth an ASSUMPTION) plus the replicator's round trips: ~0.5 s
+    -> 0.004 s added to each worker's pull of each version.
+  Not scaled (the bench's own floor, far above these proportions): Kafka fetch waits, the trainer's 0.2 s
+  poll, the tiny model's CPU decode step (~5 ms) and learner step, and a replacement node's 10-30 s start."""
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "defaults": {"slowdowns": (0.0, 0.03), "tail_p": 0.15, "short_tokens": 4, "max_new_tokens": 48,
+                 "link_delay_s": 0.05},
+    "production": {"slowdowns": (0.040, 0.080), "tail_p": 0.10, "short_tokens": 16, "max_new_tokens": 64,
+                   "link_delay_s": 0.0006, "weight_transfer_s": 0.004, "learner_token_s": 0.0025},
+}
+"""Throttle settings per `--profile` (production: see PRODUCTION_SOURCES)."""
 
 
 def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: dict[str, int]) -> dict[str, Any]:
     store = str(root / "store")
     algo: dict[str, Any] = {"mode": mode, "groups_per_step": fleet.groups_per_step, "n_samples": fleet.n_samples,
-                            "lr": 1e-2, "max_new_tokens": fleet.max_new_tokens, "max_steps": fleet.steps}
+                            "lr": 1e-2, "max_new_tokens": fleet.max_new_tokens,
+                            "max_steps": fleet.steps if not fleet.window_s else 100_000}
     if mode == "async":
         algo["max_staleness"] = fleet.max_staleness
     dataset: dict[str, Any] = {"task": "reverse", "seed": seed}
@@ -159,7 +224,8 @@ def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: 
         "hub": {"home_store": store, "threads": 1, "poll_interval_s": 0.1, "anchor_interval": 32},
         "mqtt": {"url": f"mqtt://127.0.0.1:{ports['mqtt']}", "heartbeat_interval_s": 1},
         "kafka": {"partitions": {"prompts": 2, "partials": 2, "trajectories": 2, "dead_letter": 1}},
-        "trainer": {"checkpoint_dir": str(root / "ckpt"), "checkpoint_every": 1000, "throughput_window_s": 10},
+        "trainer": {"checkpoint_dir": str(root / "ckpt"), "checkpoint_every": 1000, "throughput_window_s": 10,
+                    **({"emulate": {"token_delay_s": fleet.learner_token_s}} if fleet.learner_token_s else {})},
         "rollout": {"handover_timeout_s": 10, "max_groups_in_flight": 8, "stats_interval_s": 2,
                     "weight_fallback_poll_s": 5},
         "agent": {"progress_interval_s": 1, "restart_backoff_s": 0.5},
@@ -169,7 +235,8 @@ def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: 
              "nodes": [{"name": f"n{j}"} for j in range(fleet.nodes)],
              "engine": {"kind": "torch", "max_batch": 32,
                         "emulate": {"step_delay_s": delay, "tail_p": fleet.tail_p,
-                                    "short_tokens": fleet.short_tokens}}}
+                                    "short_tokens": fleet.short_tokens,
+                                    "weight_transfer_s": fleet.weight_transfer_s}}}
             for i, delay in enumerate(fleet.slowdowns)
         ],
     }
@@ -192,7 +259,10 @@ class Run:
         self.agents: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
         self.generation: dict[tuple[str, str], int] = defaultdict(int)
         self.agent_logs: list[tuple[str, pathlib.Path]] = []
-        self.preemptions = 0
+        self.preempted_at: list[float] = []
+        """Wall-clock time of each preemption notice."""
+        self._steps_done: list[float] = []
+        """Wall-clock time of each `step.done` the trainer logged, read as it runs (`window_s`)."""
 
     def start(self) -> None:
         ports = {"mqtt": devstack.free_port()}
@@ -208,6 +278,7 @@ class Run:
         subprocess.run([*FLEETRL, "topics", "create", "--config", str(self.config_path)], check=True,
                        capture_output=True, timeout=60)
         self.trainer_log = self.logs / "trainer.log"
+        self._trainer_tail = LogTail(self.trainer_log)
         self.trainer = self._spawn(["trainer", "--config", str(self.config_path)], self.trainer_log)
         for region in self.config["regions"]:
             for node in region["nodes"]:
@@ -235,7 +306,7 @@ class Run:
         region, node = self.rng.choice(live)
         notice = self.root / f"notice-{region}-{node}-{self.generation[(region, node)]}"
         notice.write_text("bench/pipeline.py: spot preemption\n")
-        self.preemptions += 1
+        self.preempted_at.append(time.time())
         proc = self.agents[(region, node)]
         try:
             proc.wait(timeout=30)
@@ -248,8 +319,14 @@ class Run:
         log = self.logs / f"agent-{key[0]}-{key[1]}-{self.generation[key]}.log"
         return log.exists() and '"worker.started"' in log.read_text(errors="replace")
 
+    def _window_long_enough(self) -> bool:
+        self._steps_done += [_ts(e) for e in self._trainer_tail.events() if e.get("event") == "step.done"]
+        warm, done = self.fleet.warm_steps, self._steps_done
+        return len(done) >= self.fleet.steps and done[-1] - done[warm - 1] >= self.fleet.window_s
+
     def wait_trainer(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        self._stopping = False
         next_preempt = time.monotonic() + self.fleet.preempt_every_s if self.fleet.preempt_every_s else None
         while self.trainer.poll() is None:
             if time.monotonic() > deadline:
@@ -260,6 +337,9 @@ class Run:
             if next_preempt is not None and time.monotonic() >= next_preempt:
                 self.preempt_one()
                 next_preempt = time.monotonic() + self.fleet.preempt_every_s
+            if self.fleet.window_s and self._window_long_enough() and not self._stopping:
+                self._stopping = True  # the trainer drains (publish, checkpoint) and exits 0
+                self.trainer.send_signal(signal.SIGTERM)
             time.sleep(0.2)
         if self.trainer.returncode != 0:
             raise RuntimeError(f"trainer exited {self.trainer.returncode}; see {self.trainer_log}")
@@ -313,7 +393,8 @@ class Run:
             lag_max=max(float(e["lag_max"]) for e in steps),
             trainer_busy_s=sum(float(e["seconds"]) for e in window),
             tokens_sampled=sampled, tokens_trained=sum(int(e["tokens"]) for e in window),
-            busy_s=dict(busy), uptime_s=dict(uptime), preemptions=self.preemptions,
+            busy_s=dict(busy), uptime_s=dict(uptime), preemptions=sum(t0 <= t <= t1 for t in self.preempted_at),
+            preemptions_total=len(self.preempted_at),
             tokens_handed_over=handed, handover_timeouts=timeouts,
             tokens_moved=sum(int(e.get("tokens", 0)) for e in trainer if e["event"] == "handover.partial_moved"),
             groups_restarted=sum(1 for e in trainer if e["event"] in ("dispatch.redispatched", "handover.too_stale")),
@@ -343,13 +424,14 @@ def run_once(fleet: Fleet, mode: str, seed: int, timeout_s: float) -> RunResult:
 
 def show(r: RunResult) -> None:
     regions = " ".join(f"{reg}={r.engine_idle(reg):.2f}" for reg in sorted(r.uptime_s))
-    print(f"  {r.mode:5s}: {r.groups} groups in {r.wall_s:.1f} s = {r.groups_per_s:.3f} groups/s, "
+    print(f"  {r.mode:5s}: window {r.wall_s:.1f} s ({r.steps} steps in all), {r.preemptions} preemption(s) inside "
+          f"it ({r.preemptions_total} in the run); {r.groups} groups = {r.groups_per_s:.3f} groups/s, "
           f"{r.tokens_per_s:.1f} tokens/s; engine idle {r.engine_idle():.2f} ({regions}); trainer idle "
-          f"{r.trainer_idle:.2f}; staleness mean {r.lag_mean:.2f} max {r.lag_max:.0f}; preemptions "
-          f"{r.preemptions}: tokens handed over {r.tokens_handed_over}, moved to another region {r.tokens_moved} "
+          f"{r.trainer_idle:.2f}; staleness mean {r.lag_mean:.2f} max {r.lag_max:.0f}; at preemptions: "
+          f"tokens handed over {r.tokens_handed_over}, moved to another region {r.tokens_moved} "
           f"(kept), groups restarted from scratch {r.groups_restarted} and handovers timed out "
           f"{r.handover_timeouts} (their tokens regenerated); tokens sampled {r.tokens_sampled}, trained "
-          f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward:.3f}", flush=True)
+          f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward():.3f}", flush=True)
 
 
 def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
@@ -362,18 +444,29 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
         show(asyn)
         pairs.append((sync, asyn))
     ratios = [a.groups_per_s / s.groups_per_s for s, a in pairs]
+    # Equal samples: with `window_s` the runs train different step counts; compare at the shorter one.
+    equal = [min(s.steps, a.steps) for s, a in pairs]
+    rewards = [(s.reward(n), a.reward(n)) for (s, a), n in zip(pairs, equal, strict=True)]
     out = {
         "throughput_ratio": statistics.fmean(ratios),
         "throughput_ratio_median": statistics.median(ratios),
         "throughput_ratio_min": min(ratios), "throughput_ratio_max": max(ratios),
-        "reward_delta": statistics.fmean(a.reward - s.reward for s, a in pairs),
-        "reward_sync_spread": max(s.reward for s, _ in pairs) - min(s.reward for s, _ in pairs),
+        "reward_delta": statistics.fmean(a - s for s, a in rewards),
+        "reward_sync_spread": max(s for s, _ in rewards) - min(s for s, _ in rewards),
         "engine_idle_async": statistics.fmean(a.engine_idle() for _, a in pairs),
         "engine_idle_sync": statistics.fmean(s.engine_idle() for s, _ in pairs),
         "trainer_idle_async": statistics.fmean(a.trainer_idle for _, a in pairs),
         "trainer_idle_sync": statistics.fmean(s.trainer_idle for s, _ in pairs),
         "staleness_async": statistics.fmean(a.lag_mean for _, a in pairs),
     }
+    for region in sorted({r for s, a in pairs for r in (*s.uptime_s, *a.uptime_s)}):
+        for mode, i in (("sync", 0), ("async", 1)):
+            runs = [pair[i] for pair in pairs if region in pair[i].uptime_s]
+            if runs:
+                out[f"engine_idle_{mode}_{region}"] = statistics.fmean(r.engine_idle(region) for r in runs)
+    for mode, i in (("sync", 0), ("async", 1)):
+        out[f"window_s_{mode}"] = statistics.fmean(pair[i].wall_s for pair in pairs)
+        out[f"preemptions_{mode}"] = statistics.fmean(pair[i].preemptions for pair in pairs)
     return out
 
 
@@ -388,7 +481,7 @@ def grid(axis: str, base: dict[str, Any], fleet: Fleet, timeout_s: float) -> Non
         cells = []
         for c in columns:
             over = {"tail_p": c} if axis == "tail" else {"preempt_every_s": c}
-            cell = Fleet(**{**base, "slowdowns": (0.0, slow), "tail_p": fleet.tail_p, **over})
+            cell = Fleet(**{**base, "slowdowns": (fleet.slowdowns[0], slow), "tail_p": fleet.tail_p, **over})
             cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
         print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
 
@@ -400,12 +493,23 @@ def main() -> None:
     parser.add_argument("--grid", choices=["tail", "preempt"], default=None,
                         help="a table first: the ratio as the slow region's step delay grows against the tail "
                              "share or against the preemption rate (3 x 3 cells, one seed each)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 20, --quick 10)")
-    parser.add_argument("--slowdown", type=float, default=0.03, help="step delay of the slow region (s)")
-    parser.add_argument("--tail-p", type=float, default=0.15, help="share of samples that run to max_new_tokens")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="defaults",
+                        help="the throttles: `defaults` (the figures of docs/pipeline.md so far) or `production`, "
+                             "proportioned as a 7B policy on H100s; its sources: " + PRODUCTION_SOURCES)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run (default: 20, --quick 10); the full run goes on until its window "
+                             "also covers --window-intervals preemption intervals")
+    parser.add_argument("--window-intervals", type=float, default=None,
+                        help="measure each run over at least this many preemption intervals (default 5; "
+                             "--quick 0: exactly --steps steps)")
+    parser.add_argument("--slowdown", type=float, default=None,
+                        help="step delay of the slow region (s; default: the profile's, 0.03 at the defaults)")
+    parser.add_argument("--tail-p", type=float, default=None,
+                        help="share of samples that run to max_new_tokens (default: the profile's, 0.15)")
     parser.add_argument("--preempt-every", type=float, default=None,
                         help="seconds between preemptions (0: none; default 20, --quick 15)")
-    parser.add_argument("--link-delay", type=float, default=0.05, help="one-way home-region link delay (s)")
+    parser.add_argument("--link-delay", type=float, default=None,
+                        help="one-way home-region link delay (s; default: the profile's, 0.05)")
     parser.add_argument("--workload", choices=["reverse", "tools"], default="reverse",
                         help="tools: multi-turn episodes whose tool calls have a long latency tail (EMULATED)")
     args = parser.parse_args()
@@ -415,19 +519,33 @@ def main() -> None:
     os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])
     steps = args.steps or (10 if args.quick else 20)
     preempt = args.preempt_every if args.preempt_every is not None else (15.0 if args.quick else 20.0)
-    base: dict[str, Any] = {"steps": steps, "preempt_every_s": preempt, "link_delay_s": args.link_delay,
-                            "workload": args.workload}
-    fleet = Fleet(slowdowns=(0.0, args.slowdown), tail_p=args.tail_p, **base)
-    print(f"fleet: {len(fleet.slowdowns)} regions x {fleet.nodes} node(s); per-step delay per region "
+    intervals = args.window_intervals if args.window_intervals is not None else (0.0 if args.quick else 5.0)
+    profile = dict(PROFILES[args.profile])
+    if args.slowdown is not None:
+        profile["slowdowns"] = (profile["slowdowns"][0], args.slowdown)
+    for key, value in (("tail_p", args.tail_p), ("link_delay_s", args.link_delay)):
+        if value is not None:
+            profile[key] = value
+    base: dict[str, Any] = {**profile, "steps": steps, "preempt_every_s": preempt, "workload": args.workload,
+                            "window_s": intervals * preempt}
+    fleet = Fleet(**base)
+    if args.profile == "production":
+        print(PRODUCTION_SOURCES, flush=True)
+    print(f"fleet ({args.profile}): {len(fleet.slowdowns)} regions x {fleet.nodes} node(s); per-step delay per region "
           f"{list(fleet.slowdowns)} s (EMULATED: a sleep after each decoding step of the real torch engine); "
           f"completion lengths EMULATED: {fleet.tail_p:.0%} run to max_new_tokens={fleet.max_new_tokens}, the rest "
           f"stop after 1-{fleet.short_tokens} tokens; preemption every {fleet.preempt_every_s:g} s with replacement; "
-          f"link delay home<->region {fleet.link_delay_s:g} s each way (EMULATED in the trainer's Kafka clients; "
-          f"weights not delayed); {fleet.groups_per_step} groups x {fleet.n_samples} samples per step, "
-          f"{fleet.steps} steps per run; async max_staleness {fleet.max_staleness}; workload {fleet.workload}"
+          f"link delay home<->region {fleet.link_delay_s:g} s each way (EMULATED in the trainer's Kafka clients); "
+          f"weight transfer {fleet.weight_transfer_s:g} s per version and worker, learner {fleet.learner_token_s:g} s "
+          f"per trained token (EMULATED; 0: none); {fleet.groups_per_step} groups x {fleet.n_samples} samples per "
+          f"step, {fleet.steps} steps per run"
+          + (f" and on until the measured window lasts {fleet.window_s:g} s ({intervals:g} preemption intervals)"
+             if fleet.window_s else "")
+          + f"; sync spreads each step by region capacity; async max_staleness {fleet.max_staleness}; "
+          f"workload {fleet.workload}"
           + (" (episodes of 3 model turns; tool calls 0.05 s, 10% 1 s: EMULATED)" if fleet.workload == "tools" else ""),
           flush=True)
-    timeout_s = 150.0 if args.quick else 600.0
+    timeout_s = 300.0 if args.quick else 600.0 + 2 * fleet.window_s  # bounds: start-up on a busy machine
     if args.grid:
         grid(args.grid, base, fleet, timeout_s)
     out = compare(fleet, args.seeds, timeout_s)

@@ -67,6 +67,9 @@ class EngineStatus(_Payload):
     """Worker processes started after the first one."""
     version: int | None = None
     tokens_per_s: float = 0.0
+    busy_tokens_per_s: float = 0.0
+    """Tokens sampled per second of engine work (decoding steps, weight loads) over the worker's life:
+    what the engine delivers while it has work, however little it was given (0: not measured yet)."""
     in_flight: int = 0
     last_error: str = ""
     """Last error line of the worker that failed most recently."""
@@ -79,6 +82,9 @@ class Heartbeat(_Payload):
     version: int | None = None
     """Policy version the node's engines run (None before the first load)."""
     tokens_per_s: float = 0.0
+    busy_tokens_per_s: float = 0.0
+    """The node's capacity: its engines' `busy_tokens_per_s` summed (0: not measured yet). Sync mode
+    spreads each step's groups by it (docs/trainer.md)."""
     in_flight: int = 0
     """Groups being decoded."""
     engines: int | list[EngineStatus] = 0

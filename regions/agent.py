@@ -239,6 +239,8 @@ class RegionAgent:
         versions = [e.version for e in engines if e.version is not None]
         return Heartbeat(state=self.state, version=min(versions) if versions else None,
                          tokens_per_s=round(sum(e.tokens_per_s for e in engines), 2) if self.state == "up" else 0.0,
+                         busy_tokens_per_s=round(sum(e.busy_tokens_per_s for e in engines), 2)
+                         if self.state == "up" else 0.0,
                          in_flight=sum(e.in_flight for e in engines), engines=engines)
 
     def health(self) -> tuple[bool, dict[str, Any]]:

@@ -234,6 +234,7 @@ class EngineSupervisor:
         return EngineStatus(index=self.index, device=self.device, state=self.state,
                             pid=self.proc.pid if self.proc is not None else None, restarts=self.restarts,
                             version=p.get("weights"), tokens_per_s=float(p.get("tokens_per_s", 0.0)) if up else 0.0,
+                            busy_tokens_per_s=float(p.get("busy_tokens_per_s", 0.0)) if up else 0.0,
                             in_flight=int(p.get("groups_in_flight", 0)), last_error=self.last_error)
 
     def _set_state(self, state: EngineState) -> None:

@@ -32,8 +32,10 @@ _RETRY_S = 5.0  # retry of a pull that failed on a transient store error
 
 
 class WeightSync:
-    def __init__(self, hub: Hub, engine: Engine, fallback_poll_s: float) -> None:
+    def __init__(self, hub: Hub, engine: Engine, fallback_poll_s: float, transfer_s: float = 0.0) -> None:
         self.hub, self.engine, self.fallback_poll_s = hub, engine, fallback_poll_s
+        self.transfer_s = transfer_s
+        """Emulated WAN copy of each version (`engine.emulate.weight_transfer_s`), waited before the pull."""
         self.have: int | None = None
         self.announced: int | None = None
         """Newest version announced as held by the region store (None: nothing heard yet)."""
@@ -106,6 +108,8 @@ class WeightSync:
         if version is None or (self.have is not None and version <= self.have) or version in self._refused:
             return False
         started = time.monotonic()
+        if self.transfer_s:  # EMULATED: the version's copy into the region store over a WAN link
+            await asyncio.sleep(self.transfer_s)
         try:
             state = await asyncio.to_thread(self._materialize, version)
         except HubError as exc:

@@ -90,7 +90,9 @@ class RolloutWorker:
         self.engine = engine if engine is not None else build_engine(config, region, node)
         self.hub = hub if hub is not None else Hub.from_config(config, store=region)
         self.codec = codec if codec is not None else load_codec(config.model, sorted(self.engine.eos_ids))
-        self.weights = WeightSync(self.hub, self.engine, self.cfg.weight_fallback_poll_s)
+        emulate = getattr(engine_config(config, region, node), "emulate", None)
+        self.weights = WeightSync(self.hub, self.engine, self.cfg.weight_fallback_poll_s,
+                                  transfer_s=emulate.weight_transfer_s if emulate is not None else 0.0)
         self.rewards = build_rewards(config.reward, get_task)
         """The task's built-in reward, or `reward.functions` / `reward.url` (rollout/rewards.py)."""
         self.handover_timeout_s = self.cfg.handover_timeout_s
@@ -294,6 +296,8 @@ class RolloutWorker:
                 "dead_lettered": dict(self.dead_lettered),
                 "groups_in_flight": len(self._jobs) + len(self._waiting), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": self.engine.version,
+                "busy_tokens_per_s": round(self.engine.tokens_sampled / self.engine_busy_s, 2)
+                if self.engine_busy_s > 0 else 0.0,
                 "weights": self.weights.have,
                 "rewards": {name: st.as_dict() for name, st in self.rewards.stats.items()},
                 "engine_steps": self.engine_steps, "busy": self.engine.has_work(),

@@ -13,6 +13,15 @@ latency (dispatch to arrival, mean over the window) and its backlog drained at i
 to its rate; but admission bounds the work in flight to `(1 + max_staleness) * groups_per_step`, so
 a region whose groups take many steps to come back would hold admission slots for groups that end
 up stale. Latency sends it only what it can return in time.
+
+In `algorithm.mode: sync` (`by_capacity`) the split is the one a synchronous trainer over the same
+workers makes: each step's groups in proportion to each region's capacity, the tokens per second its
+nodes deliver while their engines have work (`busy_tokens_per_s` in their heartbeats), so that its
+share of the step finishes when the others' do. Throughput and latency would not do there: a sync
+region returns only what it was given, so a region given little measures little and is given less
+(the fast region of `bench/pipeline.py` idled 99 % of a sync run that way). Capacity is the engines'
+own rate, whatever their load; a node that has not measured it yet borrows the mean of the measured
+nodes, scaled by its region's `weight`.
 """
 
 from __future__ import annotations
@@ -34,11 +43,16 @@ class _Region:
     """(arrived_at, dispatch-to-arrival seconds) within the window."""
     nodes: dict[str, tuple[str, float, float]] = field(default_factory=dict)
     """node -> (state, tokens_per_s, received_at)."""
+    capacity: dict[str, float] = field(default_factory=dict)
+    """node -> tokens/s its engines deliver while busy (0: not measured yet)."""
 
 
 class RegionCredits:
-    def __init__(self, weights: dict[str, float], *, window_s: float, tokens_per_group: float) -> None:
+    def __init__(self, weights: dict[str, float], *, window_s: float, tokens_per_group: float,
+                 by_capacity: bool = False) -> None:
         self.window_s, self.tokens_per_group = window_s, max(tokens_per_group, 1.0)
+        self.by_capacity = by_capacity
+        """Split by capacity (sync mode) instead of by expected return (see the module docstring)."""
         self.regions = {name: _Region(w) for name, w in weights.items()}
 
     def on_dispatch(self, region: str, now: float) -> None:
@@ -66,10 +80,12 @@ class RegionCredits:
         """The region's cluster refused or timed out a send: treat it as partitioned for a window."""
         self.regions[region].failed_at = now
 
-    def on_heartbeat(self, region: str, node: str, state: str, tokens_per_s: float, now: float) -> None:
+    def on_heartbeat(self, region: str, node: str, state: str, tokens_per_s: float, now: float,
+                     busy_tokens_per_s: float = 0.0) -> None:
         r = self.regions.get(region)
         if r is not None:
             r.nodes[node] = (state, max(float(tokens_per_s), 0.0), now)
+            r.capacity[node] = max(float(busy_tokens_per_s), 0.0)
 
     def rates(self, now: float) -> dict[str, float]:
         """Groups/s per region; None-measured regions get the weighted mean of the measured."""
@@ -93,8 +109,34 @@ class RegionCredits:
             return None
         return max(len(r.arrivals) / self.window_s if observed else 0.0, hb_rate)
 
+    def capacities(self, now: float) -> dict[str, float]:
+        """Tokens/s per region while its engines have work: the sum over its live nodes. A node not
+        measured yet counts as the mean measured node times its region's weight, and so does a region
+        that never sent a heartbeat (a fleet without a control plane); a region whose nodes are all
+        gone, or whose cluster refused a send within the window, has none."""
+        known = [c for r in self.regions.values() for node, c in r.capacity.items()
+                 if c > 0 and self._live(r, node, now)]
+        ref = sum(known) / len(known) if known else 1.0
+        out: dict[str, float] = {}
+        for name, r in self.regions.items():
+            if r.failed_at is not None and now - r.failed_at < self.window_s:
+                out[name] = 0.0
+            elif not r.nodes:
+                out[name] = r.weight * ref
+            else:
+                out[name] = sum(r.capacity.get(node, 0.0) or r.weight * ref
+                                for node in r.nodes if self._live(r, node, now))
+        return out
+
+    def _live(self, r: _Region, node: str, now: float) -> bool:
+        state, _, at = r.nodes[node]
+        return state == "up" and now - at <= self.window_s
+
     def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset()) -> str:
-        """Region for the next group: the earliest expected return (see the module docstring)."""
+        """Region for the next group: the earliest expected return (see the module docstring), or, with
+        `by_capacity`, the region whose share of the work so far is smallest for its capacity."""
+        if self.by_capacity:
+            return self._pick_by_capacity(in_flight, now, exclude)
         rates = self.rates(now)
         candidates = [n for n in self.regions if n not in exclude and rates[n] > 0] or [
             n for n in self.regions if n not in exclude
@@ -112,6 +154,16 @@ class RegionCredits:
             return max(self.latency(n, now), backlog), n
 
         return min(candidates, key=expected_return_s)
+
+    def _pick_by_capacity(self, in_flight: dict[str, int], now: float, exclude: frozenset[str]) -> str:
+        """The region whose share stays smallest for its capacity with one more group: `(held + 1) /
+        capacity`, which fills regions in proportion to capacity (the makespan-even split)."""
+        caps = self.capacities(now)
+        allowed = [n for n in self.regions if n not in exclude] or list(self.regions)
+        candidates = [n for n in allowed if caps[n] > 0]
+        if not candidates:  # nothing measured alive: fall back on the configured weights
+            candidates, caps = allowed, {n: self.regions[n].weight for n in self.regions}
+        return min(candidates, key=lambda n: (in_flight.get(n, 0) + 1) / caps[n])
 
     def _has_live_nodes(self, r: _Region, now: float) -> bool:
         return any(state == "up" and now - at <= self.window_s for state, _, at in r.nodes.values())

@@ -35,7 +35,7 @@ def run_daemon(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]],
     torch.set_num_threads(config.trainer.threads)
     ctx = DistContext.from_env(config.trainer.device)
     try:
-        _run_rank(config, prompts, max_steps, Learner(config.model, config.algorithm, ctx))
+        _run_rank(config, prompts, max_steps, Learner(config.model, config.algorithm, ctx, config.trainer.emulate))
         return 0
     finally:
         ctx.close()  # the learner is unreachable by now (see DistContext.close)

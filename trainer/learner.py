@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fleetrl.config import AlgorithmConfig, ModelConfig
+from fleetrl.config import AlgorithmConfig, LearnerEmulation, ModelConfig
 from fleetrl.hub import PublishedVersion, ShardPublisher
 from fleetrl.log import get_logger
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
@@ -60,8 +61,11 @@ class StepStats:
 class Learner:
     """Owns the model, its optimizer and (with `kl_coef > 0`) a frozen reference copy."""
 
-    def __init__(self, model_cfg: ModelConfig, algo: AlgorithmConfig, ctx: DistContext) -> None:
+    def __init__(self, model_cfg: ModelConfig, algo: AlgorithmConfig, ctx: DistContext,
+                 emulate: LearnerEmulation | None = None) -> None:
         self.algo, self.ctx = algo, ctx
+        self.emulate = emulate
+        """Emulated step time (`trainer.emulate`, benchmarks on CPU): slept after each real step."""
         self.publish_dtype = _PUBLISH_DTYPES[model_cfg.publish_dtype]
         model = model_cfg.build().float()
         ref = copy.deepcopy(model).requires_grad_(False) if algo.kl_coef > 0 else None
@@ -79,7 +83,10 @@ class Learner:
     def train_step(self, batch: StepBatch) -> StepStats:
         """One optimizer step on `batch` (rank 0 holds the whole batch; it is scattered)."""
         self.ctx.command("train")
-        return self._train(self.ctx.scatter(batch.shard(self.ctx.world_size)))
+        stats = self._train(self.ctx.scatter(batch.shard(self.ctx.world_size)))
+        if self.emulate is not None:  # as a larger model on real GPUs would take (EMULATED)
+            time.sleep(self.emulate.step_delay_s + self.emulate.token_delay_s * stats.tokens)
+        return stats
 
     def published_state(self) -> dict[str, torch.Tensor]:
         """A snapshot of the weights as engines run them: publish dtype, every state-dict name (rank 0).

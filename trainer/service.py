@@ -16,7 +16,9 @@ before the checkpoint.
 
 In sync mode (the on-policy baseline) `max_staleness` is 0, so the dispatcher admits one step's
 groups only once the previous step is trained and its version published: workers generate with
-that version alone and sit idle while the learner steps.
+that version alone and sit idle while the learner steps;
+the step's groups are spread over the regions in proportion to their capacity (`credits.py`), as a
+synchronous trainer over the same workers would split its batch.
 
 A SIGKILL anywhere leaves the newest checkpoint consistent with itself: restart loads it, seeks
 every consumer to the offsets it recorded and re-reads what came after, and the collector's ledger
@@ -89,7 +91,7 @@ class Trainer:
         self.collector = Collector(config.run, a.max_staleness, config.trainer.ledger_detail_groups)
         self.credits = RegionCredits(
             {r.name: r.weight for r in config.regions}, window_s=config.trainer.throughput_window_s,
-            tokens_per_group=a.n_samples * a.max_new_tokens,
+            tokens_per_group=a.n_samples * a.max_new_tokens, by_capacity=a.mode == "sync",
         )
         self.clients: RegionClients | None = None
         self.announcer: ControlPlane | None = None
@@ -271,7 +273,8 @@ class Trainer:
         nodes = self.announcer.nodes if self.announcer is not None else {}
         for (region, node), hb in list(nodes.items()):
             # A retained "up" from a node that died long ago carries its old `ts`: it will not count.
-            self.credits.on_heartbeat(region, node, hb.state, hb.tokens_per_s, min(hb.ts, now))
+            self.credits.on_heartbeat(region, node, hb.state, hb.tokens_per_s, min(hb.ts, now),
+                                      busy_tokens_per_s=hb.busy_tokens_per_s)
         for region, rate in self.credits.rates(now).items():
             self.metrics.region_rate.labels(region).set(rate)
 

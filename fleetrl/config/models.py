@@ -269,6 +269,20 @@ class EngineEmulation(Model):
     short_tokens: int = Field(4, ge=1)
     """...and otherwise stops (`stop`) after a length drawn uniformly from 1 to this. Drawn from the
     sample's key, so a handed-over sample keeps its length in the worker that resumes it."""
+    weight_transfer_s: float = Field(0.0, ge=0, le=600)
+    """Added to pulling each new policy version, before the engine stages it (in the background,
+    while decoding goes on): a version's copy across a WAN into the region."""
+
+
+class LearnerEmulation(Model):
+    """Emulated training hardware for benchmarks on CPU (`bench/pipeline.py --profile production`):
+    the real learner step, made as long as a larger model's on real GPUs would be, the way
+    `EngineEmulation` slows the real engine's decoding. Off unless set; never needed in production."""
+
+    step_delay_s: float = Field(0.0, ge=0, le=600)
+    """Added to every optimizer step (fixed costs: the optimizer update, gathers)."""
+    token_delay_s: float = Field(0.0, ge=0, le=1)
+    """Added per trained token (forward and backward over each sample's tokens)."""
 
 
 class TorchEngineConfig(Model):
@@ -434,6 +448,8 @@ class TrainerConfig(Model):
     versions in order); False publishes inline, between the step and the next."""
     throughput_window_s: float = Field(60.0, gt=0)
     """Window over which each region's throughput (arrivals, heartbeats) is measured for credits."""
+    emulate: LearnerEmulation | None = None
+    """Emulated training time for benchmarks on CPU (see `LearnerEmulation`)."""
 
 
 class FleetConfig(Model):
