@@ -4,7 +4,8 @@ Slot b below `n` either runs a sample (`seqs[b]`) or is free. The state a step n
 arrays indexed by slot, updated with one vector operation per step, not per sample: the position
 (= cache column) of each slot's last token, its sampling counter, key, temperature and top-p, the
 last sampled token (the next input). `plan` turns the running slots plus the samples admitted this
-step into one packed forward pass (`fleetrl.rollout._kv.Pass`).
+step, and the drafted tokens of slots that speculate, into one packed forward pass
+(`fleetrl.rollout._kv.Pass`).
 """
 
 from __future__ import annotations
@@ -54,29 +55,41 @@ class SlotTable:
         """The lowest `k` free slots (keeps `n`, the pass width, small)."""
         return [b for b, s in enumerate(self.seqs) if s is None][:k]
 
-    def plan(self, admitted: Sequence[tuple[int, list[int]]]) -> tuple[Pass, torch.Tensor, torch.Tensor | None]:
-        """The pass decoding slots 0..n-1 and prefilling `admitted` (slot, tokens); (pass, input_ids, keep).
+    def plan(
+        self, admitted: Sequence[tuple[int, list[int]]], drafts: Sequence[tuple[int, list[int]]] = (),
+    ) -> tuple[Pass, torch.Tensor, torch.Tensor | None]:
+        """The pass decoding slots 0..n-1, prefilling `admitted` (slot, tokens) and verifying `drafts`
+        (running slot, drafted tokens); returns (pass, input_ids, keep).
 
         `keep` indexes the packed tokens whose logits are sampled: the n decode rows, then the last
-        token of each admitted sample (None: every token, when nothing is admitted).
+        token of each admitted sample, then every drafted token (None: every token, when nothing is
+        admitted or drafted).
         """
         n, dev = self.n, self.device
         width = int(self.pos[:n].max()) + 1 if n else 0
-        self.reserve(max([width, *(len(t) for _, t in admitted)]))
+        draft_cols = [int(self.pos[b]) + 1 for b, _ in drafts]
+        self.reserve(max([width, *(len(t) for _, t in admitted), *(c + len(t) for c, (_, t) in zip(
+            draft_cols, drafts, strict=True))]))
         pos = torch.from_numpy(self.pos[:n]).to(dev)
         mask = (self._columns[:width][None, :] <= pos[:, None])[:, None, None, :] if n else None
-        if not admitted:
+        if not admitted and not drafts:
             slots = torch.from_numpy(self.write_slot[:n]).to(dev)
             plan = Pass(n, width, mask, slots, pos)
             return plan, self.last[:n], None
-        lengths = [len(t) for _, t in admitted]
+        segments = [*admitted, *drafts]
+        lengths = [len(t) for _, t in segments]
         starts = (n + np.cumsum([0, *lengths[:-1]])).tolist()
-        slots_np = np.concatenate([self.write_slot[:n], np.repeat([s for s, _ in admitted], lengths)])
-        cols_np = np.concatenate([self.pos[:n], *(np.arange(k) for k in lengths)])
-        prefill = Prefill.build([s for s, _ in admitted], starts, lengths, dev)
-        plan = Pass(n, width, mask, torch.from_numpy(slots_np).to(dev), torch.from_numpy(cols_np).to(dev), prefill)
-        tokens = torch.tensor([t for _, toks in admitted for t in toks], dtype=torch.long, device=dev)
-        keep = list(range(n)) + [s + k - 1 for s, k in zip(starts, lengths, strict=True)]
+        firsts = [0] * len(admitted) + draft_cols
+        slots_np = np.concatenate([self.write_slot[:n], np.repeat([s for s, _ in segments], lengths)])
+        cols_np = np.concatenate([self.pos[:n], *(np.arange(c, c + k) for c, k in zip(firsts, lengths, strict=True))])
+        a = len(admitted)
+        prefill = Prefill.build([s for s, _ in admitted], starts[:a], lengths[:a], dev) if admitted else None
+        verify = Prefill.build([s for s, _ in drafts], starts[a:], lengths[a:], dev, draft_cols) if drafts else None
+        plan = Pass(n, width, mask, torch.from_numpy(slots_np).to(dev), torch.from_numpy(cols_np).to(dev), prefill,
+                    verify)
+        tokens = torch.tensor([t for _, toks in segments for t in toks], dtype=torch.long, device=dev)
+        keep = [*range(n), *(s + k - 1 for s, k in zip(starts[:a], lengths[:a], strict=True)),
+                *(range(starts[a], starts[a] + sum(lengths[a:])) if drafts else ())]
         return plan, torch.cat([self.last[:n], tokens]), torch.tensor(keep, device=dev)
 
     def reserve(self, width: int) -> None:
@@ -101,12 +114,17 @@ class SlotTable:
         self.running += len(rows)
         self.n = max(self.n, max(rows) + 1)
 
-    def advance(self, tokens: torch.Tensor) -> None:
-        """Every running slot took one more token: it is the next input, one column on."""
+    def advance(self, tokens: torch.Tensor, extra: dict[int, int] | None = None) -> None:
+        """Every running slot took one more token: it is the next input, one column on. `extra`: slots
+        that took more (accepted drafts), and how many more; `tokens` holds each slot's last one."""
         n = self.n
         self.last[:n] = tokens
         self.pos[:n] += self.live[:n]
         self.count[:n] += self.live[:n]
+        if extra:
+            rows, more = list(extra), list(extra.values())
+            self.pos[rows] += more
+            self.count[rows] += more
 
     def free(self, rows: list[int]) -> None:
         if not rows:

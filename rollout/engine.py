@@ -70,6 +70,8 @@ class SeqState:
     finish_reason: str | None = None
     stop_at: int | None = None
     """An emulated completion length (`engine.emulate`): the sample stops after this many tokens."""
+    history_key: bytes | None = None
+    """The prompt's key in the engine's response history (`rollout/history.py`), when it keeps one."""
 
     def to_partial(self) -> PartialSample:
         return PartialSample(ids(self.tokens), floats(self.logprobs), ids(self.versions), self.finish_reason)

@@ -271,6 +271,35 @@ class EngineEmulation(Model):
     sample's key, so a handed-over sample keeps its length in the worker that resumes it."""
 
 
+class SpeculativeConfig(Model):
+    """History-drafted speculative decoding of the torch engine (docs/rollout.md): drafts come from the
+    engine's earlier responses to the same prompt, are verified by the policy in the step's forward pass
+    and accepted by the speculative-sampling rule, so what is sampled is exactly the policy's
+    distribution. It pays where prompts come back (epochs) and the policy answers them alike."""
+
+    enabled: bool = True
+    """Draft and verify; False decodes one token per sample per step (the history still predicts lengths)."""
+    max_draft_tokens: int = Field(8, ge=1, le=64)
+    """Most tokens drafted for one sample in one step."""
+    min_acceptance: float = Field(0.2, ge=0, le=1)
+    """A prompt's drafts stop while the moving share of its drafted tokens the policy accepts is below
+    this (the policy moved away from its old answers); a new answer to it lets it try again."""
+    max_ngram: int = Field(4, ge=1, le=16)
+    """Longest suffix of a sample's context looked up in the history (longest match wins)."""
+    min_ngram: int = Field(1, ge=1, le=16)
+    """Shortest suffix that may match."""
+    history_prompts: int = Field(4096, ge=1)
+    """Prompts the history keeps (least recently used go first)."""
+    history_responses: int = Field(8, ge=1, le=256)
+    """Latest responses kept per prompt."""
+
+    @model_validator(mode="after")
+    def _ngrams_ordered(self) -> SpeculativeConfig:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) is above max_ngram ({self.max_ngram})")
+        return self
+
+
 class TorchEngineConfig(Model):
     """PyTorch/transformers engine: batched decoding with a KV cache; CPU or CUDA."""
 
@@ -292,6 +321,8 @@ class TorchEngineConfig(Model):
     cost per step, so batching admissions trades a little occupancy for fewer of them."""
     emulate: EngineEmulation | None = None
     """Emulated slowness and completion lengths for benchmarks on CPU (see `EngineEmulation`)."""
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """History-drafted speculative decoding (see `SpeculativeConfig`); `enabled: false` turns it off."""
 
 
 class VllmEngineConfig(Model):
@@ -349,6 +380,11 @@ class RolloutConfig(Model):
     """How long an idle worker waits on Kafka per poll (a busy one only takes what is already there)."""
     stats_interval_s: float = Field(10.0, gt=0)
     """How often a worker logs `worker.stats` (groups and tokens done and in flight, tokens/s)."""
+    length_aware: bool = True
+    """Schedule by predicted completion length (the mean of a prompt's earlier completions): the torch
+    engine admits the samples with the longest predicted completion first into free slots, and the
+    trainer places each group where its predicted work returns first. False: arrival order, and
+    placement by group counts."""
 
 
 class AgentConfig(Model):
