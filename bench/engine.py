@@ -232,12 +232,14 @@ def measure_spec(quick: bool, batch: int, rounds: int) -> dict[str, Any]:
     acceptance: list[float] = []
     for _ in range(rounds):
         acceptance = spec_round(start, prompts, n_samples, epochs, batch, best)
+    best_sides = ("plain", "spec")
     totals = {side: sum(best[side, e].tokens for e in range(1, epochs)) /
               sum(best[side, e].seconds for e in range(1, epochs)) for side in ("plain", "spec")}
-    steps = {side: sum(best[side, e].steps for e in range(1, epochs)) for side in ("plain", "spec")}
+    steps = {side: sum(best[side, e].steps for e in range(1, epochs)) for side in best_sides}
+    speedup = totals["spec"] / totals["plain"]
     print(f"spec b{batch}: epochs 1-{epochs - 1}, best of {rounds} round(s): spec {totals['spec']:.0f} tok/s vs plain "
-          f"{totals['plain']:.0f} tok/s = {totals['spec'] / totals['plain']:.2f}x = {steps['plain'] / steps['spec']:.2f}x "
-          f"fewer steps x {steps['spec'] / steps['plain'] * totals['spec'] / totals['plain']:.2f} cost per step")
+          f"{totals['plain']:.0f} tok/s = {speedup:.2f}x: {steps['plain'] / steps['spec']:.2f}x fewer steps at "
+          f"{steps['plain'] / steps['spec'] / speedup:.2f}x the cost per step")
     return {"speedup": totals["spec"] / totals["plain"], "acceptance": acceptance}
 
 
@@ -245,7 +247,8 @@ def spec_round(start: torch.nn.Module, prompts: dict[str, list[int]], n_samples:
                best: dict[tuple[str, int], Run]) -> list[float]:
     """One run of the epochs from `start`; keeps each side's fastest run per epoch in `best`."""
     policy = copy.deepcopy(start)
-    plain = TorchEngine(copy.deepcopy(start), max_batch=batch, eos_ids=[2], speculative=SpeculativeConfig(enabled=False))
+    off = SpeculativeConfig(enabled=False)
+    plain = TorchEngine(copy.deepcopy(start), max_batch=batch, eos_ids=[2], speculative=off)
     spec = TorchEngine(copy.deepcopy(start), max_batch=batch, eos_ids=[2])
     assert spec.speculator is not None
     acceptance, same = [], 0

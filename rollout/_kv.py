@@ -10,8 +10,9 @@ Each engine step is ONE forward pass over a packed row of tokens (`Pass`): first
 every slot below `n` (the decode rows: a running slot's last sampled token; a free slot decodes
 into the void, writing to the scratch slot), then the prompt (+ completion so far) of every sample
 admitted into a free slot this step (the prefill segments), then the drafted tokens of running
-samples (`fleetrl.rollout.speculative`: segments that start one column after the slot's last token). Every layer writes each token's key
-and value at its (slot, column) in place (`SlotLayer.update`), then `slot_attention` attends:
+samples (`fleetrl.rollout.speculative`: segments that start one column after the slot's last
+token). Every layer writes each token's key and value at its (slot, column) in place
+(`SlotLayer.update`), then `slot_attention` attends:
 
 * decode rows: one batched SDPA over the buffer views `[:n, :, :width]` (no copy), row b masked
   to its columns `0..pos[b]`;
