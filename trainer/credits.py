@@ -9,7 +9,9 @@ comes back, its heartbeats give it credit again.
 
 The next group goes to the region expected to return it first: the larger of the region's measured
 latency (dispatch to arrival, mean over the window) and its backlog drained at its throughput,
-`(in_flight + 1) / rate`. Throughput alone would keep a slow region's in-flight work proportional
+`(in_flight + 1) / rate`, where in-flight work and the new group count in groups of average
+predicted length when placement is length-aware (`rollout.length_aware`, `lengths.py`): a region
+holding a few long groups is as busy as one holding many short ones. Throughput alone would keep a slow region's in-flight work proportional
 to its rate; but admission bounds the work in flight to `(1 + max_staleness) * groups_per_step`, so
 a region whose groups take many steps to come back would hold admission slots for groups that end
 up stale. Latency sends it only what it can return in time.
@@ -93,8 +95,12 @@ class RegionCredits:
             return None
         return max(len(r.arrivals) / self.window_s if observed else 0.0, hb_rate)
 
-    def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset()) -> str:
-        """Region for the next group: the earliest expected return (see the module docstring)."""
+    def pick(self, in_flight: dict[str, float], now: float, exclude: frozenset[str] = frozenset(),
+             work: float = 1.0) -> str:
+        """Region for the next group: the earliest expected return (see the module docstring).
+
+        `in_flight` and `work` count in groups of average size: with length-aware placement a group
+        predicted twice as long as the average weighs 2 (`fleetrl.trainer.lengths`)."""
         rates = self.rates(now)
         candidates = [n for n in self.regions if n not in exclude and rates[n] > 0] or [
             n for n in self.regions if n not in exclude
@@ -104,11 +110,11 @@ class RegionCredits:
 
         def expected_return_s(n: str) -> tuple[float, str]:
             held = in_flight.get(n, 0)
-            if held == 0 and self._has_live_nodes(self.regions[n], now):
+            if held <= 0 and self._has_live_nodes(self.regions[n], now):
                 # Idle with live nodes: it can start at once. Without this probe a region that got
                 # no work (after a drain, say) reports no throughput and never gets work again.
                 return self.latency(n, now), n
-            backlog = (held + 1) / max(rates[n], 1e-9)
+            backlog = (held + work) / max(rates[n], 1e-9)
             return max(self.latency(n, now), backlog), n
 
         return min(candidates, key=expected_return_s)
