@@ -11,10 +11,11 @@ The next group goes to the region expected to return it first: the larger of the
 latency (dispatch to arrival, mean over the window) and its backlog drained at its throughput,
 `(in_flight + 1) / rate`, where in-flight work and the new group count in groups of average
 predicted length when placement is length-aware (`rollout.length_aware`, `lengths.py`): a region
-holding a few long groups is as busy as one holding many short ones. Throughput alone would keep a slow region's in-flight work proportional
-to its rate; but admission bounds the work in flight to `(1 + max_staleness) * groups_per_step`, so
-a region whose groups take many steps to come back would hold admission slots for groups that end
-up stale. Latency sends it only what it can return in time.
+holding a few long groups is as busy as one holding many short ones. Throughput alone would keep a
+slow region's in-flight work proportional to its rate; but admission bounds the work in flight to
+`(1 + max_staleness) * groups_per_step`, so a region whose groups take many steps to come back
+would hold admission slots for groups that end up stale. Latency sends it only what it can return
+in time.
 """
 
 from __future__ import annotations

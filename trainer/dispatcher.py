@@ -10,9 +10,9 @@ the next step). A group dropped stale is settled without feeding a step, so it r
 never runs more than `1 + max_staleness` steps of work ahead of the learner, and groups generated
 in order reach the learner at most `max_staleness` versions old. Admitted groups go to regions by
 credit (`credits.py`), weighed by their predicted work when `rollout.length_aware` (`lengths.py`: a
-prompt's completion length the last time it was answered). A group whose region has been silent for `silent_region_timeout_s` is sent
-again, to another region where one has credit, with `attempt + 1`; the collector trains whichever
-attempt arrives first and drops the other as a duplicate.
+prompt's completion length the last time it was answered). A group whose region has been silent for
+`silent_region_timeout_s` is sent again, to another region where one has credit, with
+`attempt + 1`; the collector trains whichever attempt arrives first and drops the other as a duplicate.
 
 The state here is plain data (cursor into the prompt source, groups in flight) and goes into every
 checkpoint; sending is an injected coroutine, so the state machine is tested without Kafka.
