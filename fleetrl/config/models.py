@@ -269,6 +269,10 @@ class EngineEmulation(Model):
     short_tokens: int = Field(4, ge=1)
     """...and otherwise stops (`stop`) after a length drawn uniformly from 1 to this. Drawn from the
     sample's key, so a handed-over sample keeps its length in the worker that resumes it."""
+    tail_by_prompt: bool = False
+    """Whether a sample runs to `max_new_tokens` is drawn from its prompt, not its key: every sample of
+    a prompt is long, every time the prompt comes back (real lengths follow the prompt; length-aware
+    scheduling learns them from history)."""
 
 
 class SpeculativeConfig(Model):
