@@ -3,12 +3,14 @@
 RL revisits its prompts every epoch, and a policy's answers to one prompt in consecutive epochs
 are much alike (RhymeRL's observation): the tokens of earlier answers are good guesses of the next
 ones. `ResponseHistory` keeps, per prompt (keyed by its token ids, so the same prompt under any
-group id matches), the last few responses as token arrays, in a least-recently-used table of
-bounded size. The engine records every sample it finishes (`record`) and asks it for
+group id matches), the last few responses as token arrays, in a least-recently-used table bounded
+in prompts and in tokens (about 60 bytes a token with the index). The engine records every sample
+it finishes (`record`) and asks it for
 
 * a draft (`draft`): the tokens that followed the longest suffix of the sample's context (the tail
-  of the prompt, then its completion so far) in an earlier response, found through an n-gram index
-  (suffix match, no draft model), for the speculative path (`fleetrl.rollout.speculative`);
+  of the prompt, then its completion so far) in an earlier response, found through an index of the
+  positions after each token and each pair of tokens, the match then extended backwards to
+  `max_ngram` (suffix match, no draft model), for the speculative path (`fleetrl.rollout.speculative`);
 * a length prediction (`predicted_length`): the mean length of the prompt's earlier responses, or,
   for a prompt never seen, the mean of everything recorded (the engine admits long samples first).
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,43 +40,64 @@ def prompt_key(prompt_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(np.asarray(prompt_ids, dtype="<i4").tobytes(), digest_size=16).digest()
 
 
+_POS_BITS = 32  # an index entry packs (response serial, position) into one int
+
+
 @dataclass(slots=True)
 class PromptHistory:
-    """The recent responses to one prompt and the n-gram index over them."""
+    """The recent responses to one prompt and the index over them."""
 
     tail: tuple[int, ...]
     """The prompt's last tokens: context for matching the first completion tokens."""
-    responses: dict[int, list[int]] = field(default_factory=dict)
-    """Serial number -> `tail` + the response's tokens; the last `max_responses` recorded."""
+    responses: dict[int, array[int]] = field(default_factory=dict)
+    """Serial number -> `tail` + the response's tokens (4 bytes a token); the last `max_responses`."""
     lengths: list[int] = field(default_factory=list)
     serial: int = 0
     """Responses recorded so far (the next one's serial number)."""
     indexed_from: int = 0
-    """The index holds the n-grams of every response from this serial on (evicted ones are skipped)."""
+    """The index holds every response from this serial on (evicted ones are skipped at lookup)."""
     acceptance: float = 1.0
     """Moving average of the share of drafted tokens the target policy accepted."""
-    index: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
-    """n-gram -> [(response serial, position of the token after it)]."""
+    by_pair: dict[int, list[int]] = field(default_factory=dict)
+    """The two tokens before a position -> [serial << 32 | position]: where a context may continue."""
+    by_token: dict[int, list[int]] = field(default_factory=dict)
+    """The token before a position -> the same (for a match of one token)."""
 
     def mean_length(self) -> float:
         return sum(self.lengths) / len(self.lengths)
+
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.responses.values())
+
+
+def _pair(a: int, b: int) -> int:
+    return (a << _POS_BITS) | b
 
 
 class ResponseHistory:
     """A bounded least-recently-used table of earlier responses per prompt (see the module docstring)."""
 
-    def __init__(self, *, max_prompts: int = 4096, max_responses: int = 8, max_ngram: int = 4,
-                 min_ngram: int = 1, min_acceptance: float = 0.2) -> None:
+    SCAN = 64
+    """Most index entries (the newest) a lookup scores: a frequent token must not make a step slow."""
+
+    def __init__(self, *, max_prompts: int = 4096, max_responses: int = 8, max_tokens: int = 1 << 20,
+                 max_ngram: int = 4, min_ngram: int = 1, min_acceptance: float = 0.2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
-        self.max_prompts, self.max_responses = max_prompts, max_responses
+        self.max_prompts, self.max_responses, self.max_tokens = max_prompts, max_responses, max_tokens
         self.max_ngram, self.min_ngram, self.min_acceptance = max_ngram, min_ngram, min_acceptance
         self._prompts: OrderedDict[bytes, PromptHistory] = OrderedDict()
+        self._tokens = 0
         self._length_sum = 0.0
         self._length_count = 0
 
     def __len__(self) -> int:
         return len(self._prompts)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held (prompt tails and responses): the budget `max_tokens` bounds it."""
+        return self._tokens
 
     def get(self, key: bytes) -> PromptHistory | None:
         entry = self._prompts.get(key)
@@ -82,25 +106,29 @@ class ResponseHistory:
         return entry
 
     def record(self, prompt_ids: Sequence[int], completion: Sequence[int]) -> None:
-        """Keep a finished response (the oldest of the prompt's and the least recently used prompt go)."""
+        """Keep a finished response (the oldest of the prompt's, and the least recently used prompts
+        beyond `max_prompts` or the token budget, go)."""
         key = prompt_key(prompt_ids)
         entry = self.get(key)
         if entry is None:
             entry = self._prompts[key] = PromptHistory(tuple(int(t) for t in prompt_ids[-self.max_ngram:]))
-            while len(self._prompts) > self.max_prompts:
-                self._prompts.popitem(last=False)
-        seq = [*entry.tail, *(int(t) for t in completion)]
+        seq = array("i", entry.tail)
+        seq.extend(int(t) for t in completion)
         entry.responses[entry.serial] = seq
         entry.lengths.append(len(completion))
+        self._tokens += len(seq)
         self._index(entry, entry.serial, seq)
         entry.serial += 1
         if len(entry.responses) > self.max_responses:
-            del entry.responses[entry.serial - self.max_responses - 1], entry.lengths[0]
+            self._tokens -= len(entry.responses.pop(entry.serial - self.max_responses - 1))
+            del entry.lengths[0]
         if entry.serial - entry.indexed_from > 2 * self.max_responses:
-            # Evicted responses' n-grams are skipped at lookup; drop them once they are as many as the live ones.
-            entry.index, entry.indexed_from = {}, entry.serial - len(entry.responses)
+            # Evicted responses' entries are skipped at lookup; drop them once they are as many as the live ones.
+            entry.by_pair, entry.by_token, entry.indexed_from = {}, {}, entry.serial - len(entry.responses)
             for serial, old in entry.responses.items():
                 self._index(entry, serial, old)
+        while len(self._prompts) > self.max_prompts or (self._tokens > self.max_tokens and len(self._prompts) > 1):
+            self._tokens -= self._prompts.popitem(last=False)[1].tokens()
         # The policy answered again: let drafting for this prompt try once more if it had stopped.
         entry.acceptance = max(entry.acceptance, self.min_acceptance)
         self._length_sum += len(completion)
@@ -114,9 +142,9 @@ class ResponseHistory:
         return self._length_sum / self._length_count if self._length_count else default
 
     def draft(self, entry: PromptHistory, completion: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the longest matching suffix of (prompt tail + `completion`)
-        in an earlier response: nearest to the same position, then newest. [] when none matches or
-        drafting is off for the prompt.
+        """Up to `k` tokens that followed the longest matching suffix (up to `max_ngram` tokens) of
+        (prompt tail + `completion`) in an earlier response: nearest to the same position, then newest.
+        [] when none matches or drafting is off for the prompt.
 
         Fewer than `k` where the prompt's drafts are often rejected: verifying a token costs compute,
         and with acceptance a the run of accepted drafts is a / (1 - a) long on average."""
@@ -127,23 +155,41 @@ class ResponseHistory:
         if k <= 0:
             return []
         need = max(0, self.max_ngram - len(completion))
-        context = (*entry.tail[max(0, len(entry.tail) - need):], *completion[len(completion) - self.max_ngram + need:])
-        here = len(entry.tail) + len(completion)
-        live = entry.responses
-        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            found = [sp for sp in entry.index.get(tuple(context[-n:]), ()) if sp[0] in live]
-            if found:
-                serial, pos = min(found, key=lambda sp: (abs(sp[1] - here), -sp[0]))
-                return live[serial][pos:pos + k]
-        return []
+        context = [*entry.tail[max(0, len(entry.tail) - need):], *completion[len(completion) - self.max_ngram + need:]]
+        if not context:
+            return []
+        found: list[int] = []
+        if len(context) >= 2:
+            found = entry.by_pair.get(_pair(context[-2], context[-1]), [])
+        if not found and self.min_ngram <= 1:
+            found = entry.by_token.get(context[-1], [])
+        here, live, mask = len(entry.tail) + len(completion), entry.responses, (1 << _POS_BITS) - 1
+        best: tuple[int, int, int] | None = None  # (match length, -distance, serial) of the best candidate
+        best_at = (0, 0)
+        for packed in found[-self.SCAN:]:
+            serial, pos = packed >> _POS_BITS, packed & mask
+            seq = live.get(serial)
+            if seq is None:
+                continue
+            m = 1
+            while m < len(context) and m < pos and seq[pos - 1 - m] == context[-1 - m]:
+                m += 1
+            score = (m, -abs(pos - here), serial)
+            if best is None or score > best:
+                best, best_at = score, (serial, pos)
+        if best is None or best[0] < self.min_ngram:
+            return []
+        serial, pos = best_at
+        return live[serial][pos:pos + k].tolist()
 
     def observe(self, entry: PromptHistory, drafted: int, accepted: int) -> None:
         """The target policy accepted `accepted` of `drafted` tokens drafted for the prompt."""
         if drafted:
             entry.acceptance += _ALPHA * (accepted / drafted - entry.acceptance)
 
-    def _index(self, entry: PromptHistory, serial: int, seq: list[int]) -> None:
-        index = entry.index
-        for n in range(self.min_ngram, self.max_ngram + 1):
-            for end in range(n, len(seq)):  # the n-gram ending before `end`, and a token after it
-                index.setdefault(tuple(seq[end - n:end]), []).append((serial, end))
+    def _index(self, entry: PromptHistory, serial: int, seq: array[int]) -> None:
+        by_pair, by_token, base = entry.by_pair, entry.by_token, serial << _POS_BITS
+        for end in range(1, len(seq)):  # the tokens before `end`, and a token after them
+            by_token.setdefault(seq[end - 1], []).append(base | end)
+            if end >= 2:
+                by_pair.setdefault(_pair(seq[end - 2], seq[end - 1]), []).append(base | end)

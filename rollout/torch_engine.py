@@ -69,7 +69,8 @@ class TorchEngine(Engine):
         self._slots = SlotTable(max_batch, int(cfg.num_hidden_layers), self.max_context, self.device)
         spec = speculative if speculative is not None else SpeculativeConfig()
         self.history = ResponseHistory(max_prompts=spec.history_prompts, max_responses=spec.history_responses,
-                                       max_ngram=spec.max_ngram, min_ngram=spec.min_ngram,
+                                       max_tokens=spec.history_tokens, max_ngram=spec.max_ngram,
+                                       min_ngram=spec.min_ngram,
                                        min_acceptance=spec.min_acceptance)
         """Earlier responses per prompt, region-local: drafts and length predictions (rollout/history.py)."""
         self.speculator = Speculator(self.history, spec.max_draft_tokens) if spec.enabled else None

@@ -296,6 +296,9 @@ class SpeculativeConfig(Model):
     """Prompts the history keeps (least recently used go first)."""
     history_responses: int = Field(8, ge=1, le=256)
     """Latest responses kept per prompt."""
+    history_tokens: int = Field(1 << 20, ge=1024)
+    """Tokens the history holds in all (about 60 bytes each with their index); least recently used
+    prompts go first beyond it."""
 
     @model_validator(mode="after")
     def _ngrams_ordered(self) -> SpeculativeConfig:

@@ -254,6 +254,11 @@ def test_history_drafts_from_the_longest_suffix_match_and_stays_bounded() -> Non
     h.record([4], [5])
     h.record([6], [7])  # the least recently used prompt goes
     assert len(h) == 2 and h.get(prompt_key([1, 2, 3])) is None
+    small = ResponseHistory(max_tokens=100)
+    for p in range(10):
+        small.record([p], [5] * 30)
+    assert small.tokens <= 100 and len(small) == 3  # the token budget: the newest prompts stay
+    assert small.get(prompt_key([9])) is not None and small.get(prompt_key([6])) is None
 
 
 def test_drafting_stops_when_acceptance_falls_and_retries_on_a_new_answer() -> None:
