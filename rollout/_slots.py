@@ -77,20 +77,25 @@ class SlotTable:
             plan = Pass(n, width, mask, slots, pos)
             return plan, self.last[:n], None
         segments = [*admitted, *drafts]
-        lengths = [len(t) for _, t in segments]
-        starts = (n + np.cumsum([0, *lengths[:-1]])).tolist()
-        firsts = [0] * len(admitted) + draft_cols
+        lengths = np.fromiter((len(t) for _, t in segments), dtype=np.int64, count=len(segments))
+        offsets = np.cumsum(lengths) - lengths  # each segment's first token, from the first segment
+        starts = (n + offsets).tolist()
+        firsts = np.asarray([0] * len(admitted) + draft_cols, dtype=np.int64)
+        total = int(lengths.sum())
+        within = np.arange(total) - np.repeat(offsets, lengths)  # each token's index in its segment
         slots_np = np.concatenate([self.write_slot[:n], np.repeat([s for s, _ in segments], lengths)])
-        cols_np = np.concatenate([self.pos[:n], *(np.arange(c, c + k) for c, k in zip(firsts, lengths, strict=True))])
+        cols_np = np.concatenate([self.pos[:n], np.repeat(firsts, lengths) + within])
         a = len(admitted)
-        prefill = Prefill.build([s for s, _ in admitted], starts[:a], lengths[:a], dev) if admitted else None
-        verify = Prefill.build([s for s, _ in drafts], starts[a:], lengths[a:], dev, draft_cols) if drafts else None
+        lens = lengths.tolist()
+        prefill = Prefill.build([s for s, _ in admitted], starts[:a], lens[:a], dev) if admitted else None
+        verify = Prefill.build([s for s, _ in drafts], starts[a:], lens[a:], dev, draft_cols) if drafts else None
         plan = Pass(n, width, mask, torch.from_numpy(slots_np).to(dev), torch.from_numpy(cols_np).to(dev), prefill,
                     verify)
-        tokens = torch.tensor([t for _, toks in segments for t in toks], dtype=torch.long, device=dev)
-        keep = [*range(n), *(s + k - 1 for s, k in zip(starts[:a], lengths[:a], strict=True)),
-                *(range(starts[a], starts[a] + sum(lengths[a:])) if drafts else ())]
-        return plan, torch.cat([self.last[:n], tokens]), torch.tensor(keep, device=dev)
+        flat = np.fromiter((t for _, toks in segments for t in toks), dtype=np.int64, count=total)
+        # Logits kept: the decode rows, each admitted sample's last token, every drafted token.
+        draft_start = n + int(offsets[a]) if drafts else n + total
+        keep = np.concatenate([np.arange(n), n + offsets[:a] + lengths[:a] - 1, np.arange(draft_start, n + total)])
+        return plan, torch.cat([self.last[:n], torch.from_numpy(flat).to(dev)]), torch.from_numpy(keep).to(dev)
 
     def reserve(self, width: int) -> None:
         self.cache.reserve(width)

@@ -72,6 +72,8 @@ class SeqState:
     """An emulated completion length (`engine.emulate`): the sample stops after this many tokens."""
     history_key: bytes | None = None
     """The prompt's key in the engine's response history (`rollout/history.py`), when it keeps one."""
+    draft_at: int = -1
+    """Where in the history its next draft likely continues (`ResponseHistory.draft`'s hint)."""
 
     def to_partial(self) -> PartialSample:
         return PartialSample(ids(self.tokens), floats(self.logprobs), ids(self.versions), self.finish_reason)

@@ -141,31 +141,41 @@ class ResponseHistory:
             return entry.mean_length()
         return self._length_sum / self._length_count if self._length_count else default
 
-    def draft(self, entry: PromptHistory, completion: Sequence[int], k: int) -> list[int]:
+    def draft(self, entry: PromptHistory, completion: Sequence[int], k: int, hint: int = -1) -> tuple[list[int], int]:
         """Up to `k` tokens that followed the longest matching suffix (up to `max_ngram` tokens) of
-        (prompt tail + `completion`) in an earlier response: nearest to the same position, then newest.
-        [] when none matches or drafting is off for the prompt.
+        (prompt tail + `completion`) in an earlier response: nearest to the same position, then newest;
+        and where they start (packed serial and position: the `hint` of the next call, moved past the
+        tokens taken). ([], -1) when none matches or drafting is off for the prompt.
+
+        `hint`: where the previous draft continues; used as is while the last two tokens still match
+        there (a sample following one earlier answer costs no search).
 
         Fewer than `k` where the prompt's drafts are often rejected: verifying a token costs compute,
         and with acceptance a the run of accepted drafts is a / (1 - a) long on average."""
         a = entry.acceptance
         if a < self.min_acceptance:
-            return []
+            return [], -1
         k = min(k, math.ceil(a / (1.0 - a)) + 1) if a < 1.0 else k
         if k <= 0:
-            return []
+            return [], -1
         need = max(0, self.max_ngram - len(completion))
         context = [*entry.tail[max(0, len(entry.tail) - need):], *completion[len(completion) - self.max_ngram + need:]]
         if not context:
-            return []
+            return [], -1
+        live, mask = entry.responses, (1 << _POS_BITS) - 1
+        if hint >= 0 and len(context) >= 2:
+            seq = live.get(hint >> _POS_BITS)
+            pos = hint & mask
+            if seq is not None and 2 <= pos < len(seq) and seq[pos - 1] == context[-1] and seq[pos - 2] == context[-2]:
+                return seq[pos:pos + k].tolist(), hint
         found: list[int] = []
         if len(context) >= 2:
             found = entry.by_pair.get(_pair(context[-2], context[-1]), [])
         if not found and self.min_ngram <= 1:
             found = entry.by_token.get(context[-1], [])
-        here, live, mask = len(entry.tail) + len(completion), entry.responses, (1 << _POS_BITS) - 1
+        here = len(entry.tail) + len(completion)
         best: tuple[int, int, int] | None = None  # (match length, -distance, serial) of the best candidate
-        best_at = (0, 0)
+        best_at = -1
         for packed in found[-self.SCAN:]:
             serial, pos = packed >> _POS_BITS, packed & mask
             seq = live.get(serial)
@@ -176,11 +186,10 @@ class ResponseHistory:
                 m += 1
             score = (m, -abs(pos - here), serial)
             if best is None or score > best:
-                best, best_at = score, (serial, pos)
+                best, best_at = score, packed
         if best is None or best[0] < self.min_ngram:
-            return []
-        serial, pos = best_at
-        return live[serial][pos:pos + k].tolist()
+            return [], -1
+        return live[best_at >> _POS_BITS][(best_at & mask):(best_at & mask) + k].tolist(), best_at
 
     def observe(self, entry: PromptHistory, drafted: int, accepted: int) -> None:
         """The target policy accepted `accepted` of `drafted` tokens drafted for the prompt."""

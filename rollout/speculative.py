@@ -87,13 +87,15 @@ class Speculator:
             k = min(self.max_draft_tokens, int(room[b]))
             entry = self.history.get(seq.history_key) if k > 0 else None
             if entry is not None:
-                draft = self.history.draft(entry, seq.tokens, k)
+                draft, seq.draft_at = self.history.draft(entry, seq.tokens, k, seq.draft_at)
                 if draft:
                     out.append((b, draft))
         return out
 
     def verdict(self, seq: SeqState, draft: Sequence[int], accepted: int, version: int) -> None:
+        """The target accepted `accepted` drafted tokens and emitted one more of its own."""
         self.stats.add(version, len(draft), accepted)
+        seq.draft_at += accepted + 1  # the earlier answer's next position, if the sample still follows it
         entry = self.history.get(seq.history_key) if seq.history_key is not None else None
         if entry is not None:
             self.history.observe(entry, len(draft), accepted)

@@ -251,26 +251,36 @@ class TorchEngine(Engine):
             spec.verdict(seq, draft, taken - 1, version)
             first += m
         eos = self._is_eos(logits.shape[-1])
-        last = tokens[:n].clone()
+        is_eos = eos[toks[:n]].tolist()  # plain rows: one lookup for the batch
+        count, limit = s.count[:n].tolist(), s.limit[:n].tolist()
+        last = list(toks[:n])
         extra: dict[int, int] = {}
         done = []
         for b in s.running_rows():
             seq = s.seqs[b]
             assert seq is not None
-            new, new_lp = emitted.get(b, ([toks[b]], [lps[b]]))
-            stop = next((i for i, t in enumerate(new) if eos[t]), None)
-            if stop is not None:  # an accepted draft may reach EOS before its last token
-                new, new_lp = new[: stop + 1], new_lp[: stop + 1]
-            seq.tokens.extend(new)
-            seq.logprobs.extend(new_lp)
-            seq.versions.extend([version] * len(new))
-            self.tokens_sampled += len(new)
-            if len(new) > 1:
-                extra[b], last[b] = len(new) - 1, new[-1]
-            if stop is not None or s.count[b] + len(new) >= s.limit[b]:
+            got = emitted.get(b)
+            if got is None:
+                seq.tokens.append(toks[b])
+                seq.logprobs.append(lps[b])
+                seq.versions.append(version)
+                taken, stop = 1, is_eos[b]
+            else:
+                new, new_lp = got
+                at = next((i for i, t in enumerate(new) if eos[t]), None)
+                if at is not None:  # an accepted draft may reach EOS before its last token
+                    new, new_lp = new[: at + 1], new_lp[: at + 1]
+                seq.tokens.extend(new)
+                seq.logprobs.extend(new_lp)
+                seq.versions.extend([version] * len(new))
+                taken, stop = len(new), at is not None
+                if taken > 1:
+                    extra[b], last[b] = taken - 1, new[-1]
+            self.tokens_sampled += taken
+            if stop or count[b] + taken >= limit[b]:
                 done.append(b)
-                self._finish(b, stop is not None)
-        s.advance(last, extra)
+                self._finish(b, bool(stop))
+        s.advance(torch.tensor(last, dtype=torch.long, device=dev), extra)
         s.free(done)
 
     def _finish(self, b: int, eos: bool) -> None:

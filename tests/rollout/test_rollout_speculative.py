@@ -243,14 +243,17 @@ def test_history_drafts_from_the_longest_suffix_match_and_stays_bounded() -> Non
     h.record([1, 2, 3], [10, 11, 12, 13, 14])
     entry = h.get(prompt_key([1, 2, 3]))
     assert entry is not None
-    assert h.draft(entry, [], 3) == [10, 11, 12]  # the prompt's tail matches the response's start
-    assert h.draft(entry, [10, 11], 2) == [12, 13]
-    assert h.draft(entry, [99, 13], 5) == [14]  # only the 1-gram `13` matches
-    assert h.draft(entry, [99, 98], 3) == []
+    assert h.draft(entry, [], 3)[0] == [10, 11, 12]  # the prompt's tail matches the response's start
+    tokens, at = h.draft(entry, [10, 11], 2)
+    assert tokens == [12, 13]
+    assert h.draft(entry, [10, 11, 12, 13], 2, hint=at + 2) == ([14], at + 2)  # the hint: no search
+    assert h.draft(entry, [99, 13], 5)[0] == [14]  # only the 1-gram `13` matches
+    assert h.draft(entry, [99, 98], 3) == ([], -1)
+    assert h.draft(entry, [99, 98], 3, hint=at)[0] == []  # a hint that no longer matches is not used
     h.record([1, 2, 3], [10, 20, 21])
-    assert h.draft(entry, [10], 2) == [20, 21]  # the newest response wins at the same position
+    assert h.draft(entry, [10], 2)[0] == [20, 21]  # the newest response wins at the same position
     h.record([1, 2, 3], [30])  # the oldest response goes
-    assert h.draft(entry, [10, 11], 2) == [] and h.draft(entry, [], 1) == [30]
+    assert h.draft(entry, [10, 11], 2)[0] == [] and h.draft(entry, [], 1)[0] == [30]
     h.record([4], [5])
     h.record([6], [7])  # the least recently used prompt goes
     assert len(h) == 2 and h.get(prompt_key([1, 2, 3])) is None
@@ -265,12 +268,12 @@ def test_drafting_stops_when_acceptance_falls_and_retries_on_a_new_answer() -> N
     h = ResponseHistory(min_acceptance=0.3)
     h.record([1], [5, 6, 7, 8, 9, 10])
     entry = h.get(prompt_key([1]))
-    assert entry is not None and len(h.draft(entry, [], 8)) == 6
+    assert entry is not None and len(h.draft(entry, [], 8)[0]) == 6
     for _ in range(10):
         h.observe(entry, drafted=4, accepted=0)
-    assert h.draft(entry, [], 8) == []
+    assert h.draft(entry, [], 8)[0] == []
     h.record([1], [5, 6, 7])
-    assert h.draft(entry, [], 8) != []
+    assert h.draft(entry, [], 8)[0] != []
 
 
 def test_length_predictions_come_from_history_else_the_default() -> None:
