@@ -9,13 +9,14 @@ comes back, its heartbeats give it credit again.
 
 The next group goes to the region expected to return it first: the larger of the region's measured
 latency (dispatch to arrival, mean over the window) and its backlog drained at its throughput,
-`(in_flight + 1) / rate`, where in-flight work and the new group count in groups of average
-predicted length when placement is length-aware (`rollout.length_aware`, `lengths.py`): a region
-holding a few long groups is as busy as one holding many short ones. Throughput alone would keep a
-slow region's in-flight work proportional to its rate; but admission bounds the work in flight to
-`(1 + max_staleness) * groups_per_step`, so a region whose groups take many steps to come back
-would hold admission slots for groups that end up stale. Latency sends it only what it can return
-in time.
+`(in_flight + 1) / rate`. With length-aware placement (`rollout.length_aware`, `lengths.py`) the
+latency, measured on average groups, is scaled by the group's predicted length over the average: a
+long group goes where tokens come back fastest, while short ones fill the regions by backlog (a
+first version weighed the backlog by length instead, and sent nearly every group to the fast
+region: short groups looked free). Throughput alone would keep a slow region's in-flight work
+proportional to its rate; but admission bounds the work in flight to `(1 + max_staleness) *
+groups_per_step`, so a region whose groups take many steps to come back would hold admission slots
+for groups that end up stale. Latency sends it only what it can return in time.
 """
 
 from __future__ import annotations
@@ -96,12 +97,12 @@ class RegionCredits:
             return None
         return max(len(r.arrivals) / self.window_s if observed else 0.0, hb_rate)
 
-    def pick(self, in_flight: dict[str, float], now: float, exclude: frozenset[str] = frozenset(),
+    def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset(),
              work: float = 1.0) -> str:
         """Region for the next group: the earliest expected return (see the module docstring).
 
-        `in_flight` and `work` count in groups of average size: with length-aware placement a group
-        predicted twice as long as the average weighs 2 (`fleetrl.trainer.lengths`)."""
+        `work`: the group's predicted length over the average (`fleetrl.trainer.lengths`; 1 without
+        length-aware placement): a region's latency, measured on average groups, scales with it."""
         rates = self.rates(now)
         candidates = [n for n in self.regions if n not in exclude and rates[n] > 0] or [
             n for n in self.regions if n not in exclude
@@ -111,12 +112,13 @@ class RegionCredits:
 
         def expected_return_s(n: str) -> tuple[float, str]:
             held = in_flight.get(n, 0)
+            latency = self.latency(n, now) * work
             if held <= 0 and self._has_live_nodes(self.regions[n], now):
                 # Idle with live nodes: it can start at once. Without this probe a region that got
                 # no work (after a drain, say) reports no throughput and never gets work again.
-                return self.latency(n, now), n
-            backlog = (held + work) / max(rates[n], 1e-9)
-            return max(self.latency(n, now), backlog), n
+                return latency, n
+            backlog = (held + 1) / max(rates[n], 1e-9)
+            return max(latency, backlog), n
 
         return min(candidates, key=expected_return_s)
 

@@ -9,10 +9,11 @@ the next step). A group dropped stale is settled without feeding a step, so it r
 (seen in a 20-minute soak whose trainer restarts made in-flight work stale). So the dispatcher
 never runs more than `1 + max_staleness` steps of work ahead of the learner, and groups generated
 in order reach the learner at most `max_staleness` versions old. Admitted groups go to regions by
-credit (`credits.py`), weighed by their predicted work when `rollout.length_aware` (`lengths.py`: a
-prompt's completion length the last time it was answered). A group whose region has been silent for
-`silent_region_timeout_s` is sent again, to another region where one has credit, with
-`attempt + 1`; the collector trains whichever attempt arrives first and drops the other as a duplicate.
+credit (`credits.py`); with `rollout.length_aware` a region's latency counts in proportion to the
+group's predicted length (`lengths.py`: its prompt's completion length the last time it was
+answered). A group whose region has been silent for `silent_region_timeout_s` is sent again, to
+another region where one has credit, with `attempt + 1`; the collector trains whichever attempt
+arrives first and drops the other as a duplicate.
 
 The state here is plain data (cursor into the prompt source, groups in flight) and goes into every
 checkpoint; sending is an injected coroutine, so the state machine is tested without Kafka.
@@ -229,11 +230,10 @@ class Dispatcher:
                 sent += await self._send(gid, f, now)
         return sent
 
-    def _per_region(self) -> dict[str, float]:
-        """Work in flight per region: groups, weighted by their predicted length when length-aware."""
-        counts: dict[str, float] = {}
+    def _per_region(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
         for f in self.in_flight.values():
-            counts[f.region] = counts.get(f.region, 0.0) + self._work(f)
+            counts[f.region] = counts.get(f.region, 0) + 1
         return counts
 
     # -- checkpoint ---------------------------------------------------------------------------

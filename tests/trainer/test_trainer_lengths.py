@@ -37,27 +37,38 @@ def test_prompt_lengths_predict_relative_work() -> None:
     assert lengths.relative_work(long_key) == 1.0
 
 
+def test_a_long_group_goes_where_tokens_return_fastest_short_ones_by_backlog() -> None:
+    # Region a returns an average group in 1 s, b in 3 s; both return 0.5 groups/s; a holds one group.
+    credits = RegionCredits({"a": 1.0, "b": 1.0}, window_s=10, tokens_per_group=1)
+    for region, latency in (("a", 1.0), ("b", 3.0)):
+        credits.on_dispatch(region, 0.0)
+        for t in range(5):
+            credits.on_arrival(region, 10.0 + t / 10, latency)
+    held = {"a": 1, "b": 0}
+    assert credits.pick(held, 11.0) == "b"  # by counts: b's idle backlog beats a's
+    assert credits.pick(held, 11.0, work=60 / 32) == "a"  # a long group: b's latency x 1.9 > a's backlog
+    assert credits.pick(held, 11.0, work=4 / 32) == "b"  # a short one still fills the idle region
+
+
 @pytest.mark.parametrize("length_aware", [True, False])
-def test_placement_balances_predicted_work_not_group_counts(length_aware: bool) -> None:
+def test_the_dispatcher_weighs_placement_by_the_prompts_predicted_length(length_aware: bool) -> None:
     sent: list[tuple[str, PromptRecord]] = []
 
     async def send(region: str, record: PromptRecord) -> None:
         sent.append((region, record))
 
-    order = [LONG, SHORT, LONG, SHORT, SHORT, SHORT]
-    d = Dispatcher(_config(length_aware), iter(order), send,
-                   RegionCredits({"a": 1.0, "b": 1.0}, window_s=10, tokens_per_group=1))
+    credits = RegionCredits({"a": 1.0, "b": 1.0}, window_s=10, tokens_per_group=1)
+    for region, latency in (("a", 1.0), ("b", 3.0)):
+        credits.on_dispatch(region, 0.0)
+        for t in range(5):
+            credits.on_arrival(region, 10.0 + t / 10, latency)
+    d = Dispatcher(_config(length_aware), iter([SHORT, LONG]), send, credits)
     d.lengths.observe(content_key(*LONG[:2], None), 60.0)  # what the last epoch's answers ran to
     d.lengths.observe(content_key(*SHORT[:2], None), 4.0)
-    asyncio.run(d.dispatch(0, 0, 0.0, lambda gid: False, released=0))
-    assert len(sent) == 6
-    tokens: dict[str, int] = {"a": 0, "b": 0}
-    for region, record in sent:
-        tokens[region] += 60 if record.prompt == "long=" else 4
-    if length_aware:  # one long group each, the short ones fill the gap
-        assert abs(tokens["a"] - tokens["b"]) <= 8
-    else:  # alternating counts put both long groups in one region
-        assert abs(tokens["a"] - tokens["b"]) >= 56
+    asyncio.run(d.dispatch(0, 0, 11.0, lambda gid: False, released=0))
+    # The short group goes to a (both idle: a's latency is lower); then the long one: by counts b's
+    # empty backlog wins, by predicted length a's faster return does.
+    assert [(r, rec.prompt) for r, rec in sent] == [("a", "s="), ("a" if length_aware else "b", "long=")]
 
 
 def test_arrivals_teach_the_dispatcher_the_prompts_lengths() -> None:
