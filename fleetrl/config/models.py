@@ -390,8 +390,8 @@ class RolloutConfig(Model):
     length_aware: bool = True
     """Schedule by predicted completion length (the mean of a prompt's earlier completions): the torch
     engine admits the samples with the longest predicted completion first into free slots, and the
-    trainer places each group where its predicted work returns first. False: arrival order, and
-    placement by group counts."""
+    trainer scales each region's latency by the group's predicted length when it places the group.
+    False: arrival order, and placement as for groups of average length."""
 
 
 class AgentConfig(Model):
