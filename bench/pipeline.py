@@ -10,9 +10,12 @@ settings are:
 
 * regions with different per-token speeds: `regions[].engine.emulate.step_delay_s` sleeps after
   every decoding step of the real torch engine (a throttle: THIS IS EMULATED, and said so below);
-* a long-tailed completion-length distribution: `engine.emulate.tail_p` of the samples run to
-  `max_new_tokens`, the others stop after 1..`short_tokens` tokens (emulated lengths of the real
-  engine; the tiny random model has no length distribution of its own);
+* a long-tailed completion-length distribution: the samples of `engine.emulate.tail_p` of the
+  prompts run to `max_new_tokens`, the others stop after 1..`short_tokens` tokens (emulated lengths
+  of the real engine, `tail_by_prompt`; the tiny random model has no length distribution of its
+  own); `--prompts` distinct prompts are cycled as epochs, so each comes back;
+* length-aware scheduling (`rollout.length_aware`, on by default) against off: each run pair is
+  repeated with it off, and the sync step's wall time and the async throughput printed side by side;
 * preemptions: every `--preempt-every` seconds a random live node gets a notice through its agent's
   `--notice-file` (the agent hands its groups over as partials and exits 0), and a replacement node
   starts, as a spot fleet does (only nodes whose worker is up are preempted);
@@ -44,6 +47,7 @@ smaller step count: equal samples). The last line:
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
             engine_idle_sync_r0=... engine_idle_async_r0=... window_s_sync=... preemptions_sync=... ...
+            sync_step_s_la_on=... sync_step_s_la_off=... async_groups_s_la_on=... async_groups_s_la_off=...
 
     .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--profile defaults|production]
                                        [--grid tail|preempt] [--workload tools]
@@ -54,6 +58,7 @@ smaller step count: equal samples). The last line:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import random
@@ -64,7 +69,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -95,6 +100,11 @@ class Fleet:
     """Seconds between preemption notices to a random node that is up (0: none)."""
     link_delay_s: float = 0.05
     """One-way delay between home and every region (seconds)."""
+    length_aware: bool = True
+    """`rollout.length_aware`: the engine admits long-predicted samples first, the trainer places by
+    predicted work."""
+    prompts: int = 12
+    """Distinct prompts, cycled (epochs), so each comes back and its history predicts its length."""
     workload: str = "reverse"
     """`reverse`: one completion per sample. `tools`: episodes of `bench/tool_env.py` (3 model turns, tool
     calls of 0.05 s, 10 % of them 1 s: EMULATED latencies)."""
@@ -137,9 +147,16 @@ class RunResult:
     handover_timeouts: int = 0
     tokens_moved: int = 0
     """Tokens of partials the trainer moved from a gone region to another (kept, not regenerated)."""
+    warm_steps: int = 0
+    """Steps before the measured window."""
     groups_restarted: int = 0
     """Groups dispatched again from scratch (a gone region's, or partials too stale to move): their
     sampled tokens are regenerated."""
+
+    @property
+    def step_s(self) -> float:
+        """Mean wall time of a step in the window."""
+        return self.wall_s / max(1, self.steps - self.warm_steps)
 
     @property
     def groups_per_s(self) -> float:
@@ -211,6 +228,8 @@ def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: 
     if mode == "async":
         algo["max_staleness"] = fleet.max_staleness
     dataset: dict[str, Any] = {"task": "reverse", "seed": seed}
+    if fleet.workload == "reverse":
+        dataset.update(path=str(prompt_file(fleet, seed, root)), columns={"reference": "reference"}, epochs=1000)
     if fleet.workload == "tools":
         dataset["env"] = {"name": "tool_env:LatencyEnv", "python_path": [str(pathlib.Path(__file__).parent)],
                           "max_turns": 3, "max_episode_tokens": 3 * fleet.max_new_tokens + 32,
@@ -227,19 +246,31 @@ def fleet_config(fleet: Fleet, mode: str, seed: int, root: pathlib.Path, ports: 
         "trainer": {"checkpoint_dir": str(root / "ckpt"), "checkpoint_every": 1000, "throughput_window_s": 10,
                     **({"emulate": {"token_delay_s": fleet.learner_token_s}} if fleet.learner_token_s else {})},
         "rollout": {"handover_timeout_s": 10, "max_groups_in_flight": 8, "stats_interval_s": 2,
-                    "weight_fallback_poll_s": 5},
+                    "weight_fallback_poll_s": 5, "length_aware": fleet.length_aware},
         "agent": {"progress_interval_s": 1, "restart_backoff_s": 0.5},
         "regions": [
             {"name": f"r{i}", "kafka": f"127.0.0.1:{ports[f'r{i}']}", "store": store,
              "emulate_link_delay_s": fleet.link_delay_s,
              "nodes": [{"name": f"n{j}"} for j in range(fleet.nodes)],
              "engine": {"kind": "torch", "max_batch": 32,
-                        "emulate": {"step_delay_s": delay, "tail_p": fleet.tail_p,
+                        "emulate": {"step_delay_s": delay, "tail_p": fleet.tail_p, "tail_by_prompt": True,
                                     "short_tokens": fleet.short_tokens,
                                     "weight_transfer_s": fleet.weight_transfer_s}}}
             for i, delay in enumerate(fleet.slowdowns)
         ],
     }
+
+
+def prompt_file(fleet: Fleet, seed: int, root: pathlib.Path) -> pathlib.Path:
+    """`fleet.prompts` reverse-task prompts as a JSONL dataset, read in order `epochs` times: prompts come
+    back as in RL epochs (whether a prompt's samples are long is a property of the prompt, EMULATED)."""
+    from fleetrl.rollout import get_task
+
+    path = root / "prompts.jsonl"
+    task = get_task("reverse").prompts(seed)
+    rows = [next(task) for _ in range(fleet.prompts)]
+    path.write_text("".join(json.dumps({"prompt": r.prompt, "reference": r.reference}) + "\n" for r in rows))
+    return path
 
 
 def events(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -398,6 +429,7 @@ class Run:
             tokens_handed_over=handed, handover_timeouts=timeouts,
             tokens_moved=sum(int(e.get("tokens", 0)) for e in trainer if e["event"] == "handover.partial_moved"),
             groups_restarted=sum(1 for e in trainer if e["event"] in ("dispatch.redispatched", "handover.too_stale")),
+            warm_steps=warm,
         )
 
 
@@ -434,8 +466,10 @@ def show(r: RunResult) -> None:
           f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward():.3f}", flush=True)
 
 
-def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
-    pairs = []
+def compare(fleet: Fleet, seeds: int, timeout_s: float, length_aware_off: bool = True) -> dict[str, float]:
+    """sync vs async per seed (length-aware on, the default); with `length_aware_off`, both again with
+    `rollout.length_aware: false`, side by side."""
+    pairs, off_pairs = [], []
     for seed in range(seeds):
         print(f"seed {seed}:", flush=True)
         sync = run_once(fleet, "sync", seed, timeout_s)
@@ -443,6 +477,14 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
         asyn = run_once(fleet, "async", seed, timeout_s)
         show(asyn)
         pairs.append((sync, asyn))
+        if length_aware_off:
+            off = replace(fleet, length_aware=False)
+            print("  length-aware scheduling off:", flush=True)
+            off_pairs.append((run_once(off, "sync", seed, timeout_s), run_once(off, "async", seed, timeout_s)))
+            for r in off_pairs[-1]:
+                show(r)
+            print(f"  length-aware on | off: sync step {sync.step_s:.2f} s | {off_pairs[-1][0].step_s:.2f} s; "
+                  f"async {asyn.groups_per_s:.3f} | {off_pairs[-1][1].groups_per_s:.3f} groups/s", flush=True)
     ratios = [a.groups_per_s / s.groups_per_s for s, a in pairs]
     # Equal samples: with `window_s` the runs train different step counts; compare at the shorter one.
     equal = [min(s.steps, a.steps) for s, a in pairs]
@@ -467,6 +509,13 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float) -> dict[str, float]:
     for mode, i in (("sync", 0), ("async", 1)):
         out[f"window_s_{mode}"] = statistics.fmean(pair[i].wall_s for pair in pairs)
         out[f"preemptions_{mode}"] = statistics.fmean(pair[i].preemptions for pair in pairs)
+    if off_pairs:
+        out.update({
+            "sync_step_s_la_on": statistics.fmean(s.step_s for s, _ in pairs),
+            "sync_step_s_la_off": statistics.fmean(s.step_s for s, _ in off_pairs),
+            "async_groups_s_la_on": statistics.fmean(a.groups_per_s for _, a in pairs),
+            "async_groups_s_la_off": statistics.fmean(a.groups_per_s for _, a in off_pairs),
+        })
     return out
 
 
@@ -482,7 +531,7 @@ def grid(axis: str, base: dict[str, Any], fleet: Fleet, timeout_s: float) -> Non
         for c in columns:
             over = {"tail_p": c} if axis == "tail" else {"preempt_every_s": c}
             cell = Fleet(**{**base, "slowdowns": (fleet.slowdowns[0], slow), "tail_p": fleet.tail_p, **over})
-            cells.append(f"{compare(cell, 1, timeout_s)['throughput_ratio']:.2f}")
+            cells.append(f"{compare(cell, 1, timeout_s, length_aware_off=False)['throughput_ratio']:.2f}")
         print(f"| {slow:g} s | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -495,7 +544,7 @@ def main() -> None:
                              "share or against the preemption rate (3 x 3 cells, one seed each)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="defaults",
                         help="the throttles: `defaults` (the figures of docs/pipeline.md so far) or `production`, "
-                             "proportioned as a 7B policy on H100s; its sources: " + PRODUCTION_SOURCES)
+                             "proportioned as a 7B policy on H100s; its sources: " + PRODUCTION_SOURCES.replace("%", "%%"))
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per run (default: 20, --quick 10); the full run goes on until its window "
                              "also covers --window-intervals preemption intervals")
@@ -510,6 +559,8 @@ def main() -> None:
                         help="seconds between preemptions (0: none; default 20, --quick 15)")
     parser.add_argument("--link-delay", type=float, default=None,
                         help="one-way home-region link delay (s; default: the profile's, 0.05)")
+    parser.add_argument("--no-length-aware-off", action="store_true",
+                        help="skip the runs with length-aware scheduling off (half the time)")
     parser.add_argument("--workload", choices=["reverse", "tools"], default="reverse",
                         help="tools: multi-turn episodes whose tool calls have a long latency tail (EMULATED)")
     args = parser.parse_args()
@@ -533,8 +584,9 @@ def main() -> None:
         print(PRODUCTION_SOURCES, flush=True)
     print(f"fleet ({args.profile}): {len(fleet.slowdowns)} regions x {fleet.nodes} node(s); per-step delay per region "
           f"{list(fleet.slowdowns)} s (EMULATED: a sleep after each decoding step of the real torch engine); "
-          f"completion lengths EMULATED: {fleet.tail_p:.0%} run to max_new_tokens={fleet.max_new_tokens}, the rest "
-          f"stop after 1-{fleet.short_tokens} tokens; preemption every {fleet.preempt_every_s:g} s with replacement; "
+          f"completion lengths EMULATED: the samples of {fleet.tail_p:.0%} of the prompts run to max_new_tokens="
+          f"{fleet.max_new_tokens}, the rest stop after 1-{fleet.short_tokens} tokens; {fleet.prompts} prompts cycled; "
+          f"preemption every {fleet.preempt_every_s:g} s with replacement; "
           f"link delay home<->region {fleet.link_delay_s:g} s each way (EMULATED in the trainer's Kafka clients); "
           f"weight transfer {fleet.weight_transfer_s:g} s per version and worker, learner {fleet.learner_token_s:g} s "
           f"per trained token (EMULATED; 0: none); {fleet.groups_per_step} groups x {fleet.n_samples} samples per "
@@ -548,7 +600,7 @@ def main() -> None:
     timeout_s = 300.0 if args.quick else 600.0 + 2 * fleet.window_s  # bounds: start-up on a busy machine
     if args.grid:
         grid(args.grid, base, fleet, timeout_s)
-    out = compare(fleet, args.seeds, timeout_s)
+    out = compare(fleet, args.seeds, timeout_s, length_aware_off=not args.no_length_aware_off)
     print("result: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
 
 

@@ -9,12 +9,18 @@ grow (doubling) only when a sample outgrows the capacity.
 Each engine step is ONE forward pass over a packed row of tokens (`Pass`): first one token for
 every slot below `n` (the decode rows: a running slot's last sampled token; a free slot decodes
 into the void, writing to the scratch slot), then the prompt (+ completion so far) of every sample
-admitted into a free slot this step (the prefill segments). Every layer writes each token's key
-and value at its (slot, column) in place (`SlotLayer.update`), then `slot_attention` attends:
+admitted into a free slot this step (the prefill segments), then the drafted tokens of running
+samples (`fleetrl.rollout.speculative`: segments that start one column after the slot's last
+token). Every layer writes each token's key and value at its (slot, column) in place
+(`SlotLayer.update`), then `slot_attention` attends:
 
 * decode rows: one batched SDPA over the buffer views `[:n, :, :width]` (no copy), row b masked
   to its columns `0..pos[b]`;
-* each prefill segment: a causal SDPA over its own slot's first columns.
+* each prefill or draft segment: a causal SDPA over its own slot's first columns (a draft segment
+  sees the slot's whole cache, its decode row's token written in this very pass included).
+
+Columns past a slot's last accepted token may hold keys of rejected drafts: no mask ever reaches
+them (a decode row attends up to its position), and the next tokens overwrite them.
 
 So admitting samples costs no extra forward pass (the previous design ran a separate prefill
 pass, then concatenated caches), and a decode step copies no cache. The engine switches the
@@ -42,34 +48,42 @@ ATTENTION = "fleetrl_slots"
 
 @dataclass(slots=True)
 class Prefill:
-    """The prefill segments of a pass, batched: A samples padded to the longest, L tokens."""
+    """Segments of a pass, batched: A segments padded to the longest, L tokens. Segment a fills
+    columns `first[a] ..` of its slot and attends causally to every column before (an admitted
+    sample's prompt starts at column 0; a running sample's drafted tokens follow its last token)."""
 
     slots: torch.Tensor
-    """[A] the slot of each admitted sample."""
+    """[A] the slot of each segment."""
     length: int
     """L: the longest segment."""
+    width: int
+    """Key columns the segments attend to: the furthest segment's last column + 1."""
     query: torch.Tensor
     """[A * L] packed-row index of segment a's token i (padding repeats its last token)."""
     mask: torch.Tensor
-    """[A, 1, L, L] bool: causal within the segment's real tokens."""
+    """[A, 1, L, width] bool: token i of segment a attends to columns 0 .. first[a] + i."""
     out: torch.Tensor
     """[sum of lengths] index into the flattened [A * L] outputs of each real token, in packed order."""
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], lengths: list[int], device: torch.device) -> Prefill:
+    def build(cls, slots: list[int], starts: list[int], lengths: list[int], device: torch.device,
+              first: list[int] | None = None) -> Prefill:
         # numpy, then one transfer each: a dozen tiny torch ops would cost ~40 us per admission.
         longest = max(lengths)
         i = np.arange(longest)
         start, length = np.asarray(starts)[:, None], np.asarray(lengths)[:, None]
+        col0 = np.zeros_like(length) if first is None else np.asarray(first)[:, None]
+        width = int((col0 + length).max())
         query = (start + np.minimum(i[None], length - 1)).ravel()
         real = i[None, :] < length  # [A, L]
-        mask = (i[:, None] >= i[None, :])[None] & real[:, None, :]
+        last_col = col0 + np.minimum(i[None], length - 1)  # [A, L]: padding attends as its last real token
+        mask = np.arange(width)[None, None, :] <= last_col[:, :, None]  # [A, L, width]
         out = np.flatnonzero(real.ravel())
 
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)
 
-        return cls(put(np.asarray(slots)), longest, put(query), put(mask[:, None]), put(out))
+        return cls(put(np.asarray(slots)), longest, width, put(query), put(mask[:, None]), put(out))
 
 
 @dataclass(slots=True)
@@ -88,6 +102,8 @@ class Pass:
     """[R] column each packed token writes to."""
     prefill: Prefill | None = None
     """The samples admitted in this pass (their tokens follow the n decode rows)."""
+    drafts: Prefill | None = None
+    """Drafted tokens of running samples, verified in this pass (they follow the prefill tokens)."""
 
 
 _PASS: contextvars.ContextVar[tuple[SlotCache, Pass] | None] = contextvars.ContextVar("fleetrl_pass", default=None)
@@ -208,11 +224,12 @@ def slot_attention(
         o = F.scaled_dot_product_attention(q, keys[: p.n, :, : p.width], values[: p.n, :, : p.width],
                                            attn_mask=p.decode_mask, scale=scaling)
         outs.append(o.reshape(p.n, heads, -1))
-    if p.prefill is not None:
-        # All admitted samples in one SDPA: [A, heads, L, dim] against their slots' first L columns.
-        f = p.prefill
+    for f in (p.prefill, p.drafts):
+        if f is None:
+            continue
+        # All segments in one SDPA: [A, heads, L, dim] against their slots' first `width` columns.
         q = query[0].index_select(1, f.query).view(heads, -1, f.length, dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, keys[f.slots, :, : f.length], values[f.slots, :, : f.length],
+        o = F.scaled_dot_product_attention(q, keys[f.slots, :, : f.width], values[f.slots, :, : f.width],
                                            attn_mask=f.mask, scale=scaling, enable_gqa=rep > 1)
         outs.append(o.transpose(1, 2).flatten(0, 1).index_select(0, f.out))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)

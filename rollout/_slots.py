@@ -4,7 +4,8 @@ Slot b below `n` either runs a sample (`seqs[b]`) or is free. The state a step n
 arrays indexed by slot, updated with one vector operation per step, not per sample: the position
 (= cache column) of each slot's last token, its sampling counter, key, temperature and top-p, the
 last sampled token (the next input). `plan` turns the running slots plus the samples admitted this
-step into one packed forward pass (`fleetrl.rollout._kv.Pass`).
+step, and the drafted tokens of slots that speculate, into one packed forward pass
+(`fleetrl.rollout._kv.Pass`).
 """
 
 from __future__ import annotations
@@ -54,30 +55,47 @@ class SlotTable:
         """The lowest `k` free slots (keeps `n`, the pass width, small)."""
         return [b for b, s in enumerate(self.seqs) if s is None][:k]
 
-    def plan(self, admitted: Sequence[tuple[int, list[int]]]) -> tuple[Pass, torch.Tensor, torch.Tensor | None]:
-        """The pass decoding slots 0..n-1 and prefilling `admitted` (slot, tokens); (pass, input_ids, keep).
+    def plan(
+        self, admitted: Sequence[tuple[int, list[int]]], drafts: Sequence[tuple[int, list[int]]] = (),
+    ) -> tuple[Pass, torch.Tensor, torch.Tensor | None]:
+        """The pass decoding slots 0..n-1, prefilling `admitted` (slot, tokens) and verifying `drafts`
+        (running slot, drafted tokens); returns (pass, input_ids, keep).
 
         `keep` indexes the packed tokens whose logits are sampled: the n decode rows, then the last
-        token of each admitted sample (None: every token, when nothing is admitted).
+        token of each admitted sample, then every drafted token (None: every token, when nothing is
+        admitted or drafted).
         """
         n, dev = self.n, self.device
         width = int(self.pos[:n].max()) + 1 if n else 0
-        self.reserve(max([width, *(len(t) for _, t in admitted)]))
+        draft_cols = [int(self.pos[b]) + 1 for b, _ in drafts]
+        self.reserve(max([width, *(len(t) for _, t in admitted), *(c + len(t) for c, (_, t) in zip(
+            draft_cols, drafts, strict=True))]))
         pos = torch.from_numpy(self.pos[:n]).to(dev)
         mask = (self._columns[:width][None, :] <= pos[:, None])[:, None, None, :] if n else None
-        if not admitted:
+        if not admitted and not drafts:
             slots = torch.from_numpy(self.write_slot[:n]).to(dev)
             plan = Pass(n, width, mask, slots, pos)
             return plan, self.last[:n], None
-        lengths = [len(t) for _, t in admitted]
-        starts = (n + np.cumsum([0, *lengths[:-1]])).tolist()
-        slots_np = np.concatenate([self.write_slot[:n], np.repeat([s for s, _ in admitted], lengths)])
-        cols_np = np.concatenate([self.pos[:n], *(np.arange(k) for k in lengths)])
-        prefill = Prefill.build([s for s, _ in admitted], starts, lengths, dev)
-        plan = Pass(n, width, mask, torch.from_numpy(slots_np).to(dev), torch.from_numpy(cols_np).to(dev), prefill)
-        tokens = torch.tensor([t for _, toks in admitted for t in toks], dtype=torch.long, device=dev)
-        keep = list(range(n)) + [s + k - 1 for s, k in zip(starts, lengths, strict=True)]
-        return plan, torch.cat([self.last[:n], tokens]), torch.tensor(keep, device=dev)
+        segments = [*admitted, *drafts]
+        lengths = np.fromiter((len(t) for _, t in segments), dtype=np.int64, count=len(segments))
+        offsets = np.cumsum(lengths) - lengths  # each segment's first token, from the first segment
+        starts = (n + offsets).tolist()
+        firsts = np.asarray([0] * len(admitted) + draft_cols, dtype=np.int64)
+        total = int(lengths.sum())
+        within = np.arange(total) - np.repeat(offsets, lengths)  # each token's index in its segment
+        slots_np = np.concatenate([self.write_slot[:n], np.repeat([s for s, _ in segments], lengths)])
+        cols_np = np.concatenate([self.pos[:n], np.repeat(firsts, lengths) + within])
+        a = len(admitted)
+        lens = lengths.tolist()
+        prefill = Prefill.build([s for s, _ in admitted], starts[:a], lens[:a], dev) if admitted else None
+        verify = Prefill.build([s for s, _ in drafts], starts[a:], lens[a:], dev, draft_cols) if drafts else None
+        plan = Pass(n, width, mask, torch.from_numpy(slots_np).to(dev), torch.from_numpy(cols_np).to(dev), prefill,
+                    verify)
+        flat = np.fromiter((t for _, toks in segments for t in toks), dtype=np.int64, count=total)
+        # Logits kept: the decode rows, each admitted sample's last token, every drafted token.
+        draft_start = n + int(offsets[a]) if drafts else n + total
+        keep = np.concatenate([np.arange(n), n + offsets[:a] + lengths[:a] - 1, np.arange(draft_start, n + total)])
+        return plan, torch.cat([self.last[:n], torch.from_numpy(flat).to(dev)]), torch.from_numpy(keep).to(dev)
 
     def reserve(self, width: int) -> None:
         self.cache.reserve(width)
@@ -101,12 +119,17 @@ class SlotTable:
         self.running += len(rows)
         self.n = max(self.n, max(rows) + 1)
 
-    def advance(self, tokens: torch.Tensor) -> None:
-        """Every running slot took one more token: it is the next input, one column on."""
+    def advance(self, tokens: torch.Tensor, extra: dict[int, int] | None = None) -> None:
+        """Every running slot took one more token: it is the next input, one column on. `extra`: slots
+        that took more (accepted drafts), and how many more; `tokens` holds each slot's last one."""
         n = self.n
         self.last[:n] = tokens
         self.pos[:n] += self.live[:n]
         self.count[:n] += self.live[:n]
+        if extra:
+            rows, more = list(extra), list(extra.values())
+            self.pos[rows] += more
+            self.count[rows] += more
 
     def free(self, rows: list[int]) -> None:
         if not rows:

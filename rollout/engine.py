@@ -70,6 +70,10 @@ class SeqState:
     finish_reason: str | None = None
     stop_at: int | None = None
     """An emulated completion length (`engine.emulate`): the sample stops after this many tokens."""
+    history_key: bytes | None = None
+    """The prompt's key in the engine's response history (`rollout/history.py`), when it keeps one."""
+    draft_at: int = -1
+    """Where in the history its next draft likely continues (`ResponseHistory.draft`'s hint)."""
 
     def to_partial(self) -> PartialSample:
         return PartialSample(ids(self.tokens), floats(self.logprobs), ids(self.versions), self.finish_reason)
@@ -238,12 +242,16 @@ class Engine(ABC):
 
     def _emulated_length(self, seq: SeqState) -> int | None:
         """The sample's emulated length (a long tail: most short, a few to `max_new_tokens`), drawn
-        from its key, or None without emulation."""
+        from its key (whether it is long: from its prompt, with `tail_by_prompt`), or None without
+        emulation."""
         e = self.emulate
         if e is None or (e.tail_p <= 0 and e.short_tokens >= seq.sampling.max_new_tokens):
             return None
         draw = random.Random(seq.key)
-        if draw.random() < e.tail_p:
+        tail = draw.random()
+        if e.tail_by_prompt:  # a property of the prompt: the same prompt is long every time it comes back
+            tail = random.Random(bytes(ids(seq.prompt_ids))).random()
+        if tail < e.tail_p:
             return None
         return draw.randint(1, max(1, min(e.short_tokens, seq.sampling.max_new_tokens)))
 

@@ -21,13 +21,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fleetrl.config import EngineEmulation
+from fleetrl.config import EngineEmulation, SpeculativeConfig
 from fleetrl.log import get_logger
 from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._slots import SlotTable
 from fleetrl.rollout.engine import Engine, SeqState
 from fleetrl.rollout.errors import EngineError
+from fleetrl.rollout.history import ResponseHistory, prompt_key
 from fleetrl.rollout.sampling import hashed_uniforms, sample_tokens
+from fleetrl.rollout.speculative import Speculator, accepted_length
 
 log = get_logger(__name__)
 
@@ -41,6 +43,7 @@ class TorchEngine(Engine):
         self, model: Any, *, max_batch: int = 32, device: str = "cpu", dtype: str = "float32",
         eos_ids: list[int] | None = None, pad_id: int | None = None, version: int = 0,
         refill_fraction: float = 0.125, emulate: EngineEmulation | None = None,
+        speculative: SpeculativeConfig | None = None, length_aware: bool = True,
     ) -> None:
         cfg = model.config
         eos = eos_ids if eos_ids is not None else model_eos_ids(model)
@@ -64,14 +67,25 @@ class TorchEngine(Engine):
         self._waiting: deque[SeqState] = deque()
         self._eos_table = np.zeros(0, dtype=bool)
         self._slots = SlotTable(max_batch, int(cfg.num_hidden_layers), self.max_context, self.device)
+        spec = speculative if speculative is not None else SpeculativeConfig()
+        self.history = ResponseHistory(max_prompts=spec.history_prompts, max_responses=spec.history_responses,
+                                       max_tokens=spec.history_tokens, max_ngram=spec.max_ngram,
+                                       min_ngram=spec.min_ngram,
+                                       min_acceptance=spec.min_acceptance)
+        """Earlier responses per prompt, region-local: drafts and length predictions (rollout/history.py)."""
+        self.speculator = Speculator(self.history, spec.max_draft_tokens) if spec.enabled else None
+        self.length_aware = length_aware
+        """Admit the waiting samples with the longest predicted completion first (else arrival order)."""
 
     @classmethod
-    def from_config(cls, model_config: Any, engine_config: Any, version: int = 0) -> TorchEngine:
+    def from_config(cls, model_config: Any, engine_config: Any, version: int = 0,
+                    length_aware: bool = True) -> TorchEngine:
         """Build the model of `ModelConfig` and wrap it per `TorchEngineConfig`."""
         torch.set_num_threads(engine_config.threads)
         return cls(model_config.build(), max_batch=engine_config.max_batch, device=engine_config.device,
                    dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction,
-                   emulate=engine_config.emulate)
+                   emulate=engine_config.emulate, speculative=engine_config.speculative,
+                   length_aware=length_aware)
 
     # -- scheduler ------------------------------------------------------------------------------
 
@@ -83,6 +97,12 @@ class TorchEngine(Engine):
         return self._slots.running
 
     def _enqueue(self, seqs: list[SeqState]) -> None:
+        keys: dict[int, bytes] = {}  # a group's samples share one prompt list
+        for seq in seqs:
+            key = keys.get(id(seq.prompt_ids))
+            if key is None:
+                key = keys[id(seq.prompt_ids)] = prompt_key(seq.prompt_ids)
+            seq.history_key = key
         self._waiting.extend(seqs)
 
     def _withdraw(self, seqs: list[SeqState]) -> None:
@@ -94,8 +114,13 @@ class TorchEngine(Engine):
     def _decode_step(self) -> None:
         slots = self._slots
         admitted = self._admissions()
+        # Drafts for the running slots only (an admitted sample's pass is its prefill); each fits the
+        # tokens its slot may still take after this step's own one.
+        drafts = [] if self.speculator is None or not slots.running else self.speculator.drafts(
+            slots.seqs[: slots.n], slots.limit[: slots.n] - slots.count[: slots.n] - 1)
         rows = slots.free_slots(len(admitted))
-        plan, input_ids, keep = slots.plan([(b, s.prompt_ids + s.tokens) for b, s in zip(rows, admitted, strict=True)])
+        plan, input_ids, keep = slots.plan([(b, s.prompt_ids + s.tokens) for b, s in zip(rows, admitted, strict=True)],
+                                           drafts)
         n_before = slots.n
         try:
             with slot_pass(self.model, slots.cache, plan):
@@ -104,6 +129,8 @@ class TorchEngine(Engine):
             # Nothing advanced (a retried step rewrites the same columns); the admitted wait again.
             self._waiting.extendleft(reversed(admitted))
             raise
+        verify = logits[n_before + len(admitted):]  # one row per drafted token, after the slots' rows
+        logits = logits[: n_before + len(admitted)]
         if admitted:
             slots.admit(rows, admitted)
             # Packed order (decode rows 0..n-1, then one row per admitted sample) -> slot order.
@@ -111,7 +138,10 @@ class TorchEngine(Engine):
             order[:n_before] = np.arange(n_before)
             order[rows] = np.arange(n_before, n_before + len(rows))
             logits = logits.index_select(0, torch.from_numpy(order).to(self.device))
-        self._sample(logits)
+        if drafts:
+            self._sample_verified(logits, verify, drafts)
+        else:
+            self._sample(logits)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """Logits [len(keep), vocab] of the packed row's tokens `keep` (None: all of them)."""
@@ -147,9 +177,24 @@ class TorchEngine(Engine):
     def _admissions(self) -> list[SeqState]:
         """Waiting samples to admit now: once enough slots are free, or all that wait fit, or none runs."""
         wanted = min(self.max_batch - self._slots.running, len(self._waiting))
-        if wanted and (wanted >= self.refill_min or wanted == len(self._waiting) or not self._slots.running):
+        if not wanted or not (wanted >= self.refill_min or wanted == len(self._waiting) or not self._slots.running):
+            return []
+        if not self.length_aware or wanted == len(self._waiting):
             return [self._waiting.popleft() for _ in range(wanted)]
-        return []
+        # Longest predicted remaining completion first (ties: arrival order), so that a step's long
+        # samples do not start last and hold the step's tail alone.
+        remaining = [self._predicted_remaining(s) for s in self._waiting]
+        chosen = set(sorted(range(len(remaining)), key=lambda i: -remaining[i])[:wanted])
+        picked = [s for i, s in enumerate(self._waiting) if i in chosen]
+        self._waiting = deque(s for i, s in enumerate(self._waiting) if i not in chosen)
+        return picked
+
+    def _predicted_remaining(self, seq: SeqState) -> float:
+        """Tokens the sample is predicted to still take (its prompt's history, else the default)."""
+        budget = seq.sampling.max_new_tokens
+        key = seq.history_key
+        predicted = budget if key is None else self.history.predicted_length(key, default=budget)
+        return min(predicted, budget) - len(seq.tokens)
 
     def _sample(self, logits: torch.Tensor) -> None:
         s = self._slots
@@ -174,13 +219,78 @@ class TorchEngine(Engine):
         stop = self._is_eos(logits.shape[-1])[tok_np] & live
         done = np.flatnonzero(stop | ((s.count[:n] + 1 >= s.limit[:n]) & live)).tolist()
         for b in done:
-            seq = s.seqs[b]
-            assert seq is not None
-            emulated_stop = seq.stop_at is not None and len(seq.tokens) >= seq.stop_at
-            seq.finish_reason = "stop" if stop[b] or emulated_stop else "length"
-            self._touched.add(seq.group_id)
+            self._finish(b, bool(stop[b]))
         s.advance(tokens)
         s.free(done)
+
+    def _sample_verified(self, logits: torch.Tensor, verify: torch.Tensor, drafts: list[tuple[int, list[int]]]) -> None:
+        """`_sample` for a step that verified drafts (`fleetrl.rollout.speculative`): `logits` one row per
+        slot (the position after its last token), `verify` one row per drafted token (the position after
+        it), in the order of `drafts`. Each slot emits its accepted drafts and one token more."""
+        s, spec = self._slots, self.speculator
+        assert spec is not None
+        n = s.n
+        dev = self.device
+        k = [len(d) for _, d in drafts]
+        row_slot = np.concatenate([np.arange(n), np.repeat([b for b, _ in drafts], k)])
+        row_offset = np.concatenate([np.zeros(n, dtype=np.int64), *(np.arange(1, m + 1) for m in k)])
+        # Each row's token is drawn exactly as plain decoding draws the token at its position.
+        u = torch.from_numpy(hashed_uniforms(s.keys[row_slot], s.count[row_slot] + row_offset)).to(dev)
+        temp = torch.from_numpy(s.temp[row_slot]).to(dev)
+        top_p = torch.from_numpy(s.top_p[row_slot]).to(dev)
+        tokens, logprobs = sample_tokens(torch.cat([logits, verify]), temp, top_p, u)
+        toks, lps, version = tokens.cpu().numpy().tolist(), logprobs.tolist(), self._version
+        emitted: dict[int, tuple[list[int], list[float]]] = {}
+        first = n
+        for (b, draft), m in zip(drafts, k, strict=True):
+            sampled = [toks[b], *toks[first:first + m]]
+            taken = accepted_length(sampled, draft) + 1
+            emitted[b] = (sampled[:taken], [lps[b], *lps[first:first + m]][:taken])
+            seq = s.seqs[b]
+            assert seq is not None
+            spec.verdict(seq, draft, taken - 1, version)
+            first += m
+        eos = self._is_eos(logits.shape[-1])
+        is_eos = eos[toks[:n]].tolist()  # plain rows: one lookup for the batch
+        count, limit = s.count[:n].tolist(), s.limit[:n].tolist()
+        last = list(toks[:n])
+        extra: dict[int, int] = {}
+        done = []
+        for b in s.running_rows():
+            seq = s.seqs[b]
+            assert seq is not None
+            got = emitted.get(b)
+            if got is None:
+                seq.tokens.append(toks[b])
+                seq.logprobs.append(lps[b])
+                seq.versions.append(version)
+                taken, stop = 1, is_eos[b]
+            else:
+                new, new_lp = got
+                at = next((i for i, t in enumerate(new) if eos[t]), None)
+                if at is not None:  # an accepted draft may reach EOS before its last token
+                    new, new_lp = new[: at + 1], new_lp[: at + 1]
+                seq.tokens.extend(new)
+                seq.logprobs.extend(new_lp)
+                seq.versions.extend([version] * len(new))
+                taken, stop = len(new), at is not None
+                if taken > 1:
+                    extra[b], last[b] = taken - 1, new[-1]
+            self.tokens_sampled += taken
+            if stop or count[b] + taken >= limit[b]:
+                done.append(b)
+                self._finish(b, bool(stop))
+        s.advance(torch.tensor(last, dtype=torch.long, device=dev), extra)
+        s.free(done)
+
+    def _finish(self, b: int, eos: bool) -> None:
+        """Slot b's sample is complete: set its reason, and keep its response in the history."""
+        seq = self._slots.seqs[b]
+        assert seq is not None
+        emulated_stop = seq.stop_at is not None and len(seq.tokens) >= seq.stop_at
+        seq.finish_reason = "stop" if eos or emulated_stop else "length"
+        self._touched.add(seq.group_id)
+        self.history.record(seq.prompt_ids, seq.tokens)
 
     def _is_eos(self, vocab: int) -> np.ndarray:
         """A lookup table token id -> is EOS (np.isin costs ~10 us a step)."""

@@ -77,7 +77,8 @@ def build_engine(config: FleetConfig, region: str, node: str, engine_index: int 
     from fleetrl.rollout.torch_engine import TorchEngine
 
     device = engine_devices(config, region, node)[engine_index]
-    return TorchEngine.from_config(config.model, engine_cfg.model_copy(update={"device": device}))
+    return TorchEngine.from_config(config.model, engine_cfg.model_copy(update={"device": device}),
+                                   length_aware=config.rollout.length_aware)
 
 
 class RolloutWorker:

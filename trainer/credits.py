@@ -9,10 +9,14 @@ comes back, its heartbeats give it credit again.
 
 The next group goes to the region expected to return it first: the larger of the region's measured
 latency (dispatch to arrival, mean over the window) and its backlog drained at its throughput,
-`(in_flight + 1) / rate`. Throughput alone would keep a slow region's in-flight work proportional
-to its rate; but admission bounds the work in flight to `(1 + max_staleness) * groups_per_step`, so
-a region whose groups take many steps to come back would hold admission slots for groups that end
-up stale. Latency sends it only what it can return in time.
+`(in_flight + 1) / rate`. With length-aware placement (`rollout.length_aware`, `lengths.py`) the
+latency, measured on average groups, is scaled by the group's predicted length over the average: a
+long group goes where tokens come back fastest, while short ones fill the regions by backlog (a
+first version weighed the backlog by length instead, and sent nearly every group to the fast
+region: short groups looked free). Throughput alone would keep a slow region's in-flight work
+proportional to its rate; but admission bounds the work in flight to `(1 + max_staleness) *
+groups_per_step`, so a region whose groups take many steps to come back would hold admission slots
+for groups that end up stale. Latency sends it only what it can return in time.
 
 In `algorithm.mode: sync` (`by_capacity`) the split is the one a synchronous trainer over the same
 workers makes: each step's groups in proportion to each region's capacity, the tokens per second its
@@ -132,9 +136,13 @@ class RegionCredits:
         state, _, at = r.nodes[node]
         return state == "up" and now - at <= self.window_s
 
-    def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset()) -> str:
-        """Region for the next group: the earliest expected return (see the module docstring), or, with
-        `by_capacity`, the region whose share of the work so far is smallest for its capacity."""
+    def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset(),
+             work: float = 1.0) -> str:
+        """Region for the next group: the earliest expected return (see the module docstring).
+
+        `work`: the group's predicted length over the average (`fleetrl.trainer.lengths`; 1 without
+        length-aware placement): a region's latency, measured on average groups, scales with it. With
+        `by_capacity` (sync), the region whose share of the work so far is smallest for its capacity."""
         if self.by_capacity:
             return self._pick_by_capacity(in_flight, now, exclude)
         rates = self.rates(now)
@@ -146,12 +154,13 @@ class RegionCredits:
 
         def expected_return_s(n: str) -> tuple[float, str]:
             held = in_flight.get(n, 0)
-            if held == 0 and self._has_live_nodes(self.regions[n], now):
+            latency = self.latency(n, now) * work
+            if held <= 0 and self._has_live_nodes(self.regions[n], now):
                 # Idle with live nodes: it can start at once. Without this probe a region that got
                 # no work (after a drain, say) reports no throughput and never gets work again.
-                return self.latency(n, now), n
+                return latency, n
             backlog = (held + 1) / max(rates[n], 1e-9)
-            return max(self.latency(n, now), backlog), n
+            return max(latency, backlog), n
 
         return min(candidates, key=expected_return_s)
 

@@ -9,9 +9,11 @@ the next step). A group dropped stale is settled without feeding a step, so it r
 (seen in a 20-minute soak whose trainer restarts made in-flight work stale). So the dispatcher
 never runs more than `1 + max_staleness` steps of work ahead of the learner, and groups generated
 in order reach the learner at most `max_staleness` versions old. Admitted groups go to regions by
-credit (`credits.py`). A group whose region has been silent for `silent_region_timeout_s` is sent
-again, to another region where one has credit, with `attempt + 1`; the collector trains whichever
-attempt arrives first and drops the other as a duplicate.
+credit (`credits.py`); with `rollout.length_aware` a region's latency counts in proportion to the
+group's predicted length (`lengths.py`: its prompt's completion length the last time it was
+answered). A group whose region has been silent for `silent_region_timeout_s` is sent again, to
+another region where one has credit, with `attempt + 1`; the collector trains whichever attempt
+arrives first and drops the other as a duplicate.
 
 The state here is plain data (cursor into the prompt source, groups in flight) and goes into every
 checkpoint; sending is an injected coroutine, so the state machine is tested without Kafka.
@@ -28,6 +30,7 @@ from fleetrl.broker import KafkaError, PromptRecord, Sampling
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.credits import RegionCredits
+from fleetrl.trainer.lengths import PromptLengths, content_key
 
 log = get_logger(__name__)
 
@@ -82,6 +85,9 @@ class Dispatcher:
         """Prompts drawn from the source so far: every admitted group, in flight or consumed."""
         self.in_flight: dict[str, InFlight] = {}
         self.exhausted = False
+        self.lengths = PromptLengths()
+        """Completion lengths of the prompts answered so far: placement by predicted work."""
+        self.length_aware = config.rollout.length_aware
         a = config.algorithm
         self.sampling = Sampling(temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens)
 
@@ -117,9 +123,9 @@ class Dispatcher:
             if resolved(gid):  # trained before a restart lost the dispatch record: not again
                 continue
             p = PromptItem(*item)
-            region = self.credits.pick(self._per_region(), now)
-            flight = InFlight(index, region, 0, now, version, p.task, p.prompt, p.reference,
+            flight = InFlight(index, "", 0, now, version, p.task, p.prompt, p.reference,
                               messages=p.messages, columns=p.columns)
+            flight.region = self._place(flight, now)
             sent += await self._send(gid, flight, now)
         return sent
 
@@ -131,7 +137,7 @@ class Dispatcher:
             if not f.sent or now - f.dispatched_at <= timeout_s or (quiet is not None and now - quiet <= timeout_s):
                 continue
             old = f.region
-            f.region = self.credits.pick(self._per_region(), now, exclude=frozenset({old}))
+            f.region = self._place(f, now, exclude=frozenset({old}))
             f.attempt += 1
             f.dispatched_at = now
             log.warning("dispatch.redispatched", group_id=gid, attempt=f.attempt, from_region=old, to_region=f.region)
@@ -157,6 +163,21 @@ class Dispatcher:
     def pick(self, now: float, exclude: frozenset[str] = frozenset()) -> str:
         """The region the next group would go to (credits), avoiding `exclude` where any other is left."""
         return self.credits.pick(self._per_region(), now, exclude=exclude)
+
+    def observe_lengths(self, gid: str, tokens_per_sample: float) -> None:
+        """A group in flight came back with this mean completion length: its prompt's next prediction."""
+        f = self.in_flight.get(gid)
+        if f is not None:
+            self.lengths.observe(content_key(f.task, f.prompt, f.messages), tokens_per_sample)
+
+    def _work(self, f: InFlight) -> float:
+        """The group's predicted work in groups of average length (1.0 unless length-aware)."""
+        if not self.length_aware:
+            return 1.0
+        return self.lengths.relative_work(content_key(f.task, f.prompt, f.messages))
+
+    def _place(self, f: InFlight, now: float, exclude: frozenset[str] = frozenset()) -> str:
+        return self.credits.pick(self._per_region(), now, exclude=exclude, work=self._work(f))
 
     def moved(self, gid: str, region: str, now: float) -> None:
         """The group was handed to `region` as a partial with the next attempt (see handover.py)."""
@@ -194,7 +215,7 @@ class Dispatcher:
                 if len(tried) == len(self.credits.regions):
                     f.sent = False
                     return 0
-                f.region = self.credits.pick(self._per_region(), now, exclude=frozenset(tried))
+                f.region = self._place(f, now, exclude=frozenset(tried))
                 continue
             f.sent = True
             self.credits.on_dispatch(f.region, f.dispatched_at)
@@ -204,7 +225,7 @@ class Dispatcher:
         sent = 0
         for gid, f in list(self.in_flight.items()):
             if not f.sent:
-                f.region = self.credits.pick(self._per_region(), now)
+                f.region = self._place(f, now)
                 f.dispatched_at = now
                 sent += await self._send(gid, f, now)
         return sent

@@ -217,6 +217,9 @@ class Trainer:
         flight = self.dispatcher.in_flight.get(record.group_id)
         latency = now - flight.dispatched_at if flight is not None and flight.region == region else None
         self.credits.on_arrival(region, now, latency)
+        if record.samples:
+            self.dispatcher.observe_lengths(record.group_id, sum(len(s.completion_ids) for s in record.samples)
+                                            / len(record.samples))
         verdict = self.collector.offer(record, self.version)
         if verdict == "foreign":
             err = RecordError("wrong_run", f"record of run {record.run!r} in run {self.config.run!r}'s topic",

@@ -273,6 +273,11 @@ class EngineEmulation(Model):
     """Added to pulling each new policy version, before the engine stages it (in the background,
     while decoding goes on): a version's copy across a WAN into the region."""
 
+    tail_by_prompt: bool = False
+    """Whether a sample runs to `max_new_tokens` is drawn from its prompt, not its key: every sample of
+    a prompt is long, every time the prompt comes back (real lengths follow the prompt; length-aware
+    scheduling learns them from history)."""
+
 
 class LearnerEmulation(Model):
     """Emulated training hardware for benchmarks on CPU (`bench/pipeline.py --profile production`):
@@ -283,6 +288,38 @@ class LearnerEmulation(Model):
     """Added to every optimizer step (fixed costs: the optimizer update, gathers)."""
     token_delay_s: float = Field(0.0, ge=0, le=1)
     """Added per trained token (forward and backward over each sample's tokens)."""
+
+
+class SpeculativeConfig(Model):
+    """History-drafted speculative decoding of the torch engine (docs/rollout.md): drafts come from the
+    engine's earlier responses to the same prompt, are verified by the policy in the step's forward pass
+    and accepted by the speculative-sampling rule, so what is sampled is exactly the policy's
+    distribution. It pays where prompts come back (epochs) and the policy answers them alike."""
+
+    enabled: bool = True
+    """Draft and verify; False decodes one token per sample per step (the history still predicts lengths)."""
+    max_draft_tokens: int = Field(8, ge=1, le=64)
+    """Most tokens drafted for one sample in one step."""
+    min_acceptance: float = Field(0.2, ge=0, le=1)
+    """A prompt's drafts stop while the moving share of its drafted tokens the policy accepts is below
+    this (the policy moved away from its old answers); a new answer to it lets it try again."""
+    max_ngram: int = Field(4, ge=1, le=16)
+    """Longest suffix of a sample's context looked up in the history (longest match wins)."""
+    min_ngram: int = Field(1, ge=1, le=16)
+    """Shortest suffix that may match."""
+    history_prompts: int = Field(4096, ge=1)
+    """Prompts the history keeps (least recently used go first)."""
+    history_responses: int = Field(8, ge=1, le=256)
+    """Latest responses kept per prompt."""
+    history_tokens: int = Field(1 << 20, ge=1024)
+    """Tokens the history holds in all (about 60 bytes each with their index); least recently used
+    prompts go first beyond it."""
+
+    @model_validator(mode="after")
+    def _ngrams_ordered(self) -> SpeculativeConfig:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) is above max_ngram ({self.max_ngram})")
+        return self
 
 
 class TorchEngineConfig(Model):
@@ -306,6 +343,8 @@ class TorchEngineConfig(Model):
     cost per step, so batching admissions trades a little occupancy for fewer of them."""
     emulate: EngineEmulation | None = None
     """Emulated slowness and completion lengths for benchmarks on CPU (see `EngineEmulation`)."""
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """History-drafted speculative decoding (see `SpeculativeConfig`); `enabled: false` turns it off."""
 
 
 class VllmEngineConfig(Model):
@@ -363,6 +402,11 @@ class RolloutConfig(Model):
     """How long an idle worker waits on Kafka per poll (a busy one only takes what is already there)."""
     stats_interval_s: float = Field(10.0, gt=0)
     """How often a worker logs `worker.stats` (groups and tokens done and in flight, tokens/s)."""
+    length_aware: bool = True
+    """Schedule by predicted completion length (the mean of a prompt's earlier completions): the torch
+    engine admits the samples with the longest predicted completion first into free slots, and the
+    trainer scales each region's latency by the group's predicted length when it places the group.
+    False: arrival order, and placement as for groups of average length."""
 
 
 class AgentConfig(Model):
