@@ -544,7 +544,8 @@ def main() -> None:
                              "share or against the preemption rate (3 x 3 cells, one seed each)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="defaults",
                         help="the throttles: `defaults` (the figures of docs/pipeline.md so far) or `production`, "
-                             "proportioned as a 7B policy on H100s; its sources: " + PRODUCTION_SOURCES.replace("%", "%%"))
+                             "proportioned as a 7B policy on H100s; its sources: "
+                             + PRODUCTION_SOURCES.replace("%", "%%"))
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per run (default: 20, --quick 10); the full run goes on until its window "
                              "also covers --window-intervals preemption intervals")
