@@ -561,7 +561,10 @@ def main() -> None:
     parser.add_argument("--link-delay", type=float, default=None,
                         help="one-way home-region link delay (s; default: the profile's, 0.05)")
     parser.add_argument("--no-length-aware-off", action="store_true",
-                        help="skip the runs with length-aware scheduling off (half the time)")
+                        help="skip the runs with length-aware scheduling off (half the time; --quick skips "
+                             "them unless --length-aware-off)")
+    parser.add_argument("--length-aware-off", action="store_true",
+                        help="also with --quick: repeat each pair with length-aware scheduling off")
     parser.add_argument("--workload", choices=["reverse", "tools"], default="reverse",
                         help="tools: multi-turn episodes whose tool calls have a long latency tail (EMULATED)")
     args = parser.parse_args()
@@ -601,7 +604,8 @@ def main() -> None:
     timeout_s = 300.0 if args.quick else 600.0 + 2 * fleet.window_s  # bounds: start-up on a busy machine
     if args.grid:
         grid(args.grid, base, fleet, timeout_s)
-    out = compare(fleet, args.seeds, timeout_s, length_aware_off=not args.no_length_aware_off)
+    off = args.length_aware_off or not (args.quick or args.no_length_aware_off)  # --quick: two runs, not four
+    out = compare(fleet, args.seeds, timeout_s, length_aware_off=off)
     print("result: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
 
 
