@@ -427,8 +427,10 @@ class Demo:
         return ChildFailed(child.name, child.pid, child.returncode(), child.log_path, child.tail())
 
     def _catch_up(self) -> None:
-        """Give the replicators a moment to copy the final version (bounded)."""
-        deadline = time.monotonic() + _CATCH_UP_S
+        """Give the replicators a moment to copy the final version (bounded). A replicator restarted near
+        the end (a kill, a crash point) copies nothing until its dead predecessor's lease expires, so
+        the bound covers one lease lifetime too."""
+        deadline = time.monotonic() + _CATCH_UP_S + self.config.hub.lease_ttl_s
         while len(self.progress.holding_latest()) < len(self.progress.regions) and time.monotonic() < deadline:
             self.chaos.tick()  # stopped: only restarts (a replicator may crash at a point while catching up)
             self._check_alive()
