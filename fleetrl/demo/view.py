@@ -89,6 +89,8 @@ class Progress:
     stale_dropped: int = 0
     last_step_at: float | None = None
     """When (monotonic) the trainer last finished a step."""
+    last_checkpoint_at: float | None = None
+    """When (monotonic) the trainer last saved a checkpoint."""
     faults: list[Any] = field(default_factory=list)
     """The injected faults (`fleetrl.demo.chaos.Fault`), shown as they happen."""
     _printed: list[str] = field(default_factory=list)
@@ -112,6 +114,8 @@ class Progress:
             self.steps[self.step] = self._row(event)
             self.last_step_at = time.monotonic()
             return self.step_line()
+        if name == "checkpoint.saved":
+            self.last_checkpoint_at = time.monotonic()
         if name == "group.stale":
             self.stale_dropped += 1
         if name == "weights.published":

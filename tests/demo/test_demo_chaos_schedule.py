@@ -85,7 +85,7 @@ def test_only_a_node_whose_worker_generates_is_preempted(fleet: Fleet, tmp_path:
     assert chaos.log.faults[-2].target == "agent-b-node-1-r1"  # the replacement, once it generates
 
 
-def test_kinds_take_turns_and_a_trainer_is_spared_until_it_trains_a_step(fleet: Fleet, tmp_path: pathlib.Path) -> None:
+def test_kinds_take_turns_and_a_trainer_is_spared_until_it_checkpoints(fleet: Fleet, tmp_path: pathlib.Path) -> None:
     fleet.start("trainer")
     fleet.start("replicator-a")
     plan = FaultPlan(kill_every_s=1.0, kill_only=("trainer", "agent", "replicator"))
@@ -106,10 +106,14 @@ def test_kinds_take_turns_and_a_trainer_is_spared_until_it_trains_a_step(fleet: 
     long_ago = time.monotonic() - RECOVER_S - 1
     chaos.restarted_at = dict.fromkeys(chaos.restarted_at, long_ago)
     chaos.kill_turn = 0
-    chaos._kill_one()  # RECOVER_S passed, but the restarted trainer has not trained a step
+    chaos._kill_one()  # RECOVER_S passed, but the restarted trainer has not checkpointed
     assert kills() == ["trainer", "agent", "replicator"]
     fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
-    chaos._kill_one()  # the agent's turn now; the trainer has stepped, so its next turn kills it
+    chaos.kill_turn = 0
+    chaos._kill_one()  # a step alone is not enough: a kill now would take it back
+    assert kills() == ["trainer", "agent", "replicator"]
+    fleet.progress.feed({"event": "checkpoint.saved", "step": 1})
+    chaos._kill_one()  # the agent's turn now; the trainer has checkpointed, so its next turn kills it
     chaos._kill_one()
     chaos._kill_one()
     assert kills() == ["trainer", "agent", "replicator", "agent", "replicator", "trainer"]
