@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_rollout_torch_engine import _fresh_logprobs
 from transformers import DynamicCache
 
 from fleetrl.broker import PartialSample, Sampling
@@ -153,13 +154,6 @@ def _critical_value(dof: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if _p_value(mid, dof) > ALPHA else (lo, mid)
     return hi
-
-
-def _fresh_logprobs(model: Any, prompt: list[int], s: PartialSample, t: float, p: float) -> torch.Tensor:
-    x = torch.tensor([prompt + s.completion_ids.tolist()])
-    with torch.no_grad():
-        logits = model(input_ids=x).logits[0, len(prompt) - 1 : -1]
-    return behaviour_logprobs(logits, torch.from_numpy(s.completion_ids.astype(np.int64)), t, p)
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
