@@ -15,12 +15,18 @@ per thread. Per size and lr it prints:
   previous version + zstd of each whole tensor (slime/SkyRL's delta format), over ours;
 * the changed fraction of bf16 elements.
 
-Trainer stall per step (largest size, lr 1e-6): a loop of steps through the trainer's own
-`WeightPublisher` and snapshot buffers (`SnapshotRing`, as `Learner.published_state`), inline
-(`publish`: snapshot, then the whole publish) vs background (`submit`: snapshot, then waiting only
-for the previous publish while this step trained). The stall is the time the loop is not stepping;
-`stall_ratio` = inline / background. On 2 shared cores the background publish also competes with
-the step it overlaps; the loop's wall time per step is printed too.
+Trainer stall per step (largest size, lr 1e-6): a loop of steps as the trainer takes them, each an
+emulated forward and backward that reads every weight matrix (`--step-tokens` tokens), then the
+optimizer update, through the trainer's own `WeightPublisher` and snapshot buffers (`SnapshotRing`,
+two sets, as `Learner.begin_published_state`): inline (`publish`: the cast, then the whole
+publish) vs background (`submit`: wait for the previous publish, then begin the cast, which runs
+while the next step's forward and backward read the weights; the next update waits for it, as
+`Learner` does, before it changes them). The stall is the time the loop is not computing: the wait
+for the cast plus the wait in `submit` (inline: the cast and the publish); `stall_ratio` = inline /
+background (a background stall under 1 ms counts as 1 ms). Each phase's time is printed. On 2
+shared cores the background cast and publish also compete with the step they overlap.
+
+Peak resident memory of the process is printed after each part and as `peak_rss_gb`.
 
 CLI chain (smallest size): five consecutive versions published by five `fleetrl hub publish`
 processes from safetensors files, against the same five from one process into another store;
@@ -29,10 +35,11 @@ pulled back and checked bit for bit.
 
     .venv/bin/python bench/hub_scale.py [--quick] [--sizes 0.5B,1B]
 
-Defaults: 0.5B and 1B (3B needs ~31 GB: fp32 masters plus three bf16 copies; add it with --sizes
-where memory allows). `--quick`: a 28 M-parameter model of the same shape family (under 2 min).
+Defaults: 0.5B and 1B (3B needs more memory than a 24 GB machine has: fp32 masters, the hub's
+parent, a reader's copy and the snapshot sets; add it with --sizes where memory allows).
+`--quick`: a 28 M-parameter model of the same shape family (under 2 min).
 Last line: `result: publish_s_per_b=… stall_ratio=… cli_delta_ratio=… materialize_s_per_b=…
-bytes_ratio_vs_zstd=… bytes_ratio_vs_xor_zstd=…` (largest size, lr 1e-6).
+bytes_ratio_vs_zstd=… bytes_ratio_vs_xor_zstd=… peak_rss_gb=…` (largest size, lr 1e-6).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import asyncio
 import json
 import os
 import pathlib
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 import zstandard
-from safetensors.torch import save, save_file
+from safetensors.torch import load_file, save_file
 
 from fleetrl.hub.signing import generate_ed25519
 
@@ -144,10 +152,21 @@ def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k != TIED}
 
 
-def baselines(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], row: Row) -> None:
+def baselines(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor], row: Row, root: pathlib.Path) -> None:
     zc = zstandard.ZstdCompressor(level=LEVEL)
-    row.zstd = len(zc.compress(save(untied(cur))))
+    path = root / "baseline.safetensors"
+    save_file(untied(cur), str(path))  # streamed through zstd from disk: not a second copy in memory
+    with path.open("rb") as f:
+        row.zstd = zc.copy_stream(f, _Counter())[1]
+    path.unlink()
     row.xor_zstd = sum(len(zc.compress((to_words(prev[k]) ^ to_words(cur[k])).tobytes())) for k in untied(cur))
+
+
+class _Counter:
+    """A sink that only counts: the size of a compressed stream."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
 
 
 def changed_fraction(prev: dict[str, torch.Tensor], cur: dict[str, torch.Tensor]) -> float:
@@ -195,7 +214,7 @@ def run_size(size: str, steps: int, root: pathlib.Path) -> tuple[list[Row], dict
             row.ours.append(pv.bytes_written)
             row.changed.append(changed_fraction(prev, cur))
             if i == steps - 1:
-                baselines(prev, cur, row)
+                baselines(prev, cur, row, root)
         print(f"  lr {lr:g}: publish {row.per_b(row.publish_s):.2f} s/B  materialize {row.per_b(row.materialize_s):.2f}"
               f" s/B  ours {row.ours[-1]:,} B  zstd x{row.zstd / row.ours[-1]:.1f}  xor+zstd "
               f"x{row.xor_zstd / row.ours[-1]:.2f}  changed {statistics.median(row.changed):.4f}", flush=True)
@@ -205,66 +224,100 @@ def run_size(size: str, steps: int, root: pathlib.Path) -> tuple[list[Row], dict
     return rows, masters, hub
 
 
-async def trainer_loop(masters: dict[str, torch.Tensor], hub: Hub, steps: int, background: bool
-                       ) -> tuple[list[float], list[float], float]:
-    """Steps through the trainer's WeightPublisher: per-step stall, the part of it spent waiting for
-    the previous publish (background), and wall seconds per step."""
+def forward_backward(masters: dict[str, torch.Tensor], tokens: int, g: torch.Generator) -> None:
+    """Reads every weight matrix as a step's forward and backward pass over `tokens` tokens would:
+    x·Wᵀ, then the input gradient through W (4 FLOPs per parameter per token; the weight gradients
+    are left out, the bench's optimizer does not use them). The embedding is a lookup; its tied
+    copy is the LM head's matrix."""
+    for name, w in masters.items():
+        if w.dim() != 2 or name == "model.embed_tokens.weight":
+            continue
+        x = torch.randn(tokens, w.shape[1], generator=g)
+        y = x @ w.T
+        y @ w  # the backward's input-gradient matmul; its value is not needed
+
+
+async def trainer_loop(masters: dict[str, torch.Tensor], hub: Hub, steps: int, tokens: int, background: bool
+                       ) -> tuple[list[float], dict[str, float]]:
+    """Steps as the trainer takes them (`Learner` and `TrainerService._publish_step`): forward and
+    backward, the optimizer update (after `SnapshotRing.fence`), then the publish through the
+    trainer's `WeightPublisher` and `SnapshotRing` (two buffer sets): inline (`publish`: the cast,
+    then the whole publish) or background (`submit`: wait for the previous publish, begin the cast,
+    which runs during the next step's forward and backward). Returns the stall per step (time the
+    loop is not computing) and mean seconds per phase."""
     publisher = WeightPublisher(hub, None, TrainerMetrics())
     version = hub.latest()
     assert version is not None
     g = torch.Generator().manual_seed(2)
-    ring = SnapshotRing()  # what Learner.published_state casts into
-    stalls, waits = [], []
+    ring = SnapshotRing()
+    stalls, phases = [], {"forward_backward": 0.0, "update": 0.0, "cast_wait": 0.0, "publish_wait": 0.0}
     start = time.perf_counter()
     for _ in range(steps):
-        await asyncio.to_thread(adamw_like_step, masters, LRS[0], g)
         t0 = time.perf_counter()
-        snap = await asyncio.to_thread(ring.take, masters, torch.bfloat16)
+        await asyncio.to_thread(forward_backward, masters, tokens, g)
+        t1 = time.perf_counter()
+        cast_wait = await asyncio.to_thread(ring.fence)
+        t2 = time.perf_counter()
+        await asyncio.to_thread(adamw_like_step, masters, LRS[0], g)
+        t3 = time.perf_counter()
         version += 1
         if background:
-            waits.append(await publisher.submit(snap, version))
+            await publisher.submit(lambda: asyncio.to_thread(ring.begin, masters, torch.bfloat16), version)
         else:
-            await publisher.publish(snap, version)
-        stalls.append(time.perf_counter() - t0)
+            await publisher.publish(await asyncio.to_thread(ring.take, masters, torch.bfloat16), version)
+        t4 = time.perf_counter()
+        stalls.append(cast_wait + (t4 - t3))
+        for key, seconds in (("forward_backward", t1 - t0), ("update", t3 - t2), ("cast_wait", cast_wait),
+                             ("publish_wait", t4 - t3)):
+            phases[key] += seconds / steps
     await publisher.flush()
-    return stalls, waits, (time.perf_counter() - start) / steps
+    ring.close()
+    phases["wall"] = (time.perf_counter() - start) / steps
+    return stalls, phases
 
 
-def stall(masters: dict[str, torch.Tensor], hub: Hub, steps: int) -> float:
-    inline, _, inline_wall = asyncio.run(trainer_loop(masters, hub, steps, background=False))
-    back, waits, back_wall = asyncio.run(trainer_loop(masters, hub, steps, background=True))
+def stall(masters: dict[str, torch.Tensor], hub: Hub, steps: int, tokens: int) -> float:
+    inline, p_in = asyncio.run(trainer_loop(masters, hub, steps, tokens, background=False))
+    back, p_bg = asyncio.run(trainer_loop(masters, hub, steps, tokens, background=True))
     mean = statistics.mean
-    ratio = mean(inline) / mean(back)
-    print(f"trainer stall per step: inline {mean(inline):.3f} s, background {mean(back):.3f} s (of which waiting "
-          f"for the previous publish {mean(waits):.3f} s): x{ratio:.1f}; wall per step inline {inline_wall:.3f} s, "
-          f"background {back_wall:.3f} s", flush=True)
+    ratio = mean(inline) / max(mean(back), 1e-3)  # a stall under a millisecond counts as one
+    print(f"trainer stall per step: inline {mean(inline):.3f} s, background {mean(back):.3f} s: x{ratio:.1f}",
+          flush=True)
+    for mode, p in (("inline", p_in), ("background", p_bg)):
+        print(f"  {mode}: forward+backward {p['forward_backward']:.2f} s ({tokens} tokens), update "
+              f"{p['update']:.2f} s, waiting for the cast {p['cast_wait']:.3f} s, for publishing "
+              f"{p['publish_wait']:.3f} s; wall per step {p['wall']:.2f} s", flush=True)
     return ratio
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process (the CLI chain's processes are counted apart)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def cli_chain(size: str, root: pathlib.Path) -> float:
     """Five versions by five `fleetrl hub publish` processes vs one process; bytes of the deltas."""
     masters, g = make_masters(SHAPES[size], seed=3), torch.Generator().manual_seed(3)
-    states = []
-    for i in range(5):
+    files = [root / f"cli-v{i}.safetensors" for i in range(5)]
+    for i, path in enumerate(files):  # one version in memory at a time: 1B's five would be 12 GB
         if i:
             adamw_like_step(masters, LRS[0], g)
-        states.append(untied(snapshot(masters)))
-        save_file(states[-1], str(root / f"cli-v{i}.safetensors"))
+        save_file(untied(snapshot(masters)), str(path))
     del masters
     cfg = root / "cli.yaml"
     cfg.write_text(yaml.safe_dump(hub_config(root, "cli").model_dump(mode="json")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cli = []
-    for i in range(5):
-        argv = [sys.executable, "-m", "fleetrl.cli", "hub", "publish", str(root / f"cli-v{i}.safetensors"),
+    for path in files:
+        argv = [sys.executable, "-m", "fleetrl.cli", "hub", "publish", str(path),
                 "--config", str(cfg)]
         done = subprocess.run(argv, env=env, capture_output=True, timeout=1800, check=True)
         cli.append(json.loads(done.stdout)["bytes_written"])
     with Hub.from_config(hub_config(root, "one")) as one:
-        single = [one.publish(s, owned=True).bytes_written for s in states]
+        single = [one.publish(load_file(str(path)), owned=True).bytes_written for path in files]
     with Hub.from_config(hub_config(root, "cli")) as hub:
-        pulled = hub.materialize(4)
-        exact = all(torch.equal(pulled[k].view(torch.int16), v.view(torch.int16)) for k, v in states[4].items())
+        pulled, last = hub.materialize(4), load_file(str(files[-1]))
+        exact = all(torch.equal(pulled[k].view(torch.int16), v.view(torch.int16)) for k, v in last.items())
     ratio = sum(cli[1:]) / sum(single[1:])
     print(f"CLI chain ({size}): {cli} B vs one process {single} B: x{ratio:.4f}; pull bit-exact: {exact}", flush=True)
     if not exact:
@@ -276,6 +329,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 28 M-parameter model (under 2 min on 2 cores)")
     parser.add_argument("--sizes", default="0.5B,1B", help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument("--step-tokens", type=int, default=8,
+                        help="tokens of the stall loop's emulated forward and backward per step (default 8: a real "
+                             "step's batch holds thousands of sequences, so this understates the overlap)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     log.configure(level="WARNING")
@@ -285,13 +341,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fleetrl-scale-") as tmp:
         root = pathlib.Path(tmp)
         cli_ratio = cli_chain(sizes[0], root)
+        print(f"peak resident memory after the CLI chain: {peak_rss_gb():.1f} GB", flush=True)
         for i, size in enumerate(sizes):
             size_rows, masters, hub = run_size(size, steps, root)
             rows += size_rows
             if i == len(sizes) - 1:
-                stall_ratio = stall(masters, hub, stall_steps)
+                stall_ratio = stall(masters, hub, stall_steps, args.step_tokens)
             hub.close()
             del masters
+            print(f"peak resident memory after {size}: {peak_rss_gb():.1f} GB", flush=True)
     print("\n| size | params | lr | publish s/B | materialize s/B | changed | bytes/version | vs st+zstd "
           "| vs XOR+zstd |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -304,7 +362,7 @@ def main() -> None:
     print(f"result: publish_s_per_b={top.per_b(top.publish_s):.2f} stall_ratio={stall_ratio:.1f} "
           f"cli_delta_ratio={cli_ratio:.4f} materialize_s_per_b={top.per_b(top.materialize_s):.2f} "
           f"bytes_ratio_vs_zstd={top.zstd / top.ours[-1]:.1f} "
-          f"bytes_ratio_vs_xor_zstd={top.xor_zstd / top.ours[-1]:.2f}")
+          f"bytes_ratio_vs_xor_zstd={top.xor_zstd / top.ours[-1]:.2f} peak_rss_gb={peak_rss_gb():.1f}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import math
 import time
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ class Learner:
         self.clip = ClipConfig(algo.clip_low, algo.clip_high, algo.tis_cap)
         self._shard_publisher: ShardPublisher | None = None
         self._snapshots = SnapshotRing()
+        self.snapshot_wait_s = 0.0
+        """Seconds optimizer updates have waited for a snapshot still being cast (cumulative)."""
 
     # -- operations led by rank 0 -------------------------------------------------------------
 
@@ -89,17 +92,25 @@ class Learner:
         return stats
 
     def published_state(self) -> dict[str, torch.Tensor]:
+        """A snapshot of the weights as engines run them, taken now (see `begin_published_state`)."""
+        return self.begin_published_state().result()
+
+    def begin_published_state(self) -> Future[dict[str, torch.Tensor]]:
         """A snapshot of the weights as engines run them: publish dtype, every state-dict name (rank 0).
 
-        Private copies that stay unchanged until two more snapshots have been taken (the publisher
-        keeps one while the next step trains, and as the parent of the next version: see
-        snapshots.py). In one process the cast is copied on the learner's device (the hub's thread
-        moves it to the host, off the step's path); under FSDP the full state is gathered to rank
-        0's CPU first."""
+        Private copies that stay unchanged until another snapshot has been taken (the publisher keeps
+        one while the next step trains, and as the parent of the next version: see snapshots.py). In
+        one process the cast runs in the background, on the learner's device, while the next step's
+        forward and backward run; that step's optimizer update waits for it (`fence`). Under FSDP the
+        full state is gathered to rank 0's CPU first, a collective, so it is taken now."""
         self.ctx.command("state")
         msd, _ = get_state(self.model, None, self.ctx, to_cpu=self.ctx.distributed)
         # Tied weights (lm_head = embeddings) are passed as they are: the hub stores them once.
-        return self._snapshots.take(msd, self.publish_dtype)
+        if self.ctx.distributed:
+            done: Future[dict[str, torch.Tensor]] = Future()
+            done.set_result(self._snapshots.take(msd, self.publish_dtype))
+            return done
+        return self._snapshots.begin(msd, self.publish_dtype)
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """fp32 model and optimizer state, unsharded (rank 0)."""
@@ -109,6 +120,7 @@ class Learner:
         return msd, osd
 
     def load_state(self, msd: dict[str, torch.Tensor], osd: dict[str, Any]) -> None:
+        self._snapshots.fence()
         self.ctx.command("load")
         set_state(self.model, self.optimizer, msd, osd, self.ctx)
 
@@ -130,6 +142,7 @@ class Learner:
 
     def load_shards(self, path: str) -> None:
         """Every rank reads its own shards back from `path`."""
+        self._snapshots.fence()
         self.ctx.command(("load_shards", path))
         load_shards(self.model, self.optimizer, path)
 
@@ -202,6 +215,7 @@ class Learner:
             chunk = samples[i * micro:(i + 1) * micro]
             sums += self._micro_step(chunk or [_DUMMY], max(total_tokens, 1), max(total_seqs, 1), real=bool(chunk))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.algo.grad_clip)
+        self.snapshot_wait_s += self._snapshots.fence()  # the last step's snapshot reads these weights
         self.optimizer.step()
         return sums, float(_full(grad_norm))
 

@@ -1,22 +1,24 @@
 """The publisher: every step's weights into the hub, then the version announced on MQTT.
 
 The learner keeps fp32 master weights; engines run the publish dtype (bf16 by default). After a
-step the trainer takes a snapshot of the cast (a private copy, on the learner's device) and hands
-it to `submit`: the hub encodes it as a delta against the previous version, uploads it into the
-home store and moves `latest` in a thread, while the next step trains. Only after the manifest and
-the `latest` pointer are written is the version announced on the retained `fleetrl/<run>/policy`
-topic. One publish is in flight at a time, so versions land and are announced strictly in order:
-`submit` first waits for the previous one (that wait, plus the snapshot, is the trainer's stall),
-and a publish that failed raises there, or in `flush`. A node that misses the message finds the
-same version through the store's `latest`.
+step the trainer hands `submit` a snapshot of the cast (a private copy on the learner's device,
+cast while the next step's forward and backward run): the hub encodes it as a delta against the
+previous version, uploads it into the home store and moves `latest` in a thread, while the next
+step trains. Only after the manifest and the `latest` pointer are written is the version announced
+on the retained `fleetrl/<run>/policy` topic. One publish is in flight at a time, so versions land
+and are announced strictly in order: `submit` first waits for the previous one (that wait, plus any
+wait of the next optimizer update for the cast, is the trainer's stall), and a publish that failed
+raises there, or in `flush`. A node that misses the message finds the same version through the
+store's `latest`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
+from typing import Protocol, TypeAlias
 
 import torch
 
@@ -27,6 +29,9 @@ from fleetrl.log import get_logger
 from fleetrl.trainer.metrics import TrainerMetrics
 
 log = get_logger(__name__)
+
+Snapshot: TypeAlias = Mapping[str, torch.Tensor] | Future[dict[str, torch.Tensor]]
+"""A step's weights to publish: the tensors, or the future of a cast still running (snapshots.py)."""
 
 
 class Announcer(Protocol):
@@ -44,15 +49,19 @@ class WeightPublisher:
         await self.flush()
         return await self._publish(state_dict, version)
 
-    async def submit(self, snapshot: Mapping[str, torch.Tensor], version: int) -> float:
-        """Publish `snapshot` (handed over: it must not change) as `version` in the background.
+    async def submit(self, take: Callable[[], Awaitable[Snapshot]], version: int) -> float:
+        """Publish as `version`, in the background, the snapshot `take()` hands over (the tensors, or a
+        future of them while they are being cast: they must not change once taken).
 
-        Waits for the publish before it first (strict order, one in flight) and raises its error if
-        it failed. Returns the seconds spent waiting for it."""
+        Waits for the publish before it first (strict order, one in flight: the snapshot buffer that
+        publish read as its parent is free only then) and raises its error if it failed; only then
+        calls `take`. Returns the seconds spent waiting."""
         t0 = time.monotonic()
         await self.flush()
         waited = time.monotonic() - t0
-        self._pending = asyncio.create_task(self._publish(snapshot, version), name=f"publish-v{version}")
+        snapshot = await take()
+        self._pending = asyncio.create_task(self._publish(snapshot, version, from_step=True),
+                                            name=f"publish-v{version}")
         return waited
 
     async def flush(self) -> PublishedVersion | None:
@@ -71,7 +80,15 @@ class WeightPublisher:
         except Exception as exc:  # reported here: the error that stopped the trainer propagates
             log.error("weights.publish_failed", error=f"{type(exc).__name__}: {exc}")
 
-    async def _publish(self, state_dict: Mapping[str, torch.Tensor], version: int | None) -> PublishedVersion:
+    async def _publish(self, snapshot: Snapshot, version: int | None, from_step: bool = False
+                       ) -> PublishedVersion:
+        state_dict: Mapping[str, torch.Tensor]
+        if isinstance(snapshot, Future):
+            state_dict = await asyncio.wrap_future(snapshot)
+        else:
+            state_dict = snapshot
+        if from_step:
+            crash_point("trainer.step.snapshot_taken")
         t0 = time.monotonic()
         # The trainer's state dicts are snapshots (Learner.published_state): the hub may keep them.
         pv = await asyncio.to_thread(self.hub.publish, state_dict, version=version, owned=True)

@@ -8,6 +8,9 @@ write) runs in threads so the Kafka clients keep heartbeating. Per region it hol
     step -> snapshot (bf16 copy) -> checkpoint (every rank its shards, then atomic) -> commit offsets
                  └─> in the background, while the next step trains: publish version -> announce
 
+In the background the snapshot itself is cast while the next step's forward and backward run; that
+step's optimizer update waits for the cast to finish before it changes the weights.
+
 Step N's weights are version v+N: `self.version` moves when the snapshot is taken, and prompts
 dispatched from then on ask for it (engines wait for it to land). One publish is in flight at a
 time (`WeightPublisher.submit` waits for the previous one), so versions land in order; with
@@ -294,12 +297,13 @@ class Trainer:
         t0, wall0 = time.monotonic(), time.time()
         batch = build_step_batch(groups, a.advantage, self.version)
         log.info("step.started", step=self.step + 1, version=self.version, groups=len(groups))
+        cast_wait0 = self.learner.snapshot_wait_s
         stats = await asyncio.to_thread(self.learner.train_step, batch)
         self.collector.mark_trained(groups, self.step + 1, self.version)
         for g in groups:
             self.metrics.staleness.observe(self.collector.lag(g, self.version))
         self.step += 1
-        self.version = await self._publish_step(self.version + 1)
+        self.version = await self._publish_step(self.version + 1, self.learner.snapshot_wait_s - cast_wait0)
         self.result.step_spans.append((wall0, time.time()))
         seconds = time.monotonic() - t0
         self.metrics.step_seconds.observe(seconds)
@@ -320,16 +324,18 @@ class Trainer:
             await self._checkpoint()
         return True
 
-    async def _publish_step(self, version: int) -> int:
-        """Snapshot the weights and publish them as `version`, in the background or inline."""
+    async def _publish_step(self, version: int, cast_wait_s: float) -> int:
+        """Snapshot the weights and publish them as `version`: in the background (the cast while the
+        next step's forward and backward run, the publish while it trains) or inline. `cast_wait_s`:
+        what this step's optimizer update waited for the previous snapshot's cast."""
         t0 = time.monotonic()
-        snapshot = await asyncio.to_thread(self.learner.published_state)
-        crash_point("trainer.step.snapshot_taken")
         if self.config.trainer.publish_in_background and self.config.algorithm.mode == "async":
-            await self.publisher.submit(snapshot, version)
+            await self.publisher.submit(lambda: asyncio.to_thread(self.learner.begin_published_state), version)
         else:
+            snapshot = await asyncio.to_thread(self.learner.published_state)
+            crash_point("trainer.step.snapshot_taken")
             await self.publisher.publish(snapshot, version)
-        self.metrics.publish_stall_seconds.observe(time.monotonic() - t0)
+        self.metrics.publish_stall_seconds.observe(time.monotonic() - t0 + cast_wait_s)
         return version
 
     # -- checkpoint and commit ----------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -56,6 +58,29 @@ def test_published_state_has_every_name_in_the_publish_dtype() -> None:
     assert state.keys() == learner.model.state_dict().keys()
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
     assert all(t.device.type == "cpu" for t in state.values())
+
+
+def test_the_next_step_waits_for_a_snapshot_still_being_cast_before_it_changes_the_weights() -> None:
+    """The snapshot of step N is cast while step N+1's forward and backward run; the update of step
+    N+1 must not start before it is done, or the snapshot would mix both steps' weights."""
+    learner = Learner(ModelConfig(), AlgorithmConfig(lr=1e-2, micro_batch_samples=1), DistContext())
+    group = _behaviour_group(learner.model)
+    before = {k: v.detach().to(torch.bfloat16) for k, v in learner.model.state_dict().items()}
+    ring = learner._snapshots
+    real_take = ring.take
+
+    def slow_take(state, dtype):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)  # a cast slower than the tiny model's forward and backward
+        return real_take(state, dtype)
+
+    ring.take = slow_take  # type: ignore[method-assign]
+    snapshot = learner.begin_published_state()
+    learner.train_step(build_step_batch([group], "grpo", 0))
+    assert learner.snapshot_wait_s > 0.1  # the update waited for the cast
+    got = snapshot.result(timeout=30)
+    assert all(torch.equal(got[k].view(torch.int16), before[k].view(torch.int16)) for k in before)
+    after = learner.model.state_dict()
+    assert any(not torch.equal(after[k].to(torch.bfloat16), before[k]) for k in before)  # and the step moved them
 
 
 def test_collate_aligns_completion_tokens_with_their_predictors() -> None:
