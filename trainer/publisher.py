@@ -82,11 +82,7 @@ class WeightPublisher:
 
     async def _publish(self, snapshot: Snapshot, version: int | None, from_step: bool = False
                        ) -> PublishedVersion:
-        state_dict: Mapping[str, torch.Tensor]
-        if isinstance(snapshot, Future):
-            state_dict = await asyncio.wrap_future(snapshot)
-        else:
-            state_dict = snapshot
+        state_dict = await _ready(snapshot)
         if from_step:
             crash_point("trainer.step.snapshot_taken")
         t0 = time.monotonic()
@@ -131,3 +127,11 @@ class WeightPublisher:
     def adopt(self, version: int) -> None:
         """Make the store's `version` the last published (read back), so that it is announced again."""
         self.last = self.hub.published(version)
+
+
+async def _ready(snapshot: Snapshot) -> Mapping[str, torch.Tensor]:
+    """The snapshot's tensors, once its cast (if it is still running) is done."""
+    if isinstance(snapshot, Future):
+        cast: dict[str, torch.Tensor] = await asyncio.wrap_future(snapshot)
+        return cast
+    return snapshot
