@@ -15,12 +15,17 @@ answered). A group whose region has been silent for `silent_region_timeout_s` is
 another region where one has credit, with `attempt + 1`; the collector trains whichever attempt
 arrives first and drops the other as a duplicate.
 
-The state here is plain data (cursor into the prompt source, groups in flight) and goes into every
-checkpoint; sending is an injected coroutine, so the state machine is tested without Kafka.
+The groups admitted in one round are sent concurrently and their acknowledgements awaited together,
+so a round costs one link round trip, not one per group (the producer batches a region's records
+per partition, in order); each group is noted as sent only once its own record is acknowledged, and
+a send that fails moves that group alone to the next region. The state here is plain data (cursor
+into the prompt source, groups in flight) and goes into every checkpoint; sending is an injected
+coroutine, so the state machine is tested without Kafka.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -112,6 +117,7 @@ class Dispatcher:
         `released` is how many admitted groups were dropped stale (they hold no place).
         """
         sent = await self._retry_unsent(now)
+        sends: list[tuple[str, InFlight]] = []
         while not self.exhausted and self.budget(step, released) > 0:
             item = next(self._prompts, None)
             if item is None:
@@ -126,12 +132,26 @@ class Dispatcher:
             flight = InFlight(index, "", 0, now, version, p.task, p.prompt, p.reference,
                               messages=p.messages, columns=p.columns)
             flight.region = self._place(flight, now)
-            sent += await self._send(gid, flight, now)
-        return sent
+            self.in_flight[gid] = flight  # counts for the next group's placement
+            sends.append((gid, flight))
+        return sent + await self._send_all(sends, now)
+
+    async def _send_all(self, sends: list[tuple[str, InFlight]], now: float) -> int:
+        """Send every record at once and wait for all the acknowledgements: a region's records share
+        the link's round trips instead of paying one each. Returns how many were acknowledged; a
+        fatal error cancels the rest and is raised as a sequential send would raise it."""
+        if len(sends) <= 1:
+            return sum([await self._send(gid, f, now) for gid, f in sends])
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = [tasks.create_task(self._send(gid, f, now), name=f"dispatch-{gid}") for gid, f in sends]
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        return sum(t.result() for t in running)
 
     async def redispatch_silent(self, now: float, timeout_s: float) -> int:
         """Send again, with a new attempt, every group whose region has been silent too long."""
-        moved = 0
+        sends: list[tuple[str, InFlight]] = []
         for gid, f in list(self.in_flight.items()):
             quiet = self.credits.silent_since(f.region)
             if not f.sent or now - f.dispatched_at <= timeout_s or (quiet is not None and now - quiet <= timeout_s):
@@ -141,8 +161,8 @@ class Dispatcher:
             f.attempt += 1
             f.dispatched_at = now
             log.warning("dispatch.redispatched", group_id=gid, attempt=f.attempt, from_region=old, to_region=f.region)
-            moved += await self._send(gid, f, now)
-        return moved
+            sends.append((gid, f))
+        return await self._send_all(sends, now)
 
     async def redispatch_region(self, region: str, now: float, exclude: frozenset[str]) -> int:
         """Send every group still in flight in `region` (a gone region, see handover.py) to another
@@ -222,13 +242,13 @@ class Dispatcher:
             return 1
 
     async def _retry_unsent(self, now: float) -> int:
-        sent = 0
+        sends: list[tuple[str, InFlight]] = []
         for gid, f in list(self.in_flight.items()):
             if not f.sent:
                 f.region = self._place(f, now)
                 f.dispatched_at = now
-                sent += await self._send(gid, f, now)
-        return sent
+                sends.append((gid, f))
+        return await self._send_all(sends, now)
 
     def _per_region(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +59,7 @@ from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
 from fleetrl.trainer.handover import Handover
-from fleetrl.trainer.learner import Learner
+from fleetrl.trainer.learner import Learner, StepStats
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
 from fleetrl.trainer.regions import RegionClients
@@ -298,7 +298,7 @@ class Trainer:
         batch = build_step_batch(groups, a.advantage, self.version)
         log.info("step.started", step=self.step + 1, version=self.version, groups=len(groups))
         cast_wait0 = self.learner.snapshot_wait_s
-        stats = await asyncio.to_thread(self.learner.train_step, batch)
+        stats = await self._while_training(asyncio.to_thread(self.learner.train_step, batch))
         self.collector.mark_trained(groups, self.step + 1, self.version)
         for g in groups:
             self.metrics.staleness.observe(self.collector.lag(g, self.version))
@@ -323,6 +323,21 @@ class Trainer:
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True
+
+    async def _while_training(self, step: Awaitable[StepStats]) -> StepStats:
+        """Run the step; meanwhile refuse the hostile records at the head of every region's
+        trajectories, so that a flood of them is dead-lettered while the learner computes and not
+        only between steps (good records stay where they are, for the next poll)."""
+        task = asyncio.ensure_future(step)
+        assert self.clients is not None
+        try:
+            while not task.done():
+                refused = await self.clients.skim()
+                await asyncio.wait({task}, timeout=0.0 if refused else POLL_TIMEOUT_S)
+        finally:
+            if not task.done():  # a skim failed: the learner's thread still finishes its step
+                await asyncio.wait({task})
+        return task.result()
 
     async def _publish_step(self, version: int, cast_wait_s: float) -> int:
         """Snapshot the weights and publish them as `version`: in the background (the cast while the

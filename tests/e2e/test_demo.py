@@ -47,11 +47,11 @@ def _demo_reaped() -> Iterator[None]:
 _STARTED: list[subprocess.Popen[str]] = []
 
 
-def _demo(config: pathlib.Path, work: pathlib.Path) -> subprocess.Popen[str]:
+def _demo(config: pathlib.Path, work: pathlib.Path, steps: int = STEPS) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("FLEETRL_HUB_KEY", None)  # the demo brings its own
     proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
-                             str(work), "--steps", str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             str(work), "--steps", str(steps)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     _STARTED.append(proc)
     return proc
@@ -117,7 +117,7 @@ def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_confi
 
 
 def test_ctrl_c_mid_run_stops_everything(demo_config: pathlib.Path, workdir: pathlib.Path) -> None:
-    proc = _demo(demo_config, workdir)
+    proc = _demo(demo_config, workdir, steps=1000)  # never reached: the interrupt comes after the first step
     _wait_for_line(proc, workdir / "logs" / "trainer.log", '"step.done"')
     pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
     proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the demo

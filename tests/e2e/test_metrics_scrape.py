@@ -47,7 +47,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture
 def demo(tmp_path: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], pathlib.Path, FleetConfig]]:
-    """The demo on free ports, every daemon serving metrics, many steps (the test stops it)."""
+    """The demo on free ports, every daemon serving metrics, more steps than it runs (the test stops it)."""
     doc, path = demo_config(tmp_path)
     doc["rollout"]["metrics_port"] = 0
     path.write_text(yaml.safe_dump(doc))
@@ -55,7 +55,7 @@ def demo(tmp_path: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], pathli
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("FLEETRL_HUB_KEY", None)  # the demo brings its own
     proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(path), "--workdir",
-                             str(work), "--steps", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             str(work), "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     try:
         yield proc, work, load_config(path)

@@ -7,6 +7,7 @@ forever. Nothing here asserts on speed.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -25,6 +26,8 @@ from fleetrl.broker import (
     trainer_group,
 )
 from fleetrl.config import FleetConfig, RegionConfig
+from fleetrl.trainer.credits import RegionCredits
+from fleetrl.trainer.dispatcher import Dispatcher
 from fleetrl.trainer.regions import RegionClients
 
 pytestmark = [pytest.mark.integration]
@@ -104,3 +107,53 @@ async def test_prompts_are_produced_only_after_the_link_delay(
     assert sent - t0 >= DELAY_S
     assert [d.record.group_id for d in got] == ["p-1"]  # type: ignore[union-attr]
 
+
+def _rounds(spans: list[tuple[float, float]]) -> int:
+    """Link round trips the sends cost one after another: the longest chain of sends each of which
+    started only after the one before it was acknowledged (1 when all share one round trip)."""
+    chain: list[int] = []
+    ordered = sorted(spans)
+    for i, (start, _) in enumerate(ordered):
+        before = [chain[j] for j in range(i) if ordered[j][1] <= start]
+        chain.append(1 + max(before, default=0))
+    return max(chain, default=0)
+
+
+async def test_admitting_many_groups_costs_one_round_trip_not_one_each(
+    delayed_fleet: Callable[..., FleetConfig],
+) -> None:
+    """The dispatcher pipelines its sends: N groups admitted at once to a region behind a slow link
+    are all on the wire before the first acknowledgement comes back, and all land in Kafka."""
+    config = delayed_fleet(1.0, groups_per_step=8, max_staleness=1)
+    groups = config.algorithm.groups_per_step * (1 + config.algorithm.max_staleness)
+    await ensure_topics(config, REGION)
+    limits = RecordLimits.from_config(config)
+    spans: list[tuple[float, float]] = []
+    async with RegionClients(config, limits, trainer_group(config.run), {}) as clients, \
+            Producer(config, REGION, "region-side") as region_side, \
+            Consumer(config, REGION, ["prompts"], rollout_group(config.run), limits, region_side,
+                     "region-side") as region_consumer:
+
+        async def send(region: str, record: PromptRecord) -> None:
+            start = time.monotonic()
+            await clients.send(region, "prompts", record.group_id, record)
+            spans.append((start, time.monotonic()))
+
+        credits = RegionCredits({REGION: 1.0}, window_s=10, tokens_per_group=1)
+        dispatcher = Dispatcher(config, itertools.repeat(("reverse", "abc=", "cba")), send, credits)
+        sent = await dispatcher.dispatch(0, 0, time.time(), lambda gid: False, released=0)
+        got: list[str] = []
+        deadline = time.monotonic() + 60
+        while len(got) < groups and time.monotonic() < deadline:
+            got += [d.record.group_id for d in await region_consumer.poll(64, 0.2)]  # type: ignore[union-attr]
+    assert groups >= 8 and sent == groups and len(spans) == groups
+    assert sorted(got) == sorted(dispatcher.in_flight)
+    # one wave: sequential sends would make this `groups` round trips of the link
+    assert _rounds(spans) == 1, spans
+
+
+def test_round_trips_of_sequential_sends_are_counted_one_each() -> None:
+    """The measure above is not blind: sends that each wait for the previous ack are N round trips."""
+    assert _rounds([(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]) == 3
+    assert _rounds([(0.0, 1.0), (0.1, 1.1), (1.2, 2.2)]) == 2
+    assert _rounds([(0.0, 1.0), (0.0, 1.0)]) == 1

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,9 +29,10 @@ from fleetrl.broker import (
 )
 from fleetrl.config import FleetConfig
 from fleetrl.trainer.audit import read_topics, reconcile
+from fleetrl.trainer.batch import StepBatch
 from fleetrl.trainer.checkpoint import latest
 from fleetrl.trainer.dist import DistContext
-from fleetrl.trainer.learner import Learner
+from fleetrl.trainer.learner import Learner, StepStats
 from fleetrl.trainer.service import Trainer
 
 pytestmark = pytest.mark.integration
@@ -165,3 +168,54 @@ async def test_an_unreachable_region_does_not_stop_training(make_fleet: Callable
     m = trainer.metrics.registry
     assert (m.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": REGION}) or 0) >= 6
     assert m.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": "down-b"}) is None
+
+
+class HeldLearner(Learner):
+    """A learner whose first step is held, once it has trained, until the test releases it: a step
+    as long as the test needs (the test bounds the wait)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_step, self.release = threading.Event(), threading.Event()
+
+    def train_step(self, batch: StepBatch) -> StepStats:
+        stats = super().train_step(batch)
+        self.in_step.set()
+        self.release.wait(120)
+        return stats
+
+
+async def test_hostile_trajectories_are_dead_lettered_while_the_learner_steps(
+        make_fleet: Callable[..., FleetConfig]) -> None:
+    """A flood that arrives during a step is refused during that step, not only once it ends: the
+    loop skims every region's trajectories while the learner computes (good records stay put)."""
+    from trainer_groups import answer_prompts
+
+    config = make_fleet()
+    await ensure_topics(config, REGION)
+    learner = HeldLearner(config.model, config.algorithm, DistContext())
+    trainer = Trainer(config, reverse_prompts, learner)
+    answered: list[str] = []
+    train = asyncio.create_task(trainer.run(max_steps=2))
+    rollout = asyncio.create_task(answer_prompts(config, REGION, train.done, answered))
+    try:
+        assert await asyncio.to_thread(learner.in_step.wait, 90), "the first step never started"
+        flood = 300
+        async with Producer(config, REGION, "hostile") as prod:
+            await asyncio.gather(*(prod.send_raw(topic_name(config.run, "trajectories"), b"hostile-%d" % i,
+                                                 b"\xc1 not msgpack %d" % i, []) for i in range(flood)))
+        assert trainer.clients is not None
+        consumer = trainer.clients.consumers[REGION]
+        for _ in range(600):  # bounded: 60 s
+            if consumer.dead_count >= flood:
+                break
+            await asyncio.sleep(0.1)
+        assert consumer.dead_count >= flood and trainer.step == 0  # all refused, the first step still held
+    finally:
+        learner.release.set()
+    result = await asyncio.wait_for(train, 90)
+    await asyncio.wait_for(rollout, 30)
+    assert result.steps == 2
+    view = await read_topics(config)
+    assert sum(1 for key, reasons in view.dead.items() if key.startswith("hostile-") and reasons == ["malformed"]) \
+        == flood
