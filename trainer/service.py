@@ -275,9 +275,10 @@ class Trainer:
     def _heartbeats(self, now: float) -> None:
         nodes = self.announcer.nodes if self.announcer is not None else {}
         for (region, node), hb in list(nodes.items()):
-            # A retained "up" from a node that died long ago carries its old `ts`: it will not count.
+            # A retained "up" from a node that died long ago carries its old `ts`: it will not count;
+            # nor does an "up" node whose engines all still start (`serving`, credits.py).
             self.credits.on_heartbeat(region, node, hb.state, hb.tokens_per_s, min(hb.ts, now),
-                                      busy_tokens_per_s=hb.busy_tokens_per_s)
+                                      busy_tokens_per_s=hb.busy_tokens_per_s, serving=hb.serving)
         for region, rate in self.credits.rates(now).items():
             self.metrics.region_rate.labels(region).set(rate)
 
