@@ -266,7 +266,8 @@ class Trainer:
         self.metrics.dispatched.labels(region).inc()
 
     async def _hand_over(self, now: float) -> None:
-        """Move the work of regions whose nodes are all draining, offline or silent (handover.py)."""
+        """Move the work of regions whose nodes are all draining, offline or silent; a gone region is
+        back once a node serves, an engine up (handover.py)."""
         nodes = self.announcer.nodes if self.announcer is not None else {}
         partials, prompts = await self.handover.tick(now, self.version, nodes)
         self.metrics.partials_moved.inc(partials)
