@@ -91,6 +91,17 @@ class Heartbeat(_Payload):
     """Engines on the node: a count, or each engine's status (what region agents send)."""
     ts: float = Field(default_factory=time.time)
 
+    @property
+    def serving(self) -> bool:
+        """Whether the node can take work now: `up` with at least one engine `up`. An agent is `up` as
+        soon as it runs, while its engines may still load the model for tens of seconds (`starting`)
+        or wait out a restart: such a node is alive but serves nothing yet. A heartbeat that lists no
+        engine statuses (`engines` a count: an older agent, a node without supervisors) serves
+        whenever it is `up`, as before engines were reported."""
+        if self.state != "up":
+            return False
+        return not isinstance(self.engines, list) or any(e.state == "up" for e in self.engines)
+
 
 class ControlCommand(_Payload):
     """An operator's (or the trainer's) command to every node of a region."""

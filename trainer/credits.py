@@ -26,6 +26,13 @@ region returns only what it was given, so a region given little measures little 
 (the fast region of `bench/pipeline.py` idled 99 % of a sync run that way). Capacity is the engines'
 own rate, whatever their load; a node that has not measured it yet borrows the mean of the measured
 nodes, scaled by its region's `weight`.
+
+Only a node that serves counts, in both modes: `up` with at least one engine `up`
+(`Heartbeat.serving`; a heartbeat without engine statuses, from an older agent, serves when `up`). An
+agent is `up` while its engines still load the model (tens of seconds after a preemption's
+replacement) or restart; work sent there waits for them, so such a node adds no capacity and no
+decoding rate, does not make its idle region worth probing, and a region whose fresh heartbeats show
+no serving node has no rate, whatever it returned earlier in the window.
 """
 
 from __future__ import annotations
@@ -45,8 +52,8 @@ class _Region:
     """When a send to the region's cluster last failed: no credit for one window after it."""
     latencies: deque[tuple[float, float]] = field(default_factory=deque)
     """(arrived_at, dispatch-to-arrival seconds) within the window."""
-    nodes: dict[str, tuple[str, float, float]] = field(default_factory=dict)
-    """node -> (state, tokens_per_s, received_at)."""
+    nodes: dict[str, tuple[bool, float, float]] = field(default_factory=dict)
+    """node -> (serving, tokens_per_s, received_at); serving: `up` with an engine up."""
     capacity: dict[str, float] = field(default_factory=dict)
     """node -> tokens/s its engines deliver while busy (0: not measured yet)."""
 
@@ -85,10 +92,12 @@ class RegionCredits:
         self.regions[region].failed_at = now
 
     def on_heartbeat(self, region: str, node: str, state: str, tokens_per_s: float, now: float,
-                     busy_tokens_per_s: float = 0.0) -> None:
+                     busy_tokens_per_s: float = 0.0, *, serving: bool = True) -> None:
+        """`serving`: whether an `up` node has an engine up (`Heartbeat.serving`); False while its
+        engines all start or restart, when the node counts as not live."""
         r = self.regions.get(region)
         if r is not None:
-            r.nodes[node] = (state, max(float(tokens_per_s), 0.0), now)
+            r.nodes[node] = (serving and state == "up", max(float(tokens_per_s), 0.0), now)
             r.capacity[node] = max(float(busy_tokens_per_s), 0.0)
 
     def rates(self, now: float) -> dict[str, float]:
@@ -107,17 +116,20 @@ class RegionCredits:
         if r.failed_at is not None and now - r.failed_at < self.window_s:
             return 0.0
         beats = [(s, t) for s, t, at in r.nodes.values() if now - at <= self.window_s]
-        hb_rate = sum(t for s, t in beats if s == "up") / self.tokens_per_group
+        hb_rate = sum(t for s, t in beats if s) / self.tokens_per_group
         observed = r.first_dispatch is not None and now - r.first_dispatch >= self.window_s
         if not observed and not beats:
             return None
+        if beats and not any(s for s, _ in beats):
+            return 0.0  # no node serves now: what arrived in the window says nothing of what it can take
         return max(len(r.arrivals) / self.window_s if observed else 0.0, hb_rate)
 
     def capacities(self, now: float) -> dict[str, float]:
-        """Tokens/s per region while its engines have work: the sum over its live nodes. A node not
-        measured yet counts as the mean measured node times its region's weight, and so does a region
-        that never sent a heartbeat (a fleet without a control plane); a region whose nodes are all
-        gone, or whose cluster refused a send within the window, has none."""
+        """Tokens/s per region while its engines have work: the sum over its live nodes (those that
+        serve: `up` with an engine up). A live node not measured yet counts as the mean measured node
+        times its region's weight, and so does a region that never sent a heartbeat (a fleet without a
+        control plane); a region whose nodes are all gone or still starting their engines, or whose
+        cluster refused a send within the window, has none."""
         known = [c for r in self.regions.values() for node, c in r.capacity.items()
                  if c > 0 and self._live(r, node, now)]
         ref = sum(known) / len(known) if known else 1.0
@@ -133,8 +145,8 @@ class RegionCredits:
         return out
 
     def _live(self, r: _Region, node: str, now: float) -> bool:
-        state, _, at = r.nodes[node]
-        return state == "up" and now - at <= self.window_s
+        serving, _, at = r.nodes[node]
+        return serving and now - at <= self.window_s
 
     def pick(self, in_flight: dict[str, int], now: float, exclude: frozenset[str] = frozenset(),
              work: float = 1.0) -> str:
@@ -175,7 +187,7 @@ class RegionCredits:
         return min(candidates, key=lambda n: (in_flight.get(n, 0) + 1) / caps[n])
 
     def _has_live_nodes(self, r: _Region, now: float) -> bool:
-        return any(state == "up" and now - at <= self.window_s for state, _, at in r.nodes.values())
+        return any(serving and now - at <= self.window_s for serving, _, at in r.nodes.values())
 
     def silent_since(self, region: str) -> float | None:
         """When the region last proved it returns work (its last arrival, else its first dispatch)."""

@@ -7,6 +7,13 @@ trainer's own clock (a heartbeat counts as fresh when its content changed recent
 other regions do not matter), so a silent region is noticed within 3 heartbeat intervals rather than
 after `trainer.silent_region_timeout_s`.
 
+A gone region is *back* once one of its nodes serves: `up` with an engine `up` (`Heartbeat.serving`;
+a heartbeat without engine statuses serves when `up`). A node that is `up` while all its engines
+still start (the model loads for tens of seconds after a replacement) or restart holds its region
+where it is: a region not gone is not lost for it (its work waits in the region's topics for the
+engines), and a gone region is not back for it, so nothing is sent to a worker that cannot take it
+yet and the region does not flap between gone and back while its engines load.
+
 For a gone region the trainer reads the region's `partials` topic (its own consumer group
 `fleetrl.<run>.trainer.handover`, opened in the background so an unreachable cluster never stalls
 the loop) and re-dispatches each partial of a group it still has in flight there, as a
@@ -31,9 +38,17 @@ import dataclasses
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from fleetrl.broker import Consumer, Delivery, KafkaError, PartialRecord, RecordLimits, trainer_handover_group
+from fleetrl.broker import (
+    Consumer,
+    Delivery,
+    Heartbeat,
+    KafkaError,
+    PartialRecord,
+    RecordLimits,
+    trainer_handover_group,
+)
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.collector import Collector
@@ -51,6 +66,8 @@ class _Node:
     beat_ts: float
     seen_at: float
     """Trainer time at which this heartbeat content was first seen."""
+    serving: bool = True
+    """`up` with an engine up (`Heartbeat.serving`); an `up` node that is not serving is starting."""
 
 
 class RegionWatch:
@@ -62,22 +79,28 @@ class RegionWatch:
         self.gone: dict[str, tuple[float, GoneReason]] = {}
         """region -> (trainer time it was found gone, why)."""
 
-    def observe(self, region: str, node: str, state: str, beat_ts: float, now: float) -> None:
+    def observe(self, region: str, node: str, state: str, beat_ts: float, now: float, *,
+                serving: bool = True) -> None:
+        """`serving`: whether an `up` node has an engine up (`Heartbeat.serving`); False while its
+        engines all start or restart."""
         nodes = self._nodes.get(region)
         if nodes is None:
             return
+        serving = serving and state == "up"
         known = nodes.get(node)
         if known is None:
             # A retained heartbeat seen for the first time may be old: trust its own clock, bounded by ours.
-            nodes[node] = _Node(state, beat_ts, min(beat_ts, now))
-        elif beat_ts != known.beat_ts or state != known.state:
-            nodes[node] = _Node(state, beat_ts, now)
+            nodes[node] = _Node(state, beat_ts, min(beat_ts, now), serving)
+        elif beat_ts != known.beat_ts or state != known.state or serving != known.serving:
+            nodes[node] = _Node(state, beat_ts, now, serving)
 
     def update(self, now: float) -> tuple[list[str], list[str]]:
         """Re-assess every region; returns (regions newly gone, regions back)."""
         went, back = [], []
         for region, nodes in self._nodes.items():
             reason = self._reason(nodes, now)
+            if reason == "starting":
+                continue  # neither lost nor back while its engines load (see the module docstring)
             if reason is not None and region not in self.gone:
                 self.gone[region] = (now, reason)
                 went.append(region)
@@ -90,12 +113,16 @@ class RegionWatch:
                 log.info("handover.region_back", region=region)
         return went, back
 
-    def _reason(self, nodes: Mapping[str, _Node], now: float) -> GoneReason | None:
+    def _reason(self, nodes: Mapping[str, _Node], now: float) -> GoneReason | Literal["starting"] | None:
+        """Why the region is gone; None while a node serves; "starting" while its live `up` nodes
+        all start their engines (the region keeps whatever it was)."""
         if not nodes:
             return None  # never heard of: not lost, just not measured yet
         live = [n for n in nodes.values() if now - n.seen_at <= self.silent_after_s]
-        if any(n.state == "up" for n in live):
+        if any(n.serving for n in live):
             return None
+        if any(n.state == "up" for n in live):
+            return "starting"
         if any(n.state == "draining" for n in live):
             return "drain"
         if all(n.state == "offline" for n in nodes.values()):
@@ -119,10 +146,11 @@ class Handover:
         self.partials_moved = 0
         self.prompts_moved = 0
 
-    async def tick(self, now: float, version: int, nodes: Mapping[tuple[str, str], Any]) -> tuple[int, int]:
+    async def tick(self, now: float, version: int,
+                   nodes: Mapping[tuple[str, str], Heartbeat]) -> tuple[int, int]:
         """Observe the heartbeats, move what gone regions hold; returns (partials, prompts) moved."""
         for (region, node), beat in list(nodes.items()):
-            self.watch.observe(region, node, beat.state, beat.ts, now)
+            self.watch.observe(region, node, beat.state, beat.ts, now, serving=beat.serving)
         went, back = self.watch.update(now)
         for region in back:
             self._close(region)

@@ -269,7 +269,8 @@ class Trainer:
         self.metrics.dispatched.labels(region).inc()
 
     async def _hand_over(self, now: float) -> None:
-        """Move the work of regions whose nodes are all draining, offline or silent (handover.py)."""
+        """Move the work of regions whose nodes are all draining, offline or silent; a gone region is
+        back once a node serves, an engine up (handover.py)."""
         nodes = self.announcer.nodes if self.announcer is not None else {}
         partials, prompts = await self.handover.tick(now, self.version, nodes)
         self.metrics.partials_moved.inc(partials)
@@ -278,9 +279,10 @@ class Trainer:
     def _heartbeats(self, now: float) -> None:
         nodes = self.announcer.nodes if self.announcer is not None else {}
         for (region, node), hb in list(nodes.items()):
-            # A retained "up" from a node that died long ago carries its old `ts`: it will not count.
+            # A retained "up" from a node that died long ago carries its old `ts`: it will not count;
+            # nor does an "up" node whose engines all still start (`serving`, credits.py).
             self.credits.on_heartbeat(region, node, hb.state, hb.tokens_per_s, min(hb.ts, now),
-                                      busy_tokens_per_s=hb.busy_tokens_per_s)
+                                      busy_tokens_per_s=hb.busy_tokens_per_s, serving=hb.serving)
         for region, rate in self.credits.rates(now).items():
             self.metrics.region_rate.labels(region).set(rate)
 

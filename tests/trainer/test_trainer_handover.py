@@ -7,10 +7,8 @@ groups re-dispatched within 3 heartbeat intervals, never while it still beats.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any
 
-from fleetrl.broker import PromptRecord, RecordLimits
+from fleetrl.broker import Heartbeat, PromptRecord, RecordLimits
 from fleetrl.config import FleetConfig
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.credits import RegionCredits
@@ -19,12 +17,6 @@ from fleetrl.trainer.handover import Handover, RegionWatch
 from fleetrl.trainer.regions import RegionClients
 
 INTERVAL_S = 1.0
-
-
-@dataclass
-class Beat:
-    state: str
-    ts: float
 
 
 def config(handover_timeout_s: float = 4.0) -> FleetConfig:
@@ -48,14 +40,20 @@ class Fleet:
         limits = RecordLimits.from_config(cfg)
         self.handover = Handover(cfg, RegionClients(cfg, limits, "g", {}), self.dispatcher, limits,
                                  Collector(cfg.run, max_staleness=1))
-        self.nodes: dict[tuple[str, str], Any] = {}
+        self.nodes: dict[tuple[str, str], Heartbeat] = {}
 
     async def _send(self, region: str, record: PromptRecord) -> None:
         self.sent.append((region, record))
 
-    def beat(self, region: str, state: str, now: float) -> None:
-        self.nodes[(region, "n1")] = Beat(state, now)
-        self.credits.on_heartbeat(region, "n1", state, 10.0, now)
+    def beat(self, region: str, state: str, now: float, engines: tuple[str, ...] | None = None,
+             node: str = "n1") -> None:
+        """The node's heartbeat, fed to the credits as the trainer does; `engines`: each engine's state
+        (None: no engine statuses, as an older agent sends, and `up` serves)."""
+        fields: dict[str, object] = {"state": state, "ts": now}
+        if engines is not None:
+            fields["engines"] = [{"index": i, "state": e} for i, e in enumerate(engines)]
+        hb = self.nodes[(region, node)] = Heartbeat.model_validate(fields)
+        self.credits.on_heartbeat(region, node, state, 10.0, now, serving=hb.serving)
 
     def held_by(self, region: str) -> set[str]:
         return {g for g, f in self.dispatcher.in_flight.items() if f.region == region}
@@ -129,3 +127,49 @@ def test_region_watch_reasons() -> None:
     # A retained "up" from long ago (a trainer restarted after the region died) is silent at once.
     watch.observe("c", "n1", "up", 1.0, 100.0)
     assert "c" in watch.update(100.0)[0] and watch.gone["c"][1] == "silent"
+
+
+async def test_a_region_is_not_back_until_an_engine_of_its_replacement_node_is_up() -> None:
+    """An agent beats `up` as soon as it runs, while its engines load the model for tens of seconds.
+    A preempted region whose replacement node is starting stays gone (its groups moved once, nothing
+    sent back to it, not declared gone again) until an engine is up; an engine that restarts in a
+    region that is not gone does not lose the region either."""
+    fleet = Fleet(config(handover_timeout_s=2.0))
+    fleet.beat("a", "up", 0.0, engines=("up",))
+    fleet.beat("b", "up", 0.0)
+    await fleet.dispatcher.dispatch(1, 0, 0.0, lambda gid: False, released=0)
+    held = fleet.held_by("a")
+    assert held and fleet.held_by("b")
+
+    async def run(start: float, end: float, a_engines: tuple[str, ...] | None, a_node: str = "n1") -> int:
+        """Ticks every 0.2 s, b beating every interval and a's node `up` with `a_engines` (None: a
+        does not beat); returns the prompts moved."""
+        moved, now = 0, start
+        while now < end:
+            if now % INTERVAL_S == 0:
+                if a_engines is not None:
+                    fleet.beat("a", "up", now, engines=a_engines, node=a_node)
+                fleet.beat("b", "up", now)
+            moved += (await fleet.handover.tick(now, 0, fleet.nodes))[1]
+            now = round(now + 0.2, 1)
+        return moved
+
+    # a's only engine crashed and restarts: a is not lost, its groups wait for the new worker
+    assert await run(1.0, 6.0, ("restarting",)) == 0
+    assert "a" not in fleet.handover.watch.gone and fleet.held_by("a") == held
+    # a is preempted: gone, and its groups move to b once the handover bound is over
+    fleet.beat("a", "offline", 6.0, engines=("stopped",))
+    assert await fleet.handover.tick(6.0, 0, fleet.nodes) == (0, 0)
+    assert fleet.handover.watch.gone["a"] == (6.0, "offline")
+    assert await run(6.2, 8.2, None) == len(held)
+    assert not fleet.held_by("a")
+    # its replacement n2 beats `up` while its engines load: a stays gone as it was, gets no new work
+    for t in range(9, 30, 3):
+        assert await run(float(t), float(t + 3), ("starting", "starting"), a_node="n2") == 0
+        assert fleet.handover.watch.gone["a"] == (6.0, "offline")
+        assert fleet.dispatcher.pick(float(t + 3)) == "b"
+    # one engine is up: a is back, and an idle region with a serving node is worth a group again
+    await run(30.0, 30.2, ("starting", "up"), a_node="n2")
+    assert "a" not in fleet.handover.watch.gone
+    assert fleet.dispatcher.pick(30.2) == "a"
+    await fleet.handover.close()
