@@ -49,6 +49,8 @@ class RegionClients:
         self.link_delay_s = {r.name: r.emulate_link_delay_s for r in config.regions}
         self._in_transit: dict[str, deque[tuple[float, Delivery]]] = {r.name: deque() for r in config.regions}
         """Per region: (due at, delivery) fetched but not yet across the emulated link, in fetch order."""
+        self._polls: dict[str, asyncio.Task[list[Delivery]]] = {}
+        """Per region: its poll still in flight (see `poll`)."""
 
     async def __aenter__(self) -> RegionClients:
         names = [r.name for r in self.config.regions]
@@ -96,6 +98,10 @@ class RegionClients:
                     log.warning("trainer.region_unreachable", region=name, error=str(exc))
 
     async def _close_all(self) -> None:
+        polls, self._polls = list(self._polls.values()), {}
+        for task in polls:  # a cancelled read puts its partitions back (the records are read again)
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
         if self._reopen is not None:
             self._reopen.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -120,34 +126,50 @@ class RegionClients:
         return await producer.send(stream, key, record)
 
     async def poll(self, max_records: int, timeout_s: float) -> dict[str, list[Delivery]]:
-        """Poll every connected region at once; a retriable failure skips that region this round.
+        """Poll every connected region at once and return as soon as one region's poll is done (records
+        arrived, or its `timeout_s` passed): a region waiting for its first record does not hold back
+        another region's arrivals. A region's poll still waiting stays in flight and is collected by a
+        later call (one read at a time per consumer); a retriable failure skips that region this round.
 
         Deliveries on an emulated slow link come out once their delay has passed; while some are in
-        transit the poll waits no longer than until the first is due.
+        transit a new poll waits no longer than until the first is due.
         """
-        names = list(self.consumers)
         now = time.monotonic()
         due = [q[0][0] for n, q in self._in_transit.items() if q and n in self.consumers]
         if due:
             timeout_s = max(0.0, min(timeout_s, min(due) - now))
-        results = await asyncio.gather(
-            *(self.consumers[n].poll(max_records, timeout_s) for n in names), return_exceptions=True)
+        for name, consumer in self.consumers.items():
+            if name not in self._polls:
+                self._polls[name] = asyncio.create_task(consumer.poll(max_records, timeout_s),
+                                                        name=f"trainer-poll-{name}")
+        if not self._polls:
+            await asyncio.sleep(timeout_s)  # no region connected yet
+            return {}
+        next_due = max(0.0, min(due) - now) if due else None
+        await asyncio.wait(set(self._polls.values()), timeout=next_due, return_when=asyncio.FIRST_COMPLETED)
         out: dict[str, list[Delivery]] = {}
         now = time.monotonic()
-        for name, result in zip(names, results, strict=True):
-            if isinstance(result, BaseException):
-                if not getattr(result, "retriable", False):
-                    raise result
-                log.warning("trainer.poll_failed", region=name, error=str(result))
+        for name, task in list(self._polls.items()):
+            if not task.done():
                 continue
-            out[name] = self._across_link(name, result, now)
+            del self._polls[name]
+            error = task.exception()
+            if error is not None:
+                if not getattr(error, "retriable", False):
+                    raise error
+                log.warning("trainer.poll_failed", region=name, error=str(error))
+                continue
+            out[name] = self._across_link(name, task.result(), now)
+        for name in self._in_transit:  # deliveries now due on a link whose region's poll is still out
+            if name not in out and self._in_transit[name] and name in self.consumers:
+                out[name] = self._across_link(name, [], now)
         return out
 
     async def skim(self) -> int:
         """Dead-letter the refused records at the head of every connected region's trajectories,
         taking no good one (`Consumer.skim`); a retriable failure skips that region. Returns how many
         were dead-lettered."""
-        names = list(self.consumers)
+        names = [n for n in self.consumers if n not in self._polls or self._polls[n].done()]  # one read at a time
         results = await asyncio.gather(*(self.consumers[n].skim() for n in names), return_exceptions=True)
         refused = 0
         for name, result in zip(names, results, strict=True):
