@@ -8,7 +8,8 @@ stops heartbeating, so its credit falls to zero within one window and nothing wa
 comes back, its heartbeats give it credit again.
 
 The next group goes to the region expected to return it first: the larger of the region's measured
-latency (dispatch to arrival, mean over the window) and its backlog drained at its throughput,
+latency (dispatch to arrival, median over the window: a preemption's stranded groups do not
+count for more than their number) and its backlog drained at its throughput,
 `(in_flight + 1) / rate`. With length-aware placement (`rollout.length_aware`, `lengths.py`) the
 latency, measured on average groups, is scaled by the group's predicted length over the average: a
 long group goes where tokens come back fastest, while short ones fill the regions by backlog (a
@@ -37,6 +38,7 @@ no serving node has no rate, whatever it returned earlier in the window.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,11 +83,15 @@ class RegionCredits:
             r.latencies.append((now, max(latency_s, 0.0)))
 
     def latency(self, region: str, now: float) -> float:
-        """Mean dispatch-to-arrival seconds over the window (0 while unmeasured)."""
+        """Median dispatch-to-arrival seconds over the window (0 while unmeasured).
+
+        The median, not the mean: the groups a preemption stranded come back (redone by a replacement
+        node) many times later than the rest, and a mean inflated by a few of them would starve the
+        region of work for a whole window after every preemption."""
         r = self.regions[region]
         while r.latencies and r.latencies[0][0] < now - self.window_s:
             r.latencies.popleft()
-        return sum(lat for _, lat in r.latencies) / len(r.latencies) if r.latencies else 0.0
+        return statistics.median(lat for _, lat in r.latencies) if r.latencies else 0.0
 
     def on_send_failure(self, region: str, now: float) -> None:
         """The region's cluster refused or timed out a send: treat it as partitioned for a window."""

@@ -272,3 +272,20 @@ def test_a_failing_region_cluster_is_skipped_and_unsent_groups_retried() -> None
         assert all(f.sent for f in d.in_flight.values()) and len(sent) == 2
 
     asyncio.run(go())
+
+
+def test_a_preemptions_stranded_groups_do_not_starve_their_region() -> None:
+    """The fast region lost a node: 2 of its groups came back 40 s late, redone by the replacement,
+    among 20 that took 1 s. It still returns most groups fastest, so it keeps getting work before the
+    slow region (3 s) does; a latency averaged over the window (4.5 s) would send the next several
+    groups to the slow region."""
+    cr = RegionCredits({"fast": 1.0, "slow": 1.0}, window_s=30, tokens_per_group=1)
+    for r in ("fast", "slow"):
+        cr.on_dispatch(r, 0.0)
+    for t in range(1, 21):
+        cr.on_arrival("fast", float(t), latency_s=1.0)
+        cr.on_arrival("slow", float(t), latency_s=3.0)
+    cr.on_arrival("fast", 20.5, latency_s=40.0)
+    cr.on_arrival("fast", 20.6, latency_s=40.0)
+    assert cr.latency("fast", 21.0) == 1.0
+    assert cr.pick({"fast": 1, "slow": 1}, 21.0) == "fast"
