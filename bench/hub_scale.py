@@ -273,6 +273,7 @@ async def trainer_loop(masters: dict[str, torch.Tensor], hub: Hub, steps: int, t
     await publisher.flush()
     ring.close()
     phases["wall"] = (time.perf_counter() - start) / steps
+    phases["snapshot_gb"], phases["resident_gb"] = ring.nbytes / 2**30, resident_gb()
     return stalls, phases
 
 
@@ -286,8 +287,15 @@ def stall(masters: dict[str, torch.Tensor], hub: Hub, steps: int, tokens: int) -
     for mode, p in (("inline", p_in), ("background", p_bg)):
         print(f"  {mode}: forward+backward {p['forward_backward']:.2f} s ({tokens} tokens), update "
               f"{p['update']:.2f} s, waiting for the cast {p['cast_wait']:.3f} s, for publishing "
-              f"{p['publish_wait']:.3f} s; wall per step {p['wall']:.2f} s", flush=True)
+              f"{p['publish_wait']:.3f} s; wall per step {p['wall']:.2f} s; resident at its end "
+              f"{p['resident_gb']:.1f} GB, of which snapshot buffers {p['snapshot_gb']:.1f} GB", flush=True)
     return ratio
+
+
+def resident_gb() -> float:
+    """Resident memory of this process now."""
+    pages = int(pathlib.Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def peak_rss_gb() -> float:
