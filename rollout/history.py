@@ -17,6 +17,10 @@ it finishes (`record`) and asks it for
 * a length prediction (`predicted_length`): the mean length of the prompt's earlier responses, or,
   for a prompt never seen, the mean of everything recorded (the engine admits long samples first).
 
+Besides its own answers, the engine records those of the other workers of its region (read from the
+region's `trajectories`, `fleetrl.rollout.region_history`): they wait in a `ResponseInbox` filled from
+any thread and are recorded by the engine's thread, a bounded number of tokens per step.
+
 The history is an optimization only: an empty one (a fresh worker) drafts nothing and predicts the
 default, and nothing it holds can change the distribution of what is sampled (drafts are verified
 by the target policy). Drafting for a prompt stops while the acceptance of its drafts is low (the
@@ -27,8 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -217,3 +222,42 @@ class ResponseHistory:
             if end >= 2:
                 by_pair.setdefault(_pair(seq[end - 2], seq[end - 1]), []).append(base | end)
 
+
+class ResponseInbox:
+    """Answers read from the region, waiting for the engine's thread to record them (`ResponseHistory.record`).
+
+    `put` may be called from any thread; `take` from the engine's. A FIFO bounded in tokens: beyond
+    `max_tokens` (the history's own budget: it would evict them anyway) the oldest answers go.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._queue: deque[tuple[Sequence[int], Sequence[int]]] = deque()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, prompt_ids: Sequence[int], completion: Sequence[int]) -> int:
+        """Queue one answer; returns how many older ones were dropped to make room."""
+        dropped = 0
+        with self._lock:
+            self._queue.append((prompt_ids, completion))
+            self._tokens += len(completion)
+            while self._tokens > self.max_tokens and len(self._queue) > 1:
+                self._tokens -= len(self._queue.popleft()[1])
+                dropped += 1
+        return dropped
+
+    def take(self, max_tokens: int) -> list[tuple[Sequence[int], Sequence[int]]]:
+        """The oldest answers, whole, up to `max_tokens` tokens (at least one while any waits)."""
+        out: list[tuple[Sequence[int], Sequence[int]]] = []
+        taken = 0
+        with self._lock:
+            while self._queue and (not out or taken + len(self._queue[0][1]) <= max_tokens):
+                answer = self._queue.popleft()
+                taken += len(answer[1])
+                self._tokens -= len(answer[1])
+                out.append(answer)
+        return out
