@@ -61,7 +61,8 @@ class TrainerMetrics(MetricsRegistry):
         self.publish_stall_seconds = Histogram(
             "fleetrl_trainer_weight_publish_stall_seconds",
             "Time a step waits on publishing: the previous publish when still in flight, plus its update's "
-            "wait for the snapshot's cast (the cast and the whole publish when inline)", buckets=_STEP_BUCKETS, registry=r)
+            "wait for the snapshot's cast (the cast and the whole publish when inline)", buckets=_STEP_BUCKETS,
+            registry=r)
         self.publish_bytes = Counter("fleetrl_trainer_weight_publish_bytes_total",
                                      "Bytes written to the home store by publishes", registry=r)
         self.last_publish_bytes = Gauge("fleetrl_trainer_weight_publish_last_bytes",
