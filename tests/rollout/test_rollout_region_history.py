@@ -32,6 +32,7 @@ from fleetrl.broker import (
     SCHEMA_GROUP,
     SCHEMA_HEADER,
     GroupRecord,
+    LogTail,
     Producer,
     Sample,
     Sampling,
@@ -201,6 +202,32 @@ async def test_the_trainer_group_still_reads_every_record_the_reader_read(
     assert sum(row.lag for row in lag) == 5 and all(row.committed is None for row in lag)  # nothing taken
     got = await read_stream(config, "trajectories", 5, timeout_s=30, group=trainer)
     assert sorted(d.record.group_id for d in got) == [f"g{i}" for i in range(5)]
+
+
+@pytest.mark.integration
+async def test_a_log_tail_starts_a_window_before_each_end_or_where_it_stopped(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path
+) -> None:
+    config = _config(run_id, tansu_bootstrap, tmp_path)
+    await setup_topics(config)
+    await _produce(config, [_group(config, f"g{i}", [1, 40 + i], [[50]]) for i in range(8)])
+    log = await read_log(config, REGION, topic_name(config.run, "trajectories"))
+    ends = {r.partition: r.offset + 1 for r in sorted(log, key=lambda r: r.offset)}
+
+    async def tail(window: int, from_offsets: dict[int, int] | None = None) -> set[tuple[int, int]]:
+        got: set[tuple[int, int]] = set()
+        async with LogTail(config, REGION, "trajectories", "test-tail", window=window,
+                           from_offsets=from_offsets) as t:
+            for _ in range(4):  # nothing more arrives: a few empty reads end it
+                got |= {(r.partition, r.offset) for r in await t.read(100, 0.3)}
+        return got
+
+    assert len(ends) == 2 and sum(ends.values()) == 8
+    assert await tail(2) == {(p, o) for p, end in ends.items() for o in (end - 2, end - 1)}
+    assert await tail(100) == {(r.partition, r.offset) for r in log}  # a short log: all of it
+    assert await tail(100, {p: end - 1 for p, end in ends.items()}) == {(p, end - 1) for p, end in ends.items()}
+    assert await tail(2, {p: 0 for p in ends}) == await tail(2)  # never further back than the window
+    assert await tail(0) == set()
 
 
 # -- the worker ----------------------------------------------------------------------------------
