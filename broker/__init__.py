@@ -23,6 +23,7 @@ from fleetrl.broker.errors import (
     RecordTooLarge,
     TopicError,
 )
+from fleetrl.broker.follow import LogTail
 from fleetrl.broker.lag import PartitionLag, end_offsets, group_lag
 from fleetrl.broker.logread import RawRecord, read_log, read_log_from
 from fleetrl.broker.mqtt import ControlPlane
@@ -93,6 +94,7 @@ __all__ = [
     "HandedOverBy",
     "Heartbeat",
     "KafkaError",
+    "LogTail",
     "PartialRecord",
     "PartialSample",
     "PartitionLag",

@@ -51,6 +51,12 @@ class AgentMetrics(MetricsRegistry):
         self.reward_errors = Counter("fleetrl_rollout_reward_errors_total", "Groups a custom reward function "
                                      "failed on (raised, timed out, non-finite or wrong-length result)", ["fn"],
                                      registry=r)
+        self.region_responses = Counter("fleetrl_rollout_region_history_responses_total",
+                                        "Answers of the region's other workers (read from its trajectories topic) "
+                                        "recorded in the response histories of the node's engines", registry=r)
+        self.region_skipped = Counter("fleetrl_rollout_region_history_skipped_records_total",
+                                      "Records of the region's trajectories topic the node's region histories "
+                                      "skipped as unreadable (malformed, out of bounds, another run's)", registry=r)
         self._totals: dict[str, int] = {}
 
     def update(self, beat: Heartbeat, engines: Sequence[EngineSupervisor]) -> None:
@@ -64,6 +70,8 @@ class AgentMetrics(MetricsRegistry):
         self.in_flight.set(beat.in_flight)
         self._advance(self.groups_done, "groups_done", sum(e.totals["groups_done"] for e in engines))
         self._advance(self.handed_over, "handed_over", sum(e.totals["handed_over"] for e in engines))
+        self._advance(self.region_responses, "region_responses", sum(e.totals["region_responses"] for e in engines))
+        self._advance(self.region_skipped, "region_skipped", sum(e.totals["region_skipped"] for e in engines))
         reasons = {k for e in engines for k in e.totals if k.startswith(DEAD_LETTERED)}
         for key in sorted(reasons):
             self._advance(self.dead_lettered.labels(key.removeprefix(DEAD_LETTERED)), key,

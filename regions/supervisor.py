@@ -36,7 +36,7 @@ log = get_logger(__name__)
 _TICK_S = 0.25  # how often a supervisor looks at its worker
 _LINE_LIMIT = 1 << 20  # longest line read from a worker (a traceback line is far shorter)
 _ERROR_CHARS = 300
-_COUNTERS = ("gets", "lists", "groups_done", "handed_over")
+_COUNTERS = ("gets", "lists", "groups_done", "handed_over", "region_responses", "region_skipped")
 DEAD_LETTERED = "dead_lettered:"
 """Prefix of the totals of records dead-lettered, one per reason (`dead_lettered:<reason>`)."""
 REWARD_ERRORS = "reward_errors:"
@@ -62,7 +62,8 @@ class EngineSupervisor:
         self.announced: int | None = None
         self.totals = dict.fromkeys(_COUNTERS, 0)
         """Counters summed over this engine's workers, the finished ones included: store requests
-        (`gets`, `lists`), `groups_done`, `handed_over`, and `dead_lettered:<reason>` per reason."""
+        (`gets`, `lists`), `groups_done`, `handed_over`, the region history's `region_responses` and
+        `region_skipped`, and `dead_lettered:<reason>` per reason."""
         self._retired: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._stopping: str | None = None
         self._wake = asyncio.Event()

@@ -14,8 +14,12 @@ cache of earlier tokens is kept, as PipelineRL does). `take(group_id)` withdraws
 group and returns its samples as far as they got (token-level handover); `submit` with `resume=`
 continues them where they stopped, keeping finished samples as they are.
 
+Answers that other workers of the region gave (read from its `trajectories`,
+`rollout/region_history.py`) reach the engine through `observe_responses`: an engine with a response
+history records them in its own thread, a bounded number of tokens per step; the others ignore them.
+
 Engines are driven from one thread at a time (the worker runs `step` in `asyncio.to_thread`);
-`stage_weights` alone may be called from any thread.
+`stage_weights` and `observe_responses` alone may be called from any thread.
 """
 
 from __future__ import annotations
@@ -100,6 +104,10 @@ class Engine(ABC):
         """Tokens this engine sampled (resumed prefixes excluded): the work it did."""
         self._staged: tuple[Mapping[str, Any], int] | None = None
         self._staged_lock = threading.Lock()
+        self.responses_observed = 0
+        """Answers of other workers (`observe_responses`) recorded into the engine's history."""
+        self.responses_dropped = 0
+        """Answers of other workers dropped unrecorded (more arrived than the engine had time to record)."""
 
     # -- public surface -------------------------------------------------------------------------
 
@@ -165,6 +173,23 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release engine resources."""
+
+    def observe_responses(  # noqa: B027 - optional hook
+        self, prompt_ids: Sequence[int], completions: Sequence[Sequence[int]]
+    ) -> None:
+        """Answers another worker of the region gave to `prompt_ids` (any thread). An engine with a
+        response history records them later in its own thread (`record_observed`, and at each step);
+        nothing depends on it but speed. The default keeps nothing (the vLLM engine has no history)."""
+
+    @property
+    def observed_waiting(self) -> int:
+        """Observed answers not recorded yet."""
+        return 0
+
+    def record_observed(self) -> int:
+        """Record up to one step's budget of the observed answers now (the engine's thread: the worker
+        calls it while the engine has no work); returns how many it recorded."""
+        return 0
 
     # -- for subclasses -------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._slots import SlotTable
 from fleetrl.rollout.engine import Engine, SeqState
 from fleetrl.rollout.errors import EngineError
-from fleetrl.rollout.history import ResponseHistory, prompt_key
+from fleetrl.rollout.history import ResponseHistory, ResponseInbox, prompt_key
 from fleetrl.rollout.sampling import hashed_uniforms, sample_tokens
 from fleetrl.rollout.speculative import Speculator, accepted_length
 
@@ -73,6 +73,9 @@ class TorchEngine(Engine):
                                        min_ngram=spec.min_ngram,
                                        min_acceptance=spec.min_acceptance)
         """Earlier responses per prompt, region-local: drafts and length predictions (rollout/history.py)."""
+        self.inbox = ResponseInbox(spec.history_tokens)
+        """Answers of the region's other workers (`observe_responses`) not recorded yet."""
+        self.observe_tokens_per_step = spec.region_history_tokens_per_step
         self.speculator = Speculator(self.history, spec.max_draft_tokens) if spec.enabled else None
         self.length_aware = length_aware
         """Admit the waiting samples with the longest predicted completion first (else arrival order)."""
@@ -86,6 +89,28 @@ class TorchEngine(Engine):
                    dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction,
                    emulate=engine_config.emulate, speculative=engine_config.speculative,
                    length_aware=length_aware)
+
+    # -- the region's answers (rollout/region_history.py) ---------------------------------------
+
+    def observe_responses(self, prompt_ids: Sequence[int], completions: Sequence[Sequence[int]]) -> None:
+        """Queue another worker's answers for the history (any thread; kept as given, not copied: the
+        caller hands them over). Only the prompt's last `history_responses` could stay in the history,
+        so only those are queued."""
+        keep = [c for c in completions if len(c)][-self.history.max_responses:]
+        for completion in keep:
+            self.responses_dropped += self.inbox.put(prompt_ids, completion)
+
+    @property
+    def observed_waiting(self) -> int:
+        return len(self.inbox)
+
+    def record_observed(self) -> int:
+        """Record the oldest waiting answers, up to `region_history_tokens_per_step` tokens (at least one)."""
+        taken = self.inbox.take(self.observe_tokens_per_step)
+        for prompt, completion in taken:
+            self.history.record(prompt, completion)
+        self.responses_observed += len(taken)
+        return len(taken)
 
     # -- scheduler ------------------------------------------------------------------------------
 
@@ -129,6 +154,9 @@ class TorchEngine(Engine):
             # Nothing advanced (a retried step rewrites the same columns); the admitted wait again.
             self._waiting.extendleft(reversed(admitted))
             raise
+        # Record some of the region's answers here: on an accelerator the pass's kernels may still be
+        # running (the sampling below waits for them), so this host work can overlap them.
+        self.record_observed()
         verify = logits[n_before + len(admitted):]  # one row per drafted token, after the slots' rows
         logits = logits[: n_before + len(admitted)]
         if admitted:

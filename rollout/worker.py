@@ -20,6 +20,10 @@ A group with an environment (`dataset.env`, the record's `env`) runs its samples
 withdrawn by this loop between steps, so turns of many episodes share the continuous batch while
 environment steps run in their own threads. Such a group is handed over as a restart (no samples):
 its episodes begin again elsewhere, and the tokens given up are counted (`episode_tokens_discarded`).
+
+With `engine.speculative.region_history` (torch engine, speculation on), the worker also follows its
+region's `trajectories` without a consumer group and records every other worker's answers in its
+engine's response history (rollout/region_history.py); an idle engine records them between polls.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 from fleetrl.broker import (
     Consumer,
     Delivery,
+    GroupRecord,
     KafkaError,
     PartialSample,
     Producer,
@@ -56,6 +61,7 @@ from fleetrl.rollout.episodes import EpisodeRunner, TurnTemplate, load_env_facto
 from fleetrl.rollout.errors import EngineError, EnvError, RewardError, TaskError
 from fleetrl.rollout.jobs import Job, group_record, partial_record, reward_input
 from fleetrl.rollout.nodes import engine_config, engine_devices
+from fleetrl.rollout.region_history import RegionHistory
 from fleetrl.rollout.rewards import build_rewards
 from fleetrl.rollout.tasks import get_task
 from fleetrl.rollout.tokenize import TextCodec, load_codec
@@ -133,6 +139,16 @@ class RolloutWorker:
         """Tokens of episodes handed over unfinished: they are generated again where the episode restarts."""
         self.stop_reason = "sigterm"
         """Reason written into partials handed over when `stop` is set (the agent sets `drain`, `stop`)."""
+        self.region_history = self._region_history()
+        """Feeds the engine's history with the region's answers (`engine.speculative.region_history`), or None."""
+        self._feed: asyncio.Task[None] | None = None
+
+    def _region_history(self) -> RegionHistory | None:
+        spec = getattr(engine_config(self.config, self.region, self.node), "speculative", None)
+        if spec is None or not (spec.enabled and spec.region_history):
+            return None
+        return RegionHistory(self.config, self.region, self.engine, f"{self.client_id}-history",
+                             window=spec.region_history_window, poll_s=self.cfg.idle_poll_s)
 
     async def run(self, stop: asyncio.Event, preempted: asyncio.Event | None = None) -> None:
         """Work until `stop` (reason `self.stop_reason`) or `preempted` is set, then hand over and return."""
@@ -144,6 +160,14 @@ class RolloutWorker:
                 self._env_pool.shutdown(wait=False, cancel_futures=True)  # a hanging tool keeps only its thread
 
     async def _run(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
+        if self.region_history is not None:  # warms the history while the weights load
+            self._feed = asyncio.create_task(self.region_history.run(), name="region-history")
+        try:
+            await self._work(stop, preempted)
+        finally:
+            await self._stop_feed()
+
+    async def _work(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
         limits = RecordLimits.from_config(self.config)
         async with Producer(self.config, self.region, self.client_id,
                             on_dead_letter=self._count_dead_letter) as producer:
@@ -174,6 +198,8 @@ class RolloutWorker:
                 return self.stop_reason
             if intake.done():
                 intake.result()  # the intake died: surface why
+            if self._feed is not None and self._feed.done():
+                self._feed.result()  # it retries Kafka failures itself: anything else is a bug to surface
             self._start_ready_jobs()
             self._sync_turns()
             if self.engine.has_work() or self.engine.has_staged():
@@ -187,6 +213,10 @@ class RolloutWorker:
                         self._spawn(self._finish(group))
                 self.engine_steps += 1
                 self.engine_busy_s += time.monotonic() - t0
+            elif self.engine.observed_waiting:
+                # Idle, with the region's answers waiting: record a step's worth (the engine's thread; the
+                # loop comes back at once for new work).
+                await asyncio.to_thread(self.engine.record_observed)
             else:
                 # Idle: wake on new work, or soon enough to see a stop or a min_version arrive.
                 self._work_arrived.clear()
@@ -302,8 +332,18 @@ class RolloutWorker:
                 "weights": self.weights.have,
                 "rewards": {name: st.as_dict() for name, st in self.rewards.stats.items()},
                 "engine_steps": self.engine_steps, "busy": self.engine.has_work(),
+                **self._region_stats(),
                 "engine_busy_s": round(self.engine_busy_s, 3), "tokens_sampled": self.engine.tokens_sampled,
                 "uptime_s": round(time.monotonic() - self._started, 3)}
+
+    def _region_stats(self) -> dict[str, Any]:
+        """The region history's counters (zero without it): answers recorded, records skipped as bad."""
+        feed = self.region_history.stats if self.region_history is not None else None
+        return {"region_responses": self.engine.responses_observed,
+                "region_responses_dropped": self.engine.responses_dropped,
+                "region_records": feed.records if feed is not None else 0,
+                "region_own": feed.own if feed is not None else 0,
+                "region_skipped": feed.skipped if feed is not None else 0}
 
     def _recent_tokens_per_s(self) -> float:
         """Tokens sampled per second over about the last RATE_WINDOW_S seconds."""
@@ -335,6 +375,7 @@ class RolloutWorker:
             await self._dead_letter(job.delivery, "reward", str(exc), "reference")
             return
         record = group_record(job, group.samples, scores.rewards, self.region, self.node, scores.parts)
+        self._mine(record)
         await self.producer.send("trajectories", group.group_id, record)
         crash_point("rollout.group.produced")
         self.groups_done += 1
@@ -351,6 +392,20 @@ class RolloutWorker:
         log.info("worker.handed_over", group_id=job.group_id, reason=reason,
                  tokens=sum(len(s.completion_ids) for s in record.samples))
         await self._mark_done(job.delivery)
+
+    def _mine(self, record: GroupRecord) -> None:
+        """Before producing: the region history skips the group when it comes back (the engine has it)."""
+        if self.region_history is not None:
+            self.region_history.mine(record.group_id, record.attempt)
+
+    async def _stop_feed(self) -> None:
+        feed, self._feed = self._feed, None
+        if feed is None:
+            return
+        feed.cancel()
+        await asyncio.wait([feed], timeout=self.config.kafka.request_timeout_s)  # its client stops bounded
+        if feed.done() and not feed.cancelled() and feed.exception() is not None:
+            log.error("worker.region_history_failed", error=repr(feed.exception()))
 
     def _count_dead_letter(self, reason: str) -> None:
         self.dead_lettered[reason] += 1
@@ -449,6 +504,7 @@ class RolloutWorker:
                 log.warning("worker.episode_failed", group_id=job.group_id, error=r.error)
         record = group_record(job, [r.sample for r in results], [r.reward for r in results], self.region,
                               self.node, sources=[r.segments for r in results])
+        self._mine(record)
         await self.producer.send("trajectories", job.group_id, record)
         crash_point("rollout.group.produced")
         self.groups_done += 1

@@ -314,6 +314,18 @@ class SpeculativeConfig(Model):
     history_tokens: int = Field(1 << 20, ge=1024)
     """Tokens the history holds in all (about 60 bytes each with their index); least recently used
     prompts go first beyond it."""
+    region_history: bool = True
+    """With `enabled`, also record the answers every worker of the region gives: each worker reads its
+    region's `trajectories` topic (without a consumer group; the trainer's reads are untouched), so it
+    drafts from any prompt its region answered, and a restarted worker warms its history from the newest
+    records there. Each worker then reads the region's whole stream of finished groups."""
+    region_history_window: int = Field(16, ge=0)
+    """Newest records per partition of `trajectories` a worker reads when it starts (its warm-up);
+    0: only the groups finished afterwards."""
+    region_history_tokens_per_step: int = Field(8192, ge=1)
+    """Most tokens of the region's answers the engine records per decoding step (whole answers, at least
+    one; the rest wait, the oldest dropped beyond `history_tokens`): bounds what the region history adds
+    to a step (a copy of the tokens; a prompt's answers are indexed at its first draft)."""
 
     @model_validator(mode="after")
     def _ngrams_ordered(self) -> SpeculativeConfig:

@@ -258,6 +258,23 @@ def test_history_drafts_from_the_longest_suffix_match_and_stays_bounded() -> Non
     assert small.get(prompt_key([9])) is not None and small.get(prompt_key([6])) is None
 
 
+def test_history_indexes_a_prompts_answers_at_its_next_draft_only() -> None:
+    """Recording copies tokens (the region's answers to prompts never drafted for cost no index); the
+    index catches up at the prompt's next draft, and drops evicted answers once they outnumber the live."""
+    h = ResponseHistory(max_responses=2, max_ngram=2)
+    h.record([1], [10, 11, 12])
+    entry = h.get(prompt_key([1]))
+    assert entry is not None and entry.by_pair == {} and entry.by_token == {}
+    assert h.draft(entry, [10], 2)[0] == [11, 12]
+    indexed = sum(len(v) for v in entry.by_token.values())
+    assert indexed == 3  # the positions after 1, 10 and 11 (the prompt's tail + the answer)
+    for first in range(20, 26):  # six more answers: four evicted, more than the two live ones
+        h.record([1], [first, first + 1])
+    assert sum(len(v) for v in entry.by_token.values()) == indexed
+    assert h.draft(entry, [24], 1)[0] == [25] and h.draft(entry, [10], 2)[0] == []
+    assert sum(len(v) for v in entry.by_token.values()) == 4  # rebuilt over the two live answers only
+
+
 def test_drafting_stops_when_acceptance_falls_and_retries_on_a_new_answer() -> None:
     h = ResponseHistory(min_acceptance=0.3)
     h.record([1], [5, 6, 7, 8, 9, 10])
