@@ -10,7 +10,11 @@ comes back, its heartbeats give it credit again.
 The next group goes to the region expected to return it first: the larger of the region's measured
 latency (dispatch to arrival, median over the window: a preemption's stranded groups do not
 count for more than their number) and its backlog drained at its throughput,
-`(in_flight + 1) / rate`. With length-aware placement (`rollout.length_aware`, `lengths.py`) the
+`(in_flight + 1) / rate`, where the rate is the larger of what it returned and what its serving
+nodes deliver while busy (their `busy_tokens_per_s` over a group's tokens, the moving mean of the
+groups that arrived): a region given little work returns little, and judged by its arrivals alone a
+fast region that idles would keep looking slow (`bench/pipeline.py`'s fast region idled 83 % of an
+async run that way). With length-aware placement (`rollout.length_aware`, `lengths.py`) the
 latency, measured on average groups, is scaled by the group's predicted length over the average: a
 long group goes where tokens come back fastest, while short ones fill the regions by backlog (a
 first version weighed the backlog by length instead, and sent nearly every group to the fast
@@ -43,6 +47,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+_TOKENS_ALPHA = 0.05
+"""Weight of the newest group in the moving mean of a group's tokens."""
+
 
 @dataclass(slots=True)
 class _Region:
@@ -64,16 +71,25 @@ class RegionCredits:
     def __init__(self, weights: dict[str, float], *, window_s: float, tokens_per_group: float,
                  by_capacity: bool = False) -> None:
         self.window_s, self.tokens_per_group = window_s, max(tokens_per_group, 1.0)
+        """Tokens of a group: the configured bound until groups arrive, then their moving mean."""
         self.by_capacity = by_capacity
         """Split by capacity (sync mode) instead of by expected return (see the module docstring)."""
         self.regions = {name: _Region(w) for name, w in weights.items()}
+        self._tokens_seen: float | None = None
 
     def on_dispatch(self, region: str, now: float) -> None:
         r = self.regions[region]
         if r.first_dispatch is None:
             r.first_dispatch = now
 
-    def on_arrival(self, region: str, now: float, latency_s: float | None = None) -> None:
+    def on_arrival(self, region: str, now: float, latency_s: float | None = None,
+                   tokens: int | None = None) -> None:
+        """A group arrived from `region`: `latency_s` since its dispatch, `tokens` its completion tokens
+        (they teach the credits a group's real size, for turning tokens/s into groups/s)."""
+        if tokens is not None and tokens > 0:
+            self._tokens_seen = (tokens if self._tokens_seen is None
+                                 else (1 - _TOKENS_ALPHA) * self._tokens_seen + _TOKENS_ALPHA * tokens)
+            self.tokens_per_group = max(self._tokens_seen, 1.0)
         r = self.regions.get(region)
         if r is None:
             return
@@ -170,6 +186,8 @@ class RegionCredits:
         if all(rates[n] <= 0 for n in candidates):
             rates = {n: self.regions[n].weight for n in self.regions}
 
+        caps = self.capacities(now)
+
         def expected_return_s(n: str) -> tuple[float, str]:
             held = in_flight.get(n, 0)
             latency = self.latency(n, now) * work
@@ -177,7 +195,10 @@ class RegionCredits:
                 # Idle with live nodes: it can start at once. Without this probe a region that got
                 # no work (after a drain, say) reports no throughput and never gets work again.
                 return latency, n
-            backlog = (held + 1) / max(rates[n], 1e-9)
+            # Its backlog drains at what it returned, or at what its engines deliver while busy if
+            # more: a region given little returns little, and would look slow by its arrivals alone.
+            drain = max(rates[n], caps[n] / self.tokens_per_group if self.regions[n].nodes else 0.0)
+            backlog = (held + 1) / max(drain, 1e-9)
             return max(latency, backlog), n
 
         return min(candidates, key=expected_return_s)

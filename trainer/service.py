@@ -219,7 +219,7 @@ class Trainer:
         now = time.time()
         flight = self.dispatcher.in_flight.get(record.group_id)
         latency = now - flight.dispatched_at if flight is not None and flight.region == region else None
-        self.credits.on_arrival(region, now, latency)
+        self.credits.on_arrival(region, now, latency, tokens=sum(len(smp.completion_ids) for smp in record.samples))
         if record.samples:
             self.dispatcher.observe_lengths(record.group_id, sum(len(s.completion_ids) for s in record.samples)
                                             / len(record.samples))

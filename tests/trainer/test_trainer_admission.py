@@ -289,3 +289,22 @@ def test_a_preemptions_stranded_groups_do_not_starve_their_region() -> None:
     cr.on_arrival("fast", 20.6, latency_s=40.0)
     assert cr.latency("fast", 21.0) == 1.0
     assert cr.pick({"fast": 1, "slow": 1}, 21.0) == "fast"
+
+
+def test_a_fast_region_given_little_is_judged_by_its_engines_not_by_what_it_returned() -> None:
+    """Both regions returned 1 group/s (what they were given), but the fast one's engines deliver 10x
+    the slow one's while busy: its backlog drains faster, so it takes most of the next groups instead
+    of half. Groups turned out 40 tokens, not the configured bound of 400."""
+    cr = RegionCredits({"fast": 1.0, "slow": 1.0}, window_s=10, tokens_per_group=400)
+    for r in ("fast", "slow"):
+        cr.on_dispatch(r, 0.0)
+        for t in range(1, 11):
+            cr.on_arrival(r, float(t), latency_s=0.5, tokens=40)
+    assert cr.tokens_per_group == 40
+    cr.on_heartbeat("fast", "f1", "up", 40.0, 10.0, busy_tokens_per_s=400.0)  # 10 groups/s while busy
+    cr.on_heartbeat("slow", "s1", "up", 40.0, 10.0, busy_tokens_per_s=40.0)  # 1 group/s
+    in_flight: dict[str, int] = {}
+    for _ in range(8):
+        r = cr.pick(in_flight, 10.0)
+        in_flight[r] = in_flight.get(r, 0) + 1
+    assert in_flight == {"fast": 7, "slow": 1}  # by arrivals alone: 4 and 4
