@@ -59,6 +59,13 @@ def example_config(tmp_path: pathlib.Path, example: str, *rows: str) -> tuple[di
     return doc, path
 
 
+def ctrl_c_reaches_it() -> None:
+    """`preexec_fn` of a demo the test stops with SIGINT: a suite started in the background (`make test
+    &`, nohup) hands its children SIGINT ignored, as POSIX shells do for background jobs, and the demo
+    would then never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("FLEETRL_HUB_KEY", None)
@@ -74,15 +81,26 @@ def kill_leftovers(work: pathlib.Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+UNBOUNDED_STEPS = 1_000_000
+"""`--steps` of a run bounded by `--duration` instead: more than any such run reaches."""
+
+
 def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int = STEPS,
-             timeout_s: float = DEMO_TIMEOUT_S) -> dict[str, Any]:
-    """Run the demo to its end (bounded); returns summary.json after asserting exit 0."""
+             timeout_s: float = DEMO_TIMEOUT_S, duration_s: float | None = None) -> dict[str, Any]:
+    """Run the demo to its end (bounded); returns summary.json after asserting exit 0.
+
+    With `duration_s` the run lasts that long (`--duration`: faults all along, then the trainer is
+    stopped and drains) instead of `steps` steps, however fast the fleet trains: a test whose faults
+    must land while the fleet trains cannot be outrun by a faster pipeline. Its step count is then
+    `summary["steps"]`."""
     env = _env()
     out_dir = work.parent / "out"
+    bound = ["--steps", str(steps)] if duration_s is None else ["--steps", str(UNBOUNDED_STEPS),
+                                                                "--duration", str(duration_s)]
     proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
-                             str(work), "--steps", str(steps), "--out", str(out_dir), *chaos],
+                             str(work), "--out", str(out_dir), *bound, *chaos],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=ctrl_c_reaches_it)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -97,12 +115,15 @@ def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int =
     summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
     assert (out_dir / "reward.png").stat().st_size > 10_000
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    done = steps if duration_s is None else summary["steps"]
+    assert [r["step"] for r in rows] == list(range(1, done + 1))
     summary["_output"], summary["_rows"] = out, rows
     return summary
 
 
-def assert_accounted(summary: dict[str, Any], steps: int = STEPS) -> None:
+def assert_accounted(summary: dict[str, Any], steps: int | None = STEPS) -> None:
+    """The books balance over the run's steps (`steps`; None: however many a `--duration` run made)."""
+    steps = summary["steps"] if steps is None else steps
     a = summary["audit"]
     assert a["ok"] and a["lost"] == 0 and a["trained_twice"] == 0, summary["fleetrl_audit"]
     assert summary["steps"] == steps and len(summary["rewards"]) == steps

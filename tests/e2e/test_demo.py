@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from demo_testkit import alive
+from demo_testkit import alive, ctrl_c_reaches_it
 
 pytestmark = pytest.mark.e2e
 STEPS = 4
@@ -52,7 +52,7 @@ def _demo(config: pathlib.Path, work: pathlib.Path, steps: int = STEPS) -> subpr
     env.pop("FLEETRL_HUB_KEY", None)  # the demo brings its own
     proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
                              str(work), "--steps", str(steps)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env=env, start_new_session=True, preexec_fn=ctrl_c_reaches_it)
     _STARTED.append(proc)
     return proc
 
