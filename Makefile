@@ -31,7 +31,7 @@ test: refresh
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test-fast: refresh
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -m "not slow and not e2e" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -m "not slow and not e2e and not integration" $(PYTEST_ARGS)
 
 demo: refresh
 	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.demo.yaml
