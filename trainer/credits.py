@@ -70,12 +70,16 @@ class _Region:
 class RegionCredits:
     def __init__(self, weights: dict[str, float], *, window_s: float, tokens_per_group: float,
                  by_capacity: bool = False) -> None:
-        self.window_s, self.tokens_per_group = window_s, max(tokens_per_group, 1.0)
-        """Tokens of a group: the configured bound until groups arrive, then their moving mean."""
+        self.window_s, self._tokens_bound = window_s, max(tokens_per_group, 1.0)
         self.by_capacity = by_capacity
         """Split by capacity (sync mode) instead of by expected return (see the module docstring)."""
         self.regions = {name: _Region(w) for name, w in weights.items()}
         self._tokens_seen: float | None = None
+
+    @property
+    def tokens_per_group(self) -> float:
+        """Tokens of a group: the configured bound until groups arrive, then their moving mean."""
+        return self._tokens_bound if self._tokens_seen is None else max(self._tokens_seen, 1.0)
 
     def on_dispatch(self, region: str, now: float) -> None:
         r = self.regions[region]
@@ -89,7 +93,6 @@ class RegionCredits:
         if tokens is not None and tokens > 0:
             self._tokens_seen = (tokens if self._tokens_seen is None
                                  else (1 - _TOKENS_ALPHA) * self._tokens_seen + _TOKENS_ALPHA * tokens)
-            self.tokens_per_group = max(self._tokens_seen, 1.0)
         r = self.regions.get(region)
         if r is None:
             return
