@@ -85,8 +85,8 @@ class Speculator:
             if seq is None or seq.history_key is None:
                 continue
             k = min(self.max_draft_tokens, int(room[b]))
-            entry = self.history.get(seq.history_key) if k > 0 else None
-            if entry is not None:
+            if k > 0:
+                entry = self.history.get(seq.history_key)
                 draft, seq.draft_at = self.history.draft(entry, seq.tokens, k, seq.draft_at)
                 if draft:
                     out.append((b, draft))
@@ -97,5 +97,4 @@ class Speculator:
         self.stats.add(version, len(draft), accepted)
         seq.draft_at += accepted + 1  # the earlier answer's next position, if the sample still follows it
         entry = self.history.get(seq.history_key) if seq.history_key is not None else None
-        if entry is not None:
-            self.history.observe(entry, len(draft), accepted)
+        self.history.observe(entry, len(draft), accepted)

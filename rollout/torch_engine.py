@@ -70,8 +70,8 @@ class TorchEngine(Engine):
         spec = speculative if speculative is not None else SpeculativeConfig()
         self.history = ResponseHistory(max_prompts=spec.history_prompts, max_responses=spec.history_responses,
                                        max_tokens=spec.history_tokens, max_ngram=spec.max_ngram,
-                                       min_ngram=spec.min_ngram,
-                                       min_acceptance=spec.min_acceptance)
+                                       min_ngram=spec.min_ngram, min_acceptance=spec.min_acceptance,
+                                       across_prompts=spec.across_prompts)
         """Earlier responses per prompt, region-local: drafts and length predictions (rollout/history.py)."""
         self.inbox = ResponseInbox(spec.history_tokens)
         """Answers of the region's other workers (`observe_responses`) not recorded yet."""

@@ -307,12 +307,18 @@ class SpeculativeConfig(Model):
     """Longest suffix of a sample's context looked up in the history (longest match wins)."""
     min_ngram: int = Field(1, ge=1, le=16)
     """Shortest suffix that may match."""
+    across_prompts: bool = True
+    """Also draft from the answers to other prompts: where a sample's own prompt has no earlier answer
+    that continues its last two tokens (it left the paths it took before), the newest answer of any
+    prompt that does. Prompts share phrases (and a prompt never seen drafts this way only). Costs a
+    table of the newest position after each pair of tokens, written when an answer is recorded."""
     history_prompts: int = Field(4096, ge=1)
     """Prompts the history keeps (least recently used go first)."""
     history_responses: int = Field(8, ge=1, le=256)
     """Latest responses kept per prompt."""
     history_tokens: int = Field(1 << 20, ge=1024)
-    """Tokens the history holds in all (about 60 bytes each with their index); least recently used
+    """Tokens the history holds in all (about 60 bytes each with their index, and up to 100 more for
+    `across_prompts`' table); least recently used
     prompts go first beyond it."""
     region_history: bool = True
     """With `enabled`, also record the answers every worker of the region gives: each worker reads its

@@ -287,6 +287,63 @@ def test_drafting_stops_when_acceptance_falls_and_retries_on_a_new_answer() -> N
     assert h.draft(entry, [], 8)[0] != []
 
 
+def test_the_draft_length_follows_the_per_token_acceptance_not_the_share_accepted() -> None:
+    """Six of eight drafted tokens accepted, again and again: the policy accepts a token with chance 6/7
+    given the ones before (the two unjudged tokens after a rejection say nothing), so the mean run is 6
+    and drafts run 7 long; the share accepted (0.75) would have cut them to 4."""
+    h = ResponseHistory()
+    h.record([1], list(range(10, 30)))
+    entry = h.get(prompt_key([1]))
+    assert entry is not None
+    for _ in range(50):
+        h.observe(entry, drafted=8, accepted=6)
+    assert entry.acceptance.rate == pytest.approx(6 / 7, abs=1e-3)
+    assert len(h.draft(entry, [], 16)[0]) == 7
+    for _ in range(50):
+        h.observe(entry, drafted=8, accepted=8)  # nothing rejected: the rate tends to 1, drafts to the cap
+    assert len(h.draft(entry, [], 16)[0]) == 16
+
+
+def test_drafts_come_from_other_prompts_answers_where_the_prompts_own_do_not_continue() -> None:
+    h = ResponseHistory(max_ngram=3)
+    h.record([2], [3, 6, 9])  # prompt B: its own answer continues `6` with 9, and never `5 6`
+    h.record([1], [5, 6, 7, 8])  # prompt A, newer: `5 6` continues with 7 8
+    b = h.get(prompt_key([2]))
+    assert b is not None
+    assert h.draft(b, [5, 6], 3)[0] == [7, 8]  # A's answer continues both tokens: better than B's own `6 -> 9`
+    assert h.draft(b, [3, 6], 3)[0] == [9]  # B's own answer continues `3 6`: it wins
+    h.record([2], [5, 6, 4, 4])  # now B's own answer holds `5 6` too: it wins over A's newer one
+    assert h.draft(b, [5, 6], 3)[0] == [4, 4]
+    assert h.draft(None, [5, 6], 3)[0] == [4, 4]  # a prompt never seen drafts from the newest answer of any
+    assert h.draft(None, [6], 3)[0] == []  # ... only on two tokens of its own
+    alone = ResponseHistory(max_ngram=3, across_prompts=False)
+    alone.record([1], [5, 6, 7, 8])
+    alone.record([2], [3, 6, 9])
+    b = alone.get(prompt_key([2]))
+    assert b is not None and alone.draft(b, [5, 6], 3)[0] == [9] and alone.draft(None, [5, 6], 3)[0] == []
+
+
+def test_drafts_across_prompts_stop_when_rejected_and_never_come_from_evicted_answers() -> None:
+    h = ResponseHistory(max_responses=1, min_acceptance=0.3)
+    h.record([1], [5, 6, 7])
+    assert h.draft(None, [5, 6], 3)[0] == [7]
+    for _ in range(10):
+        h.observe(None, drafted=3, accepted=0)  # unseen prompts' drafts were all rejected
+    assert h.draft(None, [5, 6], 3)[0] == []
+    assert h.draft(h.get(prompt_key([1])), [5, 6], 3)[0] == [7]  # the prompt's own gate is its own
+    h.record([1], [8, 9, 10])  # the only answer holding `5 6` is evicted
+    assert h.draft(h.get(prompt_key([9])), [5, 6], 3)[0] == []
+
+
+def test_the_table_across_prompts_is_rebuilt_once_evicted_answers_could_outnumber_the_live() -> None:
+    h = ResponseHistory(max_prompts=4, max_responses=1, max_tokens=1 << 12)
+    for p in range(3000):  # distinct pairs every answer: 60,000 recorded, about 100 live
+        h.record([p], [p * 20 + i for i in range(1, 22)])
+    assert h.tokens <= 4 * 22
+    assert len(h._newest) <= 1024 + 22 + 4 * 22  # the dead allowance and an answer over it, and the live pairs
+    assert h.draft(None, [2999 * 20 + 1, 2999 * 20 + 2], 2)[0] == [2999 * 20 + 3, 2999 * 20 + 4]
+
+
 def test_length_predictions_come_from_history_else_the_default() -> None:
     h = ResponseHistory()
     assert h.predicted_length(prompt_key([1]), default=64) == 64
