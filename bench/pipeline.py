@@ -43,10 +43,13 @@ window), mean and max staleness of the trained groups; at preemptions, the token
 over and the trainer moved to another region (kept, not regenerated), the groups restarted from
 scratch and the handovers that ran out of time (their tokens are regenerated); tokens sampled and
 trained, and the mean reward of the last 3 steps (the reward comparison takes both runs at the
-smaller step count: equal samples). The last line:
+smaller step count: equal samples); a group's round trip in phases (to the worker, waiting there for
+its weights, generating, back to the trainer: the trainer's per-step medians, trainer/round_trips.py).
+The last line:
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
-            engine_idle_sync_r0=... engine_idle_async_r0=... window_s_sync=... preemptions_sync=... ...
+            engine_idle_sync_r0=... engine_idle_async_r0=... window_s_sync=... preemptions_sync=...
+            rt_to_worker_async=... rt_wait_async=... rt_generate_async=... rt_back_async=... ...
             sync_step_s_la_on=... sync_step_s_la_off=... async_groups_s_la_on=... async_groups_s_la_off=...
 
     .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--profile defaults|production]
@@ -79,6 +82,8 @@ from fleetrl.demo.view import LogTail
 from fleetrl.hub.signing import generate_ed25519
 
 FLEETRL = [sys.executable, "-m", "fleetrl.cli"]
+RT_PHASES = ("to_worker", "wait", "generate", "back")
+"""The round trip's phases on the trainer's `step.done` lines (`rt_<phase>`: trainer/round_trips.py)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,9 @@ class RunResult:
     groups_restarted: int = 0
     """Groups dispatched again from scratch (a gone region's, or partials too stale to move): their
     sampled tokens are regenerated."""
+    round_trip: dict[str, float] = field(default_factory=dict)
+    """A group's round trip by phase (`to_worker`, `wait`, `generate`, `back`: trainer/round_trips.py),
+    seconds: the mean over the window's steps of each step's median."""
 
     @property
     def step_s(self) -> float:
@@ -430,6 +438,8 @@ class Run:
             tokens_moved=sum(int(e.get("tokens", 0)) for e in trainer if e["event"] == "handover.partial_moved"),
             groups_restarted=sum(1 for e in trainer if e["event"] in ("dispatch.redispatched", "handover.too_stale")),
             warm_steps=warm,
+            round_trip={ph: statistics.fmean(float(e[f"rt_{ph}"]) for e in window if f"rt_{ph}" in e)
+                        for ph in RT_PHASES if any(f"rt_{ph}" in e for e in window)},
         )
 
 
@@ -464,6 +474,9 @@ def show(r: RunResult) -> None:
           f"(kept), groups restarted from scratch {r.groups_restarted} and handovers timed out "
           f"{r.handover_timeouts} (their tokens regenerated); tokens sampled {r.tokens_sampled}, trained "
           f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward():.3f}", flush=True)
+    if r.round_trip:
+        print(f"  {r.mode:5s}: a group's round trip (per-step medians, mean over the window): "
+              + ", ".join(f"{ph} {r.round_trip[ph]:.3f} s" for ph in RT_PHASES if ph in r.round_trip), flush=True)
 
 
 def compare(fleet: Fleet, seeds: int, timeout_s: float, length_aware_off: bool = True) -> dict[str, float]:
@@ -509,6 +522,10 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float, length_aware_off: bool =
     for mode, i in (("sync", 0), ("async", 1)):
         out[f"window_s_{mode}"] = statistics.fmean(pair[i].wall_s for pair in pairs)
         out[f"preemptions_{mode}"] = statistics.fmean(pair[i].preemptions for pair in pairs)
+        for ph in RT_PHASES:
+            got = [pair[i].round_trip[ph] for pair in pairs if ph in pair[i].round_trip]
+            if got:
+                out[f"rt_{ph}_{mode}"] = statistics.fmean(got)
     if off_pairs:
         out.update({
             "sync_step_s_la_on": statistics.fmean(s.step_s for s, _ in pairs),

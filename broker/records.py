@@ -163,9 +163,14 @@ def segments_of(sources: Any) -> IntArray:
 
 @dataclass(slots=True)
 class Timings:
+    """When the worker that finished a group (its wall clock, seconds since the epoch)..."""
+
     queued: float = 0.0
+    """... received the prompt (or the partial it resumed);"""
     started: float = 0.0
+    """... started it on its engine (its `min_version` weights in);"""
     finished: float = 0.0
+    """... had the group complete and scored."""
 
 
 @dataclass(slots=True)

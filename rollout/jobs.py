@@ -38,6 +38,7 @@ class Job:
     env: dict[str, Any] | None = None
     """The environment that runs this group's episodes, `{name, args}` (set by the worker), or None."""
     received_mono: float = field(default_factory=time.monotonic)
+    received_wall: float = field(default_factory=time.time)
     started_mono: float | None = None
     started_wall: float = 0.0
 
@@ -104,7 +105,7 @@ def group_record(job: Job, samples: list[PartialSample], rewards: list[float], r
     return GroupRecord(
         group_id=p.group_id, run=p.run, task=p.task, attempt=p.attempt, region=region, node=node,
         prompt_ids=ids(job.prompt_ids), samples=scored,
-        timings=Timings(queued=p.dispatched_at, started=job.started_wall, finished=time.time()),
+        timings=Timings(queued=job.received_wall, started=job.started_wall, finished=time.time()),
         reward_parts=reward_parts,
     )
 

@@ -67,6 +67,12 @@ class TrainerMetrics(MetricsRegistry):
                                      "Bytes written to the home store by publishes", registry=r)
         self.last_publish_bytes = Gauge("fleetrl_trainer_weight_publish_last_bytes",
                                         "Bytes written by the last publish", registry=r)
+        self.round_trip = Histogram(
+            "fleetrl_trainer_group_round_trip_seconds",
+            "A group's round trip in phases (trainer/round_trips.py): to_worker (dispatch to the worker's "
+            "receipt), wait (for its min_version weights and a worker slot), generate (to the scored group), "
+            "back (to the trainer's hands); across clocks, so a skew moves time between neighbours",
+            ["region", "phase"], buckets=(0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100), registry=r)
         self.checkpoint_seconds = Histogram("fleetrl_trainer_checkpoint_seconds", "Time to write a checkpoint",
                                             buckets=_STEP_BUCKETS, registry=r)
         self.version = Gauge("fleetrl_trainer_policy_version", "Newest published policy version", registry=r)

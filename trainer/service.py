@@ -63,6 +63,7 @@ from fleetrl.trainer.learner import Learner, StepStats
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
 from fleetrl.trainer.regions import RegionClients
+from fleetrl.trainer.round_trips import RoundTrips
 
 log = get_logger(__name__)
 
@@ -100,6 +101,7 @@ class Trainer:
         self.announcer: ControlPlane | None = None
         self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits)
         self.step, self.version, self._saved_step = 0, 0, -1
+        self.round_trips = RoundTrips(self.metrics)
         self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
         self.result = TrainerResult(0, 0)
 
@@ -237,6 +239,8 @@ class Trainer:
             log.info("group.duplicate", group_id=record.group_id, attempt=record.attempt, region=region)
         else:
             self.metrics.groups.labels(region).inc()
+            if flight is not None and latency is not None:
+                self.round_trips.observe(region, flight.dispatched_at, record.timings, now)
             self.dispatcher.resolve(record.group_id)
             if verdict == "stale":
                 self._count_stale(region, record)
@@ -321,7 +325,7 @@ class Trainer:
                  approx_kl=round(stats.approx_kl, 6), updates=stats.updates,
                  tokens=stats.tokens, lag_max=batch.stats["lag_max"],
                  lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3),
-                 **_reward_parts(groups))
+                 **_reward_parts(groups), **self.round_trips.summary())
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True

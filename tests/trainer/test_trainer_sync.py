@@ -21,6 +21,7 @@ from fleetrl.rollout.worker import RolloutWorker
 from fleetrl.trainer.batch import StepBatch
 from fleetrl.trainer.dist import DistContext
 from fleetrl.trainer.learner import Learner, StepStats
+from fleetrl.trainer.round_trips import PHASES
 from fleetrl.trainer.service import Trainer
 from fleetrl.trainer_cli import prompt_source
 
@@ -92,9 +93,14 @@ async def test_sync_mode_trains_each_step_on_its_own_version_and_nothing_generat
     assert [versions for _, versions in trained] == [{v} for v, _ in trained], trained
     assert [v for v, _ in trained] == list(range(STEPS))
     assert all(e.lag == 0 for e in trainer.collector.trained)
+    # Every trained group's round trip was split into its phases (trainer/round_trips.py).
+    m = trainer.metrics.registry
+    counts = {ph: m.get_sample_value("fleetrl_trainer_group_round_trip_seconds_count", {"region": REGION, "phase": ph})
+              for ph in PHASES}
+    assert len(set(counts.values())) == 1 and (counts["wait"] or 0) >= STEPS * config.algorithm.groups_per_step
     # No group was being generated while the trainer stepped (trained and published).
     assert len(arrived) >= STEPS * config.algorithm.groups_per_step
     for g in arrived:
-        assert g.timings.started <= g.timings.finished
+        assert 0 < g.timings.queued <= g.timings.started <= g.timings.finished
         for start, end in result.step_spans:
             assert g.timings.finished <= start or g.timings.started >= end, (g.group_id, g.timings, start, end)
