@@ -44,7 +44,7 @@ over and the trainer moved to another region (kept, not regenerated), the groups
 scratch and the handovers that ran out of time (their tokens are regenerated); tokens sampled and
 trained, and the mean reward of the last 3 steps (the reward comparison takes both runs at the
 smaller step count: equal samples); a group's round trip in phases (to the worker, waiting there for
-its weights, generating, back to the trainer: the trainer's per-step medians, trainer/round_trips.py).
+its weights, generating, back to the trainer: the trainer's per-step means, trainer/round_trips.py).
 The last line:
 
     result: throughput_ratio=... reward_delta=... engine_idle_async=... engine_idle_sync=...
@@ -157,9 +157,11 @@ class RunResult:
     groups_restarted: int = 0
     """Groups dispatched again from scratch (a gone region's, or partials too stale to move): their
     sampled tokens are regenerated."""
+    admission_cap: int = 0
+    """Groups admitted and not yet trained, at most: `(1 + max_staleness) x groups_per_step`."""
     round_trip: dict[str, float] = field(default_factory=dict)
     """A group's round trip by phase (`to_worker`, `wait`, `generate`, `back`: trainer/round_trips.py),
-    seconds: the mean over the window's steps of each step's median."""
+    seconds: the mean over the window's steps of each step's mean."""
 
     @property
     def step_s(self) -> float:
@@ -438,6 +440,7 @@ class Run:
             tokens_moved=sum(int(e.get("tokens", 0)) for e in trainer if e["event"] == "handover.partial_moved"),
             groups_restarted=sum(1 for e in trainer if e["event"] in ("dispatch.redispatched", "handover.too_stale")),
             warm_steps=warm,
+            admission_cap=(1 + (self.fleet.max_staleness if self.mode == "async" else 0)) * self.fleet.groups_per_step,
             round_trip={ph: statistics.fmean(float(e[f"rt_{ph}"]) for e in window if f"rt_{ph}" in e)
                         for ph in RT_PHASES if any(f"rt_{ph}" in e for e in window)},
         )
@@ -475,8 +478,11 @@ def show(r: RunResult) -> None:
           f"{r.handover_timeouts} (their tokens regenerated); tokens sampled {r.tokens_sampled}, trained "
           f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward():.3f}", flush=True)
     if r.round_trip:
-        print(f"  {r.mode:5s}: a group's round trip (per-step medians, mean over the window): "
-              + ", ".join(f"{ph} {r.round_trip[ph]:.3f} s" for ph in RT_PHASES if ph in r.round_trip), flush=True)
+        print(f"  {r.mode:5s}: a group's round trip (mean): "
+              + ", ".join(f"{ph} {r.round_trip[ph]:.3f} s" for ph in RT_PHASES if ph in r.round_trip)
+              + f" = {sum(r.round_trip.values()):.3f} s; admitted to trained {r.admission_cap / r.groups_per_s:.3f} s "
+              f"at most ({r.admission_cap} groups admitted and untrained at {r.groups_per_s:.2f} groups/s, "
+              "Little's law)", flush=True)
 
 
 def compare(fleet: Fleet, seeds: int, timeout_s: float, length_aware_off: bool = True) -> dict[str, float]:

@@ -11,8 +11,10 @@ the trainer adds its own at both ends (the dispatch, the arrival). The phases:
 
 The phases cross clocks (the trainer's and a region's), so a skew between them moves time from one
 phase to its neighbour; on one machine (the benchmarks) they are exact. They are observed into
-`fleetrl_trainer_group_round_trip_seconds{region,phase}` and, per step, as the medians of the groups
-that arrived since the previous step (`summary`, on the `step.done` log line).
+`fleetrl_trainer_group_round_trip_seconds{region,phase}` (its quantiles for operators) and, per step,
+as the means over the groups that arrived since the previous step (`summary`, on the `step.done` log
+line): means, because they add up, and with the arrival rate give the work in flight (Little's law),
+which a median hides when a long tail holds places in the admission window.
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ class RoundTrips:
             self.metrics.round_trip.labels(region, name).observe(max(seconds, 0.0))
 
     def summary(self) -> dict[str, float]:
-        """`rt_<phase>`: each phase's median over the groups since the last call (none: nothing), in
+        """`rt_<phase>`: each phase's mean over the groups since the last call (none: nothing), in
         seconds; then starts over."""
         got, self._since = self._since, []
         if not got:
             return {}
         columns = zip(*got, strict=True)
-        return {f"rt_{name}": round(statistics.median(col), 4) for name, col in zip(PHASES, columns, strict=True)}
+        return {f"rt_{name}": round(statistics.fmean(col), 4) for name, col in zip(PHASES, columns, strict=True)}
