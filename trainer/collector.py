@@ -36,6 +36,9 @@ class Collector:
         self.max_lag = max_staleness + 1
         self.ledger = Ledger(run, ledger_detail_groups)
         self.pending: OrderedDict[str, GroupRecord] = OrderedDict()
+        self.in_step: dict[str, GroupRecord] = {}
+        """Groups taken for the step now running (`take`), until it is marked trained or they are given
+        back: still resolved, so a copy of one arriving meanwhile (a redelivery) is a duplicate."""
         self.duplicates = 0
         self.republished: list[tuple[int, int]] = []
         """(version, checkpoint version) of each republish, oldest first: `version` holds the very
@@ -53,7 +56,7 @@ class Collector:
         return self.ledger.stale
 
     def is_resolved(self, gid: str) -> bool:
-        return gid in self.pending or self.ledger.settled(gid)
+        return gid in self.pending or gid in self.in_step or self.ledger.settled(gid)
 
     def lag(self, record: GroupRecord, version: int) -> int:
         return self.lag_of(record.min_version, version)
@@ -107,6 +110,7 @@ class Collector:
                 dropped.append(record)
             else:
                 batch.append(record)
+                self.in_step[gid] = record
         return batch, dropped
 
     def ready(self, n: int) -> bool:
@@ -115,11 +119,13 @@ class Collector:
     def give_back(self, groups: list[GroupRecord]) -> None:
         """Put groups taken for a step that did not happen back at the front of the buffer."""
         for record in reversed(groups):
+            self.in_step.pop(record.group_id, None)
             self.pending[record.group_id] = record
             self.pending.move_to_end(record.group_id, last=False)
 
     def mark_trained(self, groups: list[GroupRecord], step: int, version: int) -> None:
         for g in groups:
+            self.in_step.pop(g.group_id, None)
             self.ledger.add_trained(TrainedEntry(g.group_id, g.attempt, g.region, step, version, self.lag(g, version)))
 
     def note_dispatched(self, gid: str, region: str, partition: int, offset: int) -> None:

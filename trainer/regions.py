@@ -165,22 +165,6 @@ class RegionClients:
                 out[name] = self._across_link(name, [], now)
         return out
 
-    async def skim(self) -> int:
-        """Dead-letter the refused records at the head of every connected region's trajectories,
-        taking no good one (`Consumer.skim`); a retriable failure skips that region. Returns how many
-        were dead-lettered."""
-        names = [n for n in self.consumers if n not in self._polls or self._polls[n].done()]  # one read at a time
-        results = await asyncio.gather(*(self.consumers[n].skim() for n in names), return_exceptions=True)
-        refused = 0
-        for name, result in zip(names, results, strict=True):
-            if isinstance(result, BaseException):
-                if not getattr(result, "retriable", False):
-                    raise result
-                log.warning("trainer.skim_failed", region=name, error=str(result))
-                continue
-            refused += result
-        return refused
-
     def _across_link(self, region: str, fetched: list[Delivery], now: float) -> list[Delivery]:
         delay = self.link_delay_s.get(region, 0.0)
         if not delay:

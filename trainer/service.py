@@ -11,6 +11,11 @@ write) runs in threads so the Kafka clients keep heartbeating. Per region it hol
 In the background the snapshot itself is cast while the next step's forward and backward run; that
 step's optimizer update waits for the cast to finish before it changes the weights.
 
+Nothing in the loop waits for arrivals it could take in: a round's dispatch sends (a link round
+trip for their acknowledgements) run alongside the poll, and while the learner steps the loop keeps
+polling, so the groups of the next step are buffered by the time this one ends (a group the running
+step took counts as resolved until it is marked trained: a redelivered copy is a duplicate).
+
 Step N's weights are version v+N: `self.version` moves when the snapshot is taken, and prompts
 dispatched from then on ask for it (engines wait for it to land). One publish is in flight at a
 time (`WeightPublisher.submit` waits for the previous one), so versions land in order; with
@@ -34,6 +39,7 @@ version, a delta against the store's newest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
@@ -193,13 +199,15 @@ class Trainer:
             now = time.time()
             moved = await self.dispatcher.redispatch_silent(now, self.config.trainer.silent_region_timeout_s)
             self.metrics.redispatched.inc(moved)
-            await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
-                                           released=self.collector.ledger.stale_count)
             self._heartbeats(now)
             await self._hand_over(now)
-            for region, deliveries in (await self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S)).items():
-                for d in deliveries:
-                    await self._on_group(region, d)
+            # The round's sends wait for their acknowledgements (a link round trip) while the poll
+            # waits for arrivals: one overlaps the other. Arrivals are handled once both are done.
+            _, polled = await asyncio.gather(
+                self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
+                                         released=self.collector.ledger.stale_count),
+                self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
+            await self._handle(polled)
             for region, lag in (await self.clients.lag()).items():
                 self.metrics.consumer_lag.labels(region).set(lag)
             while self.step < target and self.collector.ready(self.config.algorithm.groups_per_step):
@@ -330,18 +338,33 @@ class Trainer:
             await self._checkpoint()
         return True
 
+    async def _handle(self, polled: dict[str, list[Any]]) -> None:
+        for region, deliveries in polled.items():
+            for d in deliveries:
+                await self._on_group(region, d)
+
     async def _while_training(self, step: Awaitable[StepStats]) -> StepStats:
-        """Run the step; meanwhile refuse the hostile records at the head of every region's
-        trajectories, so that a flood of them is dead-lettered while the learner computes and not
-        only between steps (good records stay where they are, for the next poll)."""
+        """Run the step; meanwhile take in what arrives: groups join the buffer for the next step (so
+        it can start as soon as this one is done, not a poll later), and hostile records are
+        dead-lettered while the learner computes, not only between steps. The step's own groups
+        were taken before it started; a group offered meanwhile is judged against the version before
+        this step, and again (`Collector.take`) when a later step takes it."""
         task = asyncio.ensure_future(step)
         assert self.clients is not None
         try:
             while not task.done():
-                refused = await self.clients.skim()
-                await asyncio.wait({task}, timeout=0.0 if refused else POLL_TIMEOUT_S)
+                poll = asyncio.ensure_future(self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
+                await asyncio.wait({task, poll}, return_when=asyncio.FIRST_COMPLETED)
+                if not poll.done():
+                    # The step is done first: stop waiting (a region's read stays in flight in
+                    # `RegionClients` and is collected by the next poll; nothing is lost).
+                    poll.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await poll
+                    break
+                await self._handle(poll.result())
         finally:
-            if not task.done():  # a skim failed: the learner's thread still finishes its step
+            if not task.done():  # a poll failed: the learner's thread still finishes its step
                 await asyncio.wait({task})
         return task.result()
 

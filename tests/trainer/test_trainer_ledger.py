@@ -166,6 +166,24 @@ def test_pending_groups_survive_a_checkpoint() -> None:
     assert list(back.pending) == [gid(1)] and encode_record(back.pending[gid(1)]) == encode_record(g)
 
 
+def test_a_copy_arriving_while_its_group_is_in_the_running_step_is_a_duplicate() -> None:
+    """The trainer takes arrivals in while the learner steps: a redelivered copy of a group the step
+    took must not be buffered again (it would be trained twice); given back, the group is buffered."""
+    c = Collector(RUN, 1)
+    a, b = make_group(gid(1), RUN, version=5, n=2), make_group(gid(2), RUN, version=5, n=2)
+    c.offer(a, version=5)
+    c.offer(b, version=5)
+    batch, _ = c.take(1, version=5)
+    assert [g.group_id for g in batch] == [gid(1)] and c.is_resolved(gid(1))
+    assert c.offer(make_group(gid(1), RUN, version=5, n=2), version=5) == "duplicate"
+    assert list(c.pending) == [gid(2)]
+    c.mark_trained(batch, step=1, version=5)
+    assert c.in_step == {} and c.offer(make_group(gid(1), RUN, version=5, n=2), version=5) == "duplicate"
+    batch, _ = c.take(1, version=5)
+    c.give_back(batch)
+    assert c.in_step == {} and list(c.pending) == [gid(2)]
+
+
 def test_a_group_a_killed_trainer_dispatched_after_its_checkpoint_is_folded_at_once() -> None:
     """The trainer checkpoints after dispatching groups 0-7, dispatches 8 and 9 (offsets 2 of
     partitions 0 and 1) and is killed. Restarted from the checkpoint, it trains 8 when its trajectory
