@@ -11,10 +11,12 @@ write) runs in threads so the Kafka clients keep heartbeating. Per region it hol
 In the background the snapshot itself is cast while the next step's forward and backward run; that
 step's optimizer update waits for the cast to finish before it changes the weights.
 
-Nothing in the loop waits for arrivals it could take in: a round's dispatch sends (a link round
-trip for their acknowledgements) run alongside the poll, and while the learner steps the loop keeps
-polling, so the groups of the next step are buffered by the time this one ends (a group the running
-step took counts as resolved until it is marked trained: a redelivered copy is a duplicate).
+Nothing in the loop waits for arrivals it could take in, and no admitted group waits to be sent:
+a round's dispatch sends (a link round trip for their acknowledgements) run alongside the poll;
+while the learner steps, the loop sends the groups the previous step admitted and keeps polling, so
+the groups of the next step are buffered by the time this one ends (a group the running step took
+counts as resolved until it is marked trained: a redelivered copy is a duplicate). Sends are done
+before a step's checkpoint is written.
 
 Step N's weights are version v+N: `self.version` moves when the snapshot is taken, and prompts
 dispatched from then on ask for it (engines wait for it to land). One publish is in flight at a
@@ -344,13 +346,20 @@ class Trainer:
                 await self._on_group(region, d)
 
     async def _while_training(self, step: Awaitable[StepStats]) -> StepStats:
-        """Run the step; meanwhile take in what arrives: groups join the buffer for the next step (so
-        it can start as soon as this one is done, not a poll later), and hostile records are
-        dead-lettered while the learner computes, not only between steps. The step's own groups
-        were taken before it started; a group offered meanwhile is judged against the version before
-        this step, and again (`Collector.take`) when a later step takes it."""
+        """Run the step; meanwhile send what the previous step admitted and take in what arrives:
+        groups join the buffer for the next step (so it can start as soon as this one is done, not a
+        poll later), and hostile records are dead-lettered while the learner computes, not only
+        between steps. The step's own groups were taken before it started; a group offered meanwhile
+        is judged against the version before this step, and again (`Collector.take`) when a later
+        step takes it."""
         task = asyncio.ensure_future(step)
         assert self.clients is not None
+        # The room the previous step opened (a step taken straight after it, its groups already
+        # buffered, would otherwise hold the next groups' dispatch until it is done); awaited below,
+        # before the step's checkpoint, so no checkpoint is written while a send is in flight.
+        sends = asyncio.ensure_future(self.dispatcher.dispatch(
+            self.step, self.version, time.time(), self.collector.is_resolved,
+            released=self.collector.ledger.stale_count))
         try:
             while not task.done():
                 poll = asyncio.ensure_future(self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
@@ -366,6 +375,8 @@ class Trainer:
         finally:
             if not task.done():  # a poll failed: the learner's thread still finishes its step
                 await asyncio.wait({task})
+            await asyncio.wait({sends})
+        sends.result()  # a fatal send error is raised as the loop's own dispatch raises it
         return task.result()
 
     async def _publish_step(self, version: int, cast_wait_s: float) -> int:

@@ -188,7 +188,7 @@ class HeldLearner(Learner):
 async def test_hostile_trajectories_are_dead_lettered_while_the_learner_steps(
         make_fleet: Callable[..., FleetConfig]) -> None:
     """A flood that arrives during a step is refused during that step, not only once it ends: the
-    loop skims every region's trajectories while the learner computes (good records stay put)."""
+    loop reads every region's trajectories while the learner computes."""
     from trainer_groups import answer_prompts
 
     config = make_fleet()
@@ -219,3 +219,74 @@ async def test_hostile_trajectories_are_dead_lettered_while_the_learner_steps(
     view = await read_topics(config)
     assert sum(1 for key, reasons in view.dead.items() if key.startswith("hostile-") and reasons == ["malformed"]) \
         == flood
+
+
+class StepsHeld(Learner):
+    """A learner whose first `held` steps each wait, once trained, until the test releases them."""
+
+    def __init__(self, *args: Any, held: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_step = [threading.Event() for _ in range(held)]
+        self.release = [threading.Event() for _ in range(held)]
+        self._steps = 0
+
+    def train_step(self, batch: StepBatch) -> StepStats:
+        stats = super().train_step(batch)
+        i, self._steps = self._steps, self._steps + 1
+        if i < len(self.in_step):
+            self.in_step[i].set()
+            self.release[i].wait(120)
+        return stats
+
+
+async def test_while_the_learner_steps_the_loop_buffers_the_next_step_and_sends_what_the_last_one_admitted(
+        make_fleet: Callable[..., FleetConfig]) -> None:
+    """Step 1 is held: the groups that arrive meanwhile are taken in (the next step's groups are
+    buffered when it ends, not a poll later). Step 2 then starts straight away and is held: the groups
+    that step 1's end admitted are sent while it computes, not once it is done."""
+    from trainer_groups import answer_prompts
+
+    config = make_fleet()
+    gps = config.algorithm.groups_per_step
+    window = (1 + config.algorithm.max_staleness) * gps
+    await ensure_topics(config, REGION)
+    learner = StepsHeld(config.model, config.algorithm, DistContext())
+    trainer = Trainer(config, reverse_prompts, learner)
+    answered: list[str] = []
+
+    async def after_step_1_started(i: int) -> None:  # the groups past step 1's own come during it
+        for _ in range(1200):  # bounded: 60 s
+            if i < gps or learner.in_step[0].is_set():
+                return
+            await asyncio.sleep(0.05)
+
+    train = asyncio.create_task(trainer.run(max_steps=3))
+    rollout = asyncio.create_task(answer_prompts(config, REGION, train.done, answered, after_step_1_started))
+    sent = trainer.metrics.registry
+
+    def dispatched() -> float:
+        return sent.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": REGION}) or 0.0
+
+    async def until(what: Callable[[], bool], why: str) -> None:
+        for _ in range(600):  # bounded: 60 s
+            if what():
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(why)
+
+    try:
+        assert await asyncio.to_thread(learner.in_step[0].wait, 90), "the first step never started"
+        await until(lambda: len(trainer.collector.pending) == window - gps,
+                    f"the groups answered during step 1 were not taken in: {len(trainer.collector.pending)} buffered")
+        assert trainer.step == 0 and dispatched() == window
+        learner.release[0].set()
+        assert await asyncio.to_thread(learner.in_step[1].wait, 90), "the second step never started"
+        await until(lambda: dispatched() == window + gps,
+                    f"step 1's admissions were not sent during step 2: {dispatched()} sent")
+        assert trainer.step == 1  # step 2 still computing
+    finally:
+        for event in learner.release:
+            event.set()
+    result = await asyncio.wait_for(train, 90)
+    await asyncio.wait_for(rollout, 30)
+    assert result.steps == 3

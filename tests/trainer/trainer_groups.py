@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -32,8 +32,10 @@ def make_group(gid: str, run: str, *, version: int = 0, n: int = 4, seed: int = 
                        prompt_ids=ids(rng.integers(3, vocab, 4)), samples=samples)
 
 
-async def answer_prompts(config: Any, region: str, done: Callable[[], bool], answered: list[str]) -> None:
-    """A stand-in rollout region: answers every prompt with a synthetic group at its min_version."""
+async def answer_prompts(config: Any, region: str, done: Callable[[], bool], answered: list[str],
+                         pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """A stand-in rollout region: answers every prompt with a synthetic group at its min_version;
+    `pace(i)`, where given, is awaited before the i-th answer (0-based)."""
     from fleetrl.broker import Consumer, Producer, PromptRecord, RecordLimits, rollout_group
 
     limits = RecordLimits.from_config(config)
@@ -44,6 +46,8 @@ async def answer_prompts(config: Any, region: str, done: Callable[[], bool], ans
             for d in await cons.poll(16, 0.2):
                 p = d.record
                 assert isinstance(p, PromptRecord)
+                if pace is not None:
+                    await pace(len(answered))
                 g = make_group(p.group_id, p.run, version=p.min_version, n=p.n_samples,
                                seed=int(p.group_id.rsplit("-", 1)[1]), attempt=p.attempt, region=region)
                 await prod.send("trajectories", g.group_id, g)
