@@ -80,10 +80,9 @@ import yaml
 from fleetrl import devstack
 from fleetrl.demo.view import LogTail
 from fleetrl.hub.signing import generate_ed25519
+from fleetrl.trainer.round_trips import PHASES
 
 FLEETRL = [sys.executable, "-m", "fleetrl.cli"]
-RT_PHASES = ("to_worker", "wait", "generate", "back")
-"""The round trip's phases on the trainer's `step.done` lines (`rt_<phase>`: trainer/round_trips.py)."""
 
 
 @dataclass(frozen=True)
@@ -442,7 +441,7 @@ class Run:
             warm_steps=warm,
             admission_cap=(1 + (self.fleet.max_staleness if self.mode == "async" else 0)) * self.fleet.groups_per_step,
             round_trip={ph: statistics.fmean(float(e[f"rt_{ph}"]) for e in window if f"rt_{ph}" in e)
-                        for ph in RT_PHASES if any(f"rt_{ph}" in e for e in window)},
+                        for ph in PHASES if any(f"rt_{ph}" in e for e in window)},
         )
 
 
@@ -479,7 +478,7 @@ def show(r: RunResult) -> None:
           f"{r.tokens_trained}; reward (last 3 of {r.steps} steps) {r.reward():.3f}", flush=True)
     if r.round_trip:
         print(f"  {r.mode:5s}: a group's round trip (mean): "
-              + ", ".join(f"{ph} {r.round_trip[ph]:.3f} s" for ph in RT_PHASES if ph in r.round_trip)
+              + ", ".join(f"{ph} {r.round_trip[ph]:.3f} s" for ph in PHASES if ph in r.round_trip)
               + f" = {sum(r.round_trip.values()):.3f} s; admitted to trained {r.admission_cap / r.groups_per_s:.3f} s "
               f"at most ({r.admission_cap} groups admitted and untrained at {r.groups_per_s:.2f} groups/s, "
               "Little's law)", flush=True)
@@ -528,7 +527,7 @@ def compare(fleet: Fleet, seeds: int, timeout_s: float, length_aware_off: bool =
     for mode, i in (("sync", 0), ("async", 1)):
         out[f"window_s_{mode}"] = statistics.fmean(pair[i].wall_s for pair in pairs)
         out[f"preemptions_{mode}"] = statistics.fmean(pair[i].preemptions for pair in pairs)
-        for ph in RT_PHASES:
+        for ph in PHASES:
             got = [pair[i].round_trip[ph] for pair in pairs if ph in pair[i].round_trip]
             if got:
                 out[f"rt_{ph}_{mode}"] = statistics.fmean(got)

@@ -106,9 +106,6 @@ class PromptHistory:
     def mean_length(self) -> float:
         return sum(self.lengths) / len(self.lengths)
 
-    def tokens(self) -> int:
-        return sum(len(r) for r in self.responses.values())
-
 
 def _pair(a: int, b: int) -> int:
     return (a << _POS_BITS) | b
@@ -300,14 +297,15 @@ class ResponseHistory:
     def _forget(self, rid: int) -> None:
         seq = self._responses.pop(rid)
         self._tokens -= len(seq)
+        if not self.across_prompts:
+            return
         self._newest_dead += len(seq)
         if self._newest_dead > max(self._tokens, 1024):
             # The table's entries into evicted responses are skipped at lookup; rebuild it once they
             # may be as many as the live ones (oldest first, so that the newest wins).
             self._newest, self._newest_dead = {}, 0
-            if self.across_prompts:
-                for live_rid, live in self._responses.items():
-                    self._remember(live_rid, live)
+            for live_rid, live in self._responses.items():
+                self._remember(live_rid, live)
 
 
 class ResponseInbox:

@@ -205,10 +205,7 @@ class Trainer:
             await self._hand_over(now)
             # The round's sends wait for their acknowledgements (a link round trip) while the poll
             # waits for arrivals: one overlaps the other. Arrivals are handled once both are done.
-            _, polled = await asyncio.gather(
-                self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
-                                         released=self.collector.ledger.stale_count),
-                self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
+            _, polled = await asyncio.gather(self._dispatch(now), self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
             await self._handle(polled)
             for region, lag in (await self.clients.lag()).items():
                 self.metrics.consumer_lag.labels(region).set(lag)
@@ -340,6 +337,11 @@ class Trainer:
             await self._checkpoint()
         return True
 
+    async def _dispatch(self, now: float) -> int:
+        """Admit and send what the bound allows now (prompts ask for the newest version)."""
+        return await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
+                                              released=self.collector.ledger.stale_count)
+
     async def _handle(self, polled: dict[str, list[Any]]) -> None:
         for region, deliveries in polled.items():
             for d in deliveries:
@@ -357,9 +359,7 @@ class Trainer:
         # The room the previous step opened (a step taken straight after it, its groups already
         # buffered, would otherwise hold the next groups' dispatch until it is done); awaited below,
         # before the step's checkpoint, so no checkpoint is written while a send is in flight.
-        sends = asyncio.ensure_future(self.dispatcher.dispatch(
-            self.step, self.version, time.time(), self.collector.is_resolved,
-            released=self.collector.ledger.stale_count))
+        sends = asyncio.ensure_future(self._dispatch(time.time()))
         try:
             while not task.done():
                 poll = asyncio.ensure_future(self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
