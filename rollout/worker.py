@@ -108,7 +108,8 @@ class RolloutWorker:
         """Decoding steps taken: the region agent's hang check watches it move while there is work."""
         self.client_id = f"fleetrl-rollout-{region}-{node}"
         self._jobs: dict[str, Job] = {}  # admitted, not yet handed to a record
-        self._waiting: list[Job] = []  # admitted, waiting for min_version
+        self._waiting: list[Job] = []  # admitted, waiting for min_version or a decoding slot
+        self._have, self._have_since = -1, time.monotonic()  # newest version here, since when
         self._commits = CommitQueue()
         self._commit_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -232,7 +233,9 @@ class RolloutWorker:
         next_skim = 0.0
         while self._admitting:
             dead_before = self.consumer.dead_count
-            free = self.cfg.max_groups_in_flight - len(self._jobs) - len(self._waiting)
+            # Up to `max_groups_in_flight` decode, and as many more may wait here for their weights
+            # (prompts the trainer sent ahead: they start the moment the version lands).
+            free = 2 * self.cfg.max_groups_in_flight - len(self._jobs) - len(self._waiting)
             if free <= 0:
                 # No room for a group, but hostile records at the head of the partitions need none:
                 # dead-letter them now rather than let a flood wait in front of the good prompts.
@@ -286,13 +289,21 @@ class RolloutWorker:
             log.warning("worker.intake_cancelled")
 
     def _start_ready_jobs(self) -> None:
-        """Submit jobs whose min_version the engine has (or has staged); hand back those that waited too long."""
+        """Submit jobs whose min_version the engine has (or has staged), oldest first while a decoding
+        slot is free; hand back those that waited too long: `min_version_wait_s` with no new version
+        landing here (a prompt sent ahead waits for a step or more while versions keep coming)."""
         have = max(self.engine.version, self.engine.staged_version or -1)
+        now = time.monotonic()
+        if have != self._have:
+            self._have, self._have_since = have, now
         still: list[Job] = []
         for job in self._waiting:
             if job.prompt.min_version <= have:
-                self._submit(job)
-            elif time.monotonic() - job.received_mono > self.cfg.min_version_wait_s:
+                if len(self._jobs) < self.cfg.max_groups_in_flight:
+                    self._submit(job)
+                else:
+                    still.append(job)
+            elif now - max(job.received_mono, self._have_since) > self.cfg.min_version_wait_s:
                 log.info("worker.min_version_timeout", group_id=job.group_id, min_version=job.prompt.min_version,
                          have=have)
                 self._spawn(self._hand_over(job, None, "min_version"))

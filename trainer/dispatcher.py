@@ -8,7 +8,14 @@ the next step). A group dropped stale is settled without feeding a step, so it r
 `(1 + max_staleness) * groups_per_step` of them over its life could admit nothing more and stall
 (seen in a 20-minute soak whose trainer restarts made in-flight work stale). So the dispatcher
 never runs more than `1 + max_staleness` steps of work ahead of the learner, and groups generated
-in order reach the learner at most `max_staleness` versions old. Admitted groups go to regions by
+in order reach the learner at most `max_staleness` versions old.
+
+Past the window, `algorithm.dispatch_ahead_steps` steps' worth of groups are sent ahead, each with
+the `min_version` it would have been admitted with: the j-th step's worth past the window asks for
+the newest version + j. A worker holds such a prompt until those weights land and starts it then,
+so the group is generated no staler than the bound allows, and the link and the Kafka fetch on the
+way out are paid while the learner still computes the version it waits for (the round trip's
+`to_worker` phase leaves the critical path). Admitted groups go to regions by
 credit (`credits.py`); with `rollout.length_aware` a region's latency counts in proportion to the
 group's predicted length (`lengths.py`: its prompt's completion length the last time it was
 answered). A group whose region has been silent for `silent_region_timeout_s` is sent again, to
@@ -60,6 +67,16 @@ def admission_budget(version: int, admitted: int, max_staleness: int, groups_per
     return max(0, (version + 1 + max_staleness) * groups_per_step - admitted)
 
 
+def versions_ahead(version: int, admitted: int, max_staleness: int, groups_per_step: int,
+                   ahead_steps: int) -> int | None:
+    """The versions past `version` that the next group must wait for: 0 while the admission budget has
+    room, j for the j-th step's worth of groups past the window (up to `ahead_steps`), None past that."""
+    if admission_budget(version, admitted, max_staleness, groups_per_step) > 0:
+        return 0
+    ahead = (admitted - (version + 1 + max_staleness) * groups_per_step) // groups_per_step + 1
+    return ahead if ahead <= ahead_steps else None
+
+
 def group_id(run: str, index: int) -> str:
     """Deterministic id of the prompt at `index`: a re-dispatch after a restart reuses it."""
     return f"{run}-{index:09d}"
@@ -100,13 +117,15 @@ class Dispatcher:
     def admitted(self) -> int:
         return self.next_index
 
-    def budget(self, step: int, released: int) -> int:
-        """Groups that may be admitted now; `released`: admitted groups settled without training."""
+    def steps_ahead(self, step: int, released: int) -> int | None:
+        """How many versions past the newest the next group must wait for (`versions_ahead`); None when
+        it may not be sent yet, or the data set's prompts are all drawn. `released`: admitted groups
+        settled without training."""
         a, d = self.config.algorithm, self.config.dataset
-        room = admission_budget(step, self.admitted - released, a.max_staleness, a.groups_per_step)
-        if d.num_prompts is not None:
-            room = min(room, d.num_prompts - self.next_index)
-        return max(room, 0)
+        if d.num_prompts is not None and self.next_index >= d.num_prompts:
+            return None
+        return versions_ahead(step, self.admitted - released, a.max_staleness, a.groups_per_step,
+                              a.dispatch_ahead_steps)
 
     async def dispatch(self, step: int, version: int, now: float, resolved: Callable[[str], bool], *,
                        released: int) -> int:
@@ -118,7 +137,7 @@ class Dispatcher:
         """
         sent = await self._retry_unsent(now)
         sends: list[tuple[str, InFlight]] = []
-        while not self.exhausted and self.budget(step, released) > 0:
+        while not self.exhausted and (ahead := self.steps_ahead(step, released)) is not None:
             item = next(self._prompts, None)
             if item is None:
                 self.exhausted = True
@@ -129,7 +148,7 @@ class Dispatcher:
             if resolved(gid):  # trained before a restart lost the dispatch record: not again
                 continue
             p = PromptItem(*item)
-            flight = InFlight(index, "", 0, now, version, p.task, p.prompt, p.reference,
+            flight = InFlight(index, "", 0, now, version + ahead, p.task, p.prompt, p.reference,
                               messages=p.messages, columns=p.columns)
             flight.region = self._place(flight, now)
             self.in_flight[gid] = flight  # counts for the next group's placement

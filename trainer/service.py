@@ -111,6 +111,8 @@ class Trainer:
         self.step, self.version, self._saved_step = 0, 0, -1
         self.round_trips = RoundTrips(self.metrics)
         self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
+        self._version_at: dict[int, float] = {}
+        """When each recent version became the newest: a group sent ahead for it could start then."""
         self.result = TrainerResult(0, 0)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -227,7 +229,10 @@ class Trainer:
         assert isinstance(record, GroupRecord)
         now = time.time()
         flight = self.dispatcher.in_flight.get(record.group_id)
-        latency = now - flight.dispatched_at if flight is not None and flight.region == region else None
+        latency = None
+        if flight is not None and flight.region == region:
+            # From when it could start: a group sent ahead waited for its version, not for the region.
+            latency = now - max(flight.dispatched_at, self._version_at.get(flight.min_version, 0.0))
         self.credits.on_arrival(region, now, latency, tokens=sum(len(smp.completion_ids) for smp in record.samples))
         if record.samples:
             self.dispatcher.observe_lengths(record.group_id, sum(len(s.completion_ids) for s in record.samples)
@@ -317,6 +322,8 @@ class Trainer:
             self.metrics.staleness.observe(self.collector.lag(g, self.version))
         self.step += 1
         self.version = await self._publish_step(self.version + 1, self.learner.snapshot_wait_s - cast_wait0)
+        self._version_at[self.version] = time.time()
+        self._version_at.pop(self.version - 64, None)  # (groups ask at most `dispatch_ahead_steps` ahead)
         self.result.step_spans.append((wall0, time.time()))
         seconds = time.monotonic() - t0
         self.metrics.step_seconds.observe(seconds)

@@ -94,6 +94,11 @@ class AlgorithmConfig(Model):
     """Samples per group."""
     max_staleness: int = Field(1, ge=0)
     """Versions a group may lag behind the learner; admission keeps it within s+1."""
+    dispatch_ahead_steps: int = Field(1, ge=0, le=16)
+    """Steps' worth of prompts sent past the staleness window, each asking (`min_version`) for the
+    version that will be the newest when it may start: the prompt waits at its worker, so the engine
+    starts it the moment those weights land instead of a link round trip and a Kafka fetch later.
+    They generate no staler than `max_staleness` allows; 0 sends nothing ahead."""
     advantage: Literal["grpo", "grpo_no_std", "leave_one_out"] = "grpo"
     """Group-normalized advantage: (r-mean)/std, r-mean, or leave-one-out baseline."""
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"

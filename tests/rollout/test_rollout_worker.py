@@ -248,3 +248,47 @@ async def test_deadline_and_min_version_hand_groups_back_as_partials(
     last = max(cuts, key=lambda p: sum(len(s.completion_ids) for s in p.samples))
     for before, after in zip(last.samples, done.samples, strict=True):
         np.testing.assert_array_equal(after.completion_ids[: len(before.completion_ids)], before.completion_ids)
+
+
+async def test_prompts_sent_ahead_wait_beside_the_decoding_slots_while_versions_keep_coming(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path
+) -> None:
+    """Two prompts ask for version 2 (sent ahead by the trainer) while version 0 is the newest. They wait
+    here without taking the worker's 2 decoding slots from two prompts of version 0; and because
+    versions keep landing (1 after 2.5 s, 2 after 5 s), they are not handed back at
+    `min_version_wait_s` (4 s) after their receipt: that clock restarts with each new version."""
+    data = fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", max_groups_in_flight=2, min_version_wait_s=4.0)
+    data["kafka"]["partitions"]["prompts"] = 1  # the worker reads them in the order sent: ahead first
+    config = make_config(data)
+    publish_tiny(config)
+    await setup_topics(config)
+    now_p, ahead_p = prompts(config, 2, max_new_tokens=8), prompts(config, 4, max_new_tokens=8)[2:]
+    for p in ahead_p:
+        p.min_version = 2
+    await send_prompts(config, ahead_p + now_p)
+    worker, stop = RolloutWorker(config, REGION, "n1"), asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    loop = asyncio.get_running_loop()
+    ahead_ids = {p.group_id for p in ahead_p}
+    try:
+        deadline = loop.time() + 30
+        while loop.time() < deadline and not task.done() and not (
+                {j.group_id for j in worker._waiting} == ahead_ids and worker.groups_done == 2):
+            await asyncio.sleep(0.02)
+        assert worker.groups_done == 2 and {j.group_id for j in worker._waiting} == ahead_ids, \
+            "the version-0 prompts were held back behind the ones sent ahead"
+        admitted = loop.time()
+        await asyncio.sleep(2.5)
+        assert await asyncio.to_thread(publish_tiny, config, 1) == 1
+        await asyncio.sleep(admitted + 5.0 - loop.time())
+        assert await asyncio.to_thread(publish_tiny, config, 2) == 2
+        deadline = loop.time() + 30
+        while worker.groups_done < 4 and loop.time() < deadline and not task.done():
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+    assert worker.groups_done == 4 and worker.groups_handed_over == 0
+    out = groups(await read_stream(config, "trajectories", 4, timeout_s=20))
+    ahead_out = [g for g in out if g.group_id in ahead_ids]
+    assert len(ahead_out) == 2 and all((s.versions == 2).all() for g in ahead_out for s in g.samples)

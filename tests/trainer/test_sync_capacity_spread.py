@@ -21,8 +21,10 @@ from fleetrl.trainer.dispatcher import Dispatcher
 
 
 def _sync_config(g: int, regions: tuple[str, ...]) -> FleetConfig:
+    # One step's groups a dispatch (none sent ahead): the split of a step is what these tests check.
     return FleetConfig.model_validate({
-        "run": "spread", "algorithm": {"mode": "sync", "groups_per_step": g, "n_samples": 2},
+        "run": "spread", "algorithm": {"mode": "sync", "groups_per_step": g, "n_samples": 2,
+                                       "dispatch_ahead_steps": 0},
         "regions": [{"name": r, "kafka": "127.0.0.1:9092", "store": f"/tmp/{r}"} for r in regions],
     })
 

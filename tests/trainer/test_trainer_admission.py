@@ -15,12 +15,13 @@ from fleetrl.broker import KafkaError, PromptRecord
 from fleetrl.config import FleetConfig
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.credits import RegionCredits
-from fleetrl.trainer.dispatcher import Dispatcher, admission_budget
+from fleetrl.trainer.dispatcher import Dispatcher, admission_budget, versions_ahead
 
 
-def _config(s: int, g: int, regions: tuple[str, ...] = ("a",)) -> FleetConfig:
+def _config(s: int, g: int, regions: tuple[str, ...] = ("a",), ahead: int = 0) -> FleetConfig:
     return FleetConfig.model_validate({
-        "run": "adm", "algorithm": {"max_staleness": s, "groups_per_step": g, "n_samples": 2},
+        "run": "adm", "algorithm": {"max_staleness": s, "groups_per_step": g, "n_samples": 2,
+                                    "dispatch_ahead_steps": ahead},
         "regions": [{"name": r, "kafka": "127.0.0.1:9092", "store": f"/tmp/{r}"} for r in regions],
     })
 
@@ -28,8 +29,8 @@ def _config(s: int, g: int, regions: tuple[str, ...] = ("a",)) -> FleetConfig:
 class Sim:
     """Dispatcher + collector + a learner that steps whenever `groups_per_step` groups are buffered."""
 
-    def __init__(self, s: int, g: int) -> None:
-        self.cfg = _config(s, g)
+    def __init__(self, s: int, g: int, ahead: int = 0) -> None:
+        self.cfg = _config(s, g, ahead=ahead)
         self.sent: list[PromptRecord] = []
         self.credits = RegionCredits({"a": 1.0}, window_s=60, tokens_per_group=10)
         prompts = itertools.repeat(("reverse", "abc=", "cba"))
@@ -48,11 +49,18 @@ class Sim:
                                        released=self.collector.ledger.stale_count)
         a = self.cfg.algorithm
         holding = self.dispatcher.admitted - self.collector.ledger.stale_count
-        assert holding <= (self.version + 1 + a.max_staleness) * a.groups_per_step
+        assert holding <= (self.version + 1 + a.max_staleness + a.dispatch_ahead_steps) * a.groups_per_step
+        assert all(p.min_version <= self.version + a.dispatch_ahead_steps for p in self.sent)
+
+    def arrivable(self) -> list[PromptRecord]:
+        """The groups that can finish now: a worker holds one sent ahead until its version exists."""
+        return [p for p in self.outstanding if p.min_version <= self.version]
 
     def arrive(self, pick: int, gen: int) -> None:
         """Group `pick` of those outstanding finishes, sampled with a version in [min_version, now]."""
-        p = self.outstanding.pop(pick % len(self.outstanding))
+        ready = self.arrivable()
+        p = ready[pick % len(ready)]
+        self.outstanding.remove(p)
         used = p.min_version + gen % (self.version - p.min_version + 1)
         group = make_group(p.group_id, "adm", version=used, n=2, seed=len(self.sent))
         verdict = self.collector.offer(group, self.version)
@@ -72,18 +80,18 @@ def _run(sim: Sim, arrivals: list[tuple[int, int]]) -> None:
     async def go() -> None:
         for pick, gen in arrivals:
             await sim.admit()
-            if sim.outstanding:
+            if sim.arrivable():
                 sim.arrive(pick, gen)
 
     asyncio.run(go())
 
 
 @settings(max_examples=60, deadline=None)
-@given(s=st.integers(0, 3), g=st.integers(1, 4),
+@given(s=st.integers(0, 3), g=st.integers(1, 4), ahead=st.integers(0, 2),
        arrivals=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 10_000)), min_size=1, max_size=120))
 def test_trained_groups_lag_at_most_s_plus_one_under_any_arrival_order(
-        s: int, g: int, arrivals: list[tuple[int, int]]) -> None:
-    sim = Sim(s, g)
+        s: int, g: int, ahead: int, arrivals: list[tuple[int, int]]) -> None:
+    sim = Sim(s, g, ahead)
     _run(sim, arrivals)
     assert all(lag <= s + 1 for lag in sim.lags)
     # every admitted group is accounted for exactly once: trained, stale, buffered or outstanding
@@ -96,14 +104,37 @@ def test_trained_groups_lag_at_most_s_plus_one_under_any_arrival_order(
 
 
 @settings(max_examples=30, deadline=None)
-@given(s=st.integers(0, 3), g=st.integers(1, 4), n=st.integers(1, 80))
-def test_in_order_arrivals_are_never_stale_and_lag_at_most_s(s: int, g: int, n: int) -> None:
-    """Admission alone keeps FIFO work within s versions, even sampled at the oldest allowed version."""
-    sim = Sim(s, g)
+@given(s=st.integers(0, 3), g=st.integers(1, 4), n=st.integers(1, 80), ahead=st.integers(0, 2))
+def test_in_order_arrivals_are_never_stale_and_lag_at_most_s(s: int, g: int, n: int, ahead: int) -> None:
+    """Admission alone keeps FIFO work within s versions, even sampled at the oldest allowed version;
+    groups sent ahead ask for the version they would be admitted at, so they keep the same bound."""
+    sim = Sim(s, g, ahead)
     _run(sim, [(0, 0)] * n)  # always the oldest outstanding group, generated at its min_version
     assert not sim.collector.stale
     assert all(lag <= s for lag in sim.lags)
     assert sim.version >= 1 or n < g
+
+
+def test_groups_sent_ahead_ask_for_the_version_they_may_start_with() -> None:
+    """s=1, G=2, two steps ahead: the window's 4 groups ask for the newest version, then 2 for the
+    next and 2 for the one after; a step moves the window by G and sends G more, two versions ahead."""
+    sim = Sim(1, 2, ahead=2)
+
+    async def go() -> None:
+        await sim.admit()
+        assert [p.min_version for p in sim.sent] == [0, 0, 0, 0, 1, 1, 2, 2]
+        await sim.admit()  # nothing more until a step
+        assert len(sim.sent) == 8
+        for _ in range(2):
+            sim.arrive(0, 0)
+        assert sim.version == 1
+        await sim.admit()
+        assert [p.min_version for p in sim.sent[8:]] == [3, 3]
+
+    asyncio.run(go())
+    sim0 = Sim(1, 2, ahead=0)
+    asyncio.run(sim0.admit())
+    assert [p.min_version for p in sim0.sent] == [0, 0, 0, 0]
 
 
 def test_groups_dropped_stale_return_their_place_so_a_run_never_stalls() -> None:
@@ -142,6 +173,12 @@ def test_admission_budget_formula() -> None:
     assert admission_budget(0, 10, 1, 8) == 6
     assert admission_budget(2, 30, 1, 8) == 2  # (2+1+1)*8 = 32
     assert admission_budget(0, 40, 1, 8) == 0
+    # past the window, the versions a group waits for, up to `ahead_steps` steps of groups
+    assert versions_ahead(0, 15, 1, 8, 2) == 0
+    assert versions_ahead(0, 16, 1, 8, 2) == 1 and versions_ahead(0, 23, 1, 8, 2) == 1
+    assert versions_ahead(0, 24, 1, 8, 2) == 2 and versions_ahead(0, 31, 1, 8, 2) == 2
+    assert versions_ahead(0, 32, 1, 8, 2) is None
+    assert versions_ahead(0, 16, 1, 8, 0) is None
 
 
 def test_collector_verdicts() -> None:

@@ -125,7 +125,8 @@ async def test_admitting_many_groups_costs_one_round_trip_not_one_each(
     """The dispatcher pipelines its sends: N groups admitted at once to a region behind a slow link
     are all on the wire before the first acknowledgement comes back, and all land in Kafka."""
     config = delayed_fleet(1.0, groups_per_step=8, max_staleness=1)
-    groups = config.algorithm.groups_per_step * (1 + config.algorithm.max_staleness)
+    a = config.algorithm
+    groups = a.groups_per_step * (1 + a.max_staleness + a.dispatch_ahead_steps)  # the window and the steps ahead
     await ensure_topics(config, REGION)
     limits = RecordLimits.from_config(config)
     spans: list[tuple[float, float]] = []

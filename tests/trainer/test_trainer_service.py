@@ -243,12 +243,14 @@ async def test_while_the_learner_steps_the_loop_buffers_the_next_step_and_sends_
         make_fleet: Callable[..., FleetConfig]) -> None:
     """Step 1 is held: the groups that arrive meanwhile are taken in (the next step's groups are
     buffered when it ends, not a poll later). Step 2 then starts straight away and is held: the groups
-    that step 1's end admitted are sent while it computes, not once it is done."""
+    that step 1's end admitted are sent while it computes, not once it is done. (The groups sent ahead
+    for version 1 are answered once it is published, as a worker would.)"""
     from trainer_groups import answer_prompts
 
     config = make_fleet()
     gps = config.algorithm.groups_per_step
     window = (1 + config.algorithm.max_staleness) * gps
+    sent_at_start = window + config.algorithm.dispatch_ahead_steps * gps
     await ensure_topics(config, REGION)
     learner = StepsHeld(config.model, config.algorithm, DistContext())
     trainer = Trainer(config, reverse_prompts, learner)
@@ -261,28 +263,30 @@ async def test_while_the_learner_steps_the_loop_buffers_the_next_step_and_sends_
             await asyncio.sleep(0.05)
 
     train = asyncio.create_task(trainer.run(max_steps=3))
-    rollout = asyncio.create_task(answer_prompts(config, REGION, train.done, answered, after_step_1_started))
+    rollout = asyncio.create_task(answer_prompts(config, REGION, train.done, answered, after_step_1_started,
+                                                 newest=lambda: trainer.version))
     sent = trainer.metrics.registry
 
     def dispatched() -> float:
         return sent.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": REGION}) or 0.0
 
-    async def until(what: Callable[[], bool], why: str) -> None:
+    async def until(what: Callable[[], bool], why: Callable[[], str]) -> None:
         for _ in range(600):  # bounded: 60 s
             if what():
                 return
             await asyncio.sleep(0.1)
-        raise AssertionError(why)
+        raise AssertionError(why())
 
     try:
         assert await asyncio.to_thread(learner.in_step[0].wait, 90), "the first step never started"
         await until(lambda: len(trainer.collector.pending) == window - gps,
-                    f"the groups answered during step 1 were not taken in: {len(trainer.collector.pending)} buffered")
-        assert trainer.step == 0 and dispatched() == window
+                    lambda: f"the groups answered during step 1 were not taken in: {len(trainer.collector.pending)} "
+                            "buffered")
+        assert trainer.step == 0 and dispatched() == sent_at_start
         learner.release[0].set()
         assert await asyncio.to_thread(learner.in_step[1].wait, 90), "the second step never started"
-        await until(lambda: dispatched() == window + gps,
-                    f"step 1's admissions were not sent during step 2: {dispatched()} sent")
+        await until(lambda: dispatched() == sent_at_start + gps,
+                    lambda: f"step 1's admissions were not sent during step 2: {dispatched()} sent")
         assert trainer.step == 1  # step 2 still computing
     finally:
         for event in learner.release:

@@ -33,17 +33,23 @@ def make_group(gid: str, run: str, *, version: int = 0, n: int = 4, seed: int = 
 
 
 async def answer_prompts(config: Any, region: str, done: Callable[[], bool], answered: list[str],
-                         pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+                         pace: Callable[[int], Awaitable[None]] | None = None,
+                         newest: Callable[[], int] | None = None) -> None:
     """A stand-in rollout region: answers every prompt with a synthetic group at its min_version;
-    `pace(i)`, where given, is awaited before the i-th answer (0-based)."""
-    from fleetrl.broker import Consumer, Producer, PromptRecord, RecordLimits, rollout_group
+    `pace(i)`, where given, is awaited before the i-th answer (0-based). With `newest` (the newest
+    version published), a prompt sent ahead waits until its min_version is, as a worker waits."""
+    from fleetrl.broker import Consumer, Delivery, Producer, PromptRecord, RecordLimits, rollout_group
 
     limits = RecordLimits.from_config(config)
+    held: list[Delivery] = []
     async with Producer(config, region, "stand-in-rollout") as prod, Consumer(
         config, region, ["prompts"], rollout_group(config.run), limits, prod, "stand-in-rollout"
     ) as cons:
         while not done():
-            for d in await cons.poll(16, 0.2):
+            polled = held + await cons.poll(16, 0.2)
+            ready = [d for d in polled if newest is None or d.record.min_version <= newest()]
+            held = [d for d in polled if d not in ready]
+            for d in ready:
                 p = d.record
                 assert isinstance(p, PromptRecord)
                 if pace is not None:
