@@ -9,6 +9,8 @@ bytes (no copy). Any failure raises `RecordError` naming the field.
 
 from __future__ import annotations
 
+import itertools
+import struct
 import sys
 from typing import Any
 
@@ -40,6 +42,9 @@ from fleetrl.broker.records import (
 _I4 = np.dtype("<i4")
 _F4 = np.dtype("<f4")
 _LITTLE = sys.byteorder == "little"
+_FEW_RUNS = 8
+"""Run-length versions of up to this many runs are checked and expanded in Python (cheaper than numpy's
+per-call cost); longer ones with numpy."""
 
 
 # -- arrays -------------------------------------------------------------------------------------
@@ -77,15 +82,23 @@ def expand_versions(rle: bytes, n_tokens: int, field: str = "versions") -> IntAr
     """Inverse of `rle_versions`; checks that the runs start at 0, increase and fit `n_tokens`."""
     if len(rle) % 8:
         raise RecordError("malformed", "run-length versions are not <i4 pairs", field=field)
-    pairs = np.frombuffer(rle, dtype=_I4).reshape(-1, 2)
     if n_tokens == 0:
-        if len(pairs):
+        if rle:
             raise RecordError("malformed", "versions given for an empty sample", field=field)
         return np.zeros(0, dtype=np.int32)
-    if len(pairs) == 1:  # the common case: one version for the whole sample
-        if pairs[0, 0] != 0:
-            raise RecordError("malformed", "the first run must start at token 0", field=field)
-        return np.full(n_tokens, pairs[0, 1], dtype=np.int32)
+    runs = len(rle) // 8
+    if runs == 0:  # (numpy's path below raised IndexError on this: a crash, not a dead letter)
+        raise RecordError("malformed", f"no versions for a sample of {n_tokens} tokens", field=field)
+    if runs <= _FEW_RUNS:  # the common case (a version or two a sample): no numpy call per check
+        flat = struct.unpack(f"<{2 * runs}i", rle)
+        starts, values = flat[0::2], flat[1::2]
+        if starts[0] != 0 or starts[-1] >= n_tokens or any(b <= a for a, b in itertools.pairwise(starts)):
+            raise RecordError("malformed", "run starts must begin at 0, increase and stay below n", field=field)
+        out = np.empty(n_tokens, dtype=np.int32)
+        for start, stop, value in zip(starts, (*starts[1:], n_tokens), values, strict=True):
+            out[start:stop] = value
+        return out
+    pairs = np.frombuffer(rle, dtype=_I4).reshape(-1, 2)
     starts = pairs[:, 0]
     ends = np.empty_like(starts)
     ends[:-1], ends[-1] = starts[1:], n_tokens

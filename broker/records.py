@@ -281,8 +281,12 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
     _check_task(r.task, limits, g)
     _check_ids("prompt_ids", r.prompt_ids, limits, limits.max_prompt_tokens, g)
     _check_count(len(r.samples), limits, g)
+    # The arrays of all the samples at once (a few reductions for the group instead of a few per sample:
+    # the trainer's ingest is bound by them); where that finds a fault, the per-sample checks name it.
+    whole = _plain_samples_in_bounds(r.samples, limits)
     for i, s in enumerate(r.samples):
-        _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, g, s.segments)
+        if not whole:
+            _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, g, s.segments)
         if s.finish_reason not in FINISH_REASONS:
             raise RecordError("finish_reason", f"unknown finish_reason {s.finish_reason!r}",
                               field=f"samples[{i}].finish_reason", group_id=g)
@@ -292,6 +296,22 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
         if not isinstance(value, float | int) or not math.isfinite(value):
             raise RecordError("reward", f"reward part {name!r} is {value!r}, not a finite number",
                               field="reward_parts", group_id=g)
+
+
+def _plain_samples_in_bounds(samples: list[Sample], limits: RecordLimits) -> bool:
+    """True when every sample is a plain completion (no segments) within the bounds `_check_tokens`
+    checks; False says only that one of them must be checked alone."""
+    if any(s.segments is not None or not len(s.completion_ids) == len(s.logprobs) == len(s.versions)
+           or len(s.completion_ids) > limits.max_tokens_per_sample for s in samples):
+        return False
+    if not any(len(s.completion_ids) for s in samples):
+        return True
+    ids = np.concatenate([s.completion_ids for s in samples])
+    logprobs = np.concatenate([s.logprobs for s in samples])
+    versions = np.concatenate([s.versions for s in samples])
+    # NaN fails every comparison: `max <= 0` refuses NaN and +inf, `min > -inf` refuses -inf.
+    return bool(int(ids.min()) >= 0 and int(ids.max()) < limits.vocab_size and float(logprobs.max()) <= 0.0
+                and float(logprobs.min()) > -math.inf and int(versions.min()) >= 0)
 
 
 def _check_task(task: str, limits: RecordLimits, g: str) -> None:

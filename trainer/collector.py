@@ -40,6 +40,9 @@ class Collector:
         """Groups taken for the step now running (`take`), until it is marked trained or they are given
         back: still resolved, so a copy of one arriving meanwhile (a redelivery) is a duplicate."""
         self.duplicates = 0
+        self._made_with: dict[str, int] = {}
+        """`GroupRecord.min_version` of each buffered or running group, taken once: it scans every token
+        of every sample, and the bound asks for it at arrival, at `take` and at `mark_trained`."""
         self.republished: list[tuple[int, int]] = []
         """(version, checkpoint version) of each republish, oldest first: `version` holds the very
         weights of `checkpoint version` (a restarted trainer's checkpoint, published again as the
@@ -59,7 +62,8 @@ class Collector:
         return gid in self.pending or gid in self.in_step or self.ledger.settled(gid)
 
     def lag(self, record: GroupRecord, version: int) -> int:
-        return self.lag_of(record.min_version, version)
+        made_with = self._made_with.get(record.group_id)
+        return self.lag_of(record.min_version if made_with is None else made_with, version)
 
     def lag_of(self, made_with: int, version: int) -> int:
         """Optimizer steps between the weights of version `made_with` and those of `version`, along
@@ -91,6 +95,7 @@ class Collector:
         if self.is_resolved(record.group_id):
             self.duplicates += 1
             return "duplicate"
+        self._made_with[record.group_id] = record.min_version
         if self.lag(record, version) > self.max_lag:
             self._drop_stale(record, version)
             return "stale"
@@ -127,6 +132,7 @@ class Collector:
         for g in groups:
             self.in_step.pop(g.group_id, None)
             self.ledger.add_trained(TrainedEntry(g.group_id, g.attempt, g.region, step, version, self.lag(g, version)))
+            self._made_with.pop(g.group_id, None)
 
     def note_dispatched(self, gid: str, region: str, partition: int, offset: int) -> None:
         """Where the prompt record of `gid` landed (the audit's settled watermark needs it)."""
@@ -135,6 +141,7 @@ class Collector:
     def _drop_stale(self, record: GroupRecord, version: int) -> None:
         self.ledger.add_stale(record.group_id, {"attempt": record.attempt, "region": record.region,
                                                 "lag": self.lag(record, version), "version": version})
+        self._made_with.pop(record.group_id, None)
 
     # -- checkpoint ---------------------------------------------------------------------------
 

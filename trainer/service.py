@@ -317,9 +317,9 @@ class Trainer:
         log.info("step.started", step=self.step + 1, version=self.version, groups=len(groups))
         cast_wait0 = self.learner.snapshot_wait_s
         stats = await self._while_training(asyncio.to_thread(self.learner.train_step, batch))
-        self.collector.mark_trained(groups, self.step + 1, self.version)
         for g in groups:
             self.metrics.staleness.observe(self.collector.lag(g, self.version))
+        self.collector.mark_trained(groups, self.step + 1, self.version)
         self.step += 1
         self.version = await self._publish_step(self.version + 1, self.learner.snapshot_wait_s - cast_wait0)
         self._version_at[self.version] = time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import msgpack
@@ -119,6 +120,23 @@ def test_version_runs_expand_to_the_original(deltas: list[int]) -> None:
     assert np.array_equal(expand_versions(rle, len(versions)), versions)
     # one (start, version) pair per run
     assert len(rle) == 8 * (1 + int(np.count_nonzero(np.diff(versions)))) if len(versions) else rle == b""
+
+
+@given(st.lists(st.tuples(st.integers(-2, 40), st.integers(-1, 5)), max_size=12), st.integers(0, 40))
+def test_run_length_versions_are_checked_alike_with_few_runs_and_many(runs: list[tuple[int, int]], n: int) -> None:
+    """Up to 8 runs are checked and expanded in Python, more with numpy: either way the runs must start
+    at token 0, increase and stay below the sample's length, and expand to the same versions."""
+    rle = np.asarray(runs, dtype="<i4").reshape(-1, 2).tobytes()
+    starts = [a for a, _ in runs]
+    valid = (n == 0 and not runs) or (n > 0 and bool(runs) and starts[0] == 0 and starts[-1] < n
+                                      and all(b > a for a, b in itertools.pairwise(starts)))
+    if not valid:
+        with pytest.raises(RecordError):
+            expand_versions(rle, n)
+        return
+    lengths = np.diff([*starts, n])
+    expected = np.repeat(np.asarray([v for _, v in runs], dtype=np.int32), lengths) if runs else np.zeros(0)
+    assert np.array_equal(expand_versions(rle, n), expected)
 
 
 def group_with(**sample_over: object) -> GroupRecord:
