@@ -89,13 +89,14 @@ def expand_versions(rle: bytes, n_tokens: int, field: str = "versions") -> IntAr
     runs = len(rle) // 8
     if runs == 0:  # (numpy's path below raised IndexError on this: a crash, not a dead letter)
         raise RecordError("malformed", f"no versions for a sample of {n_tokens} tokens", field=field)
+    out: IntArray
     if runs <= _FEW_RUNS:  # the common case (a version or two a sample): no numpy call per check
         flat = struct.unpack(f"<{2 * runs}i", rle)
-        starts, values = flat[0::2], flat[1::2]
-        if starts[0] != 0 or starts[-1] >= n_tokens or any(b <= a for a, b in itertools.pairwise(starts)):
+        first, values = flat[0::2], flat[1::2]
+        if first[0] != 0 or first[-1] >= n_tokens or any(b <= a for a, b in itertools.pairwise(first)):
             raise RecordError("malformed", "run starts must begin at 0, increase and stay below n", field=field)
         out = np.empty(n_tokens, dtype=np.int32)
-        for start, stop, value in zip(starts, (*starts[1:], n_tokens), values, strict=True):
+        for start, stop, value in zip(first, (*first[1:], n_tokens), values, strict=True):
             out[start:stop] = value
         return out
     pairs = np.frombuffer(rle, dtype=_I4).reshape(-1, 2)
@@ -103,9 +104,9 @@ def expand_versions(rle: bytes, n_tokens: int, field: str = "versions") -> IntAr
     ends = np.empty_like(starts)
     ends[:-1], ends[-1] = starts[1:], n_tokens
     lengths = ends - starts
-    if len(starts) == 0 or starts[0] != 0 or (lengths <= 0).any():
+    if starts[0] != 0 or (lengths <= 0).any():
         raise RecordError("malformed", "run starts must begin at 0, increase and stay below n", field=field)
-    out: IntArray = np.repeat(pairs[:, 1].astype(np.int32), lengths)
+    out = np.repeat(pairs[:, 1].astype(np.int32), lengths)
     return out
 
 
