@@ -46,9 +46,11 @@ async def answer_prompts(config: Any, region: str, done: Callable[[], bool], ans
         config, region, ["prompts"], rollout_group(config.run), limits, prod, "stand-in-rollout"
     ) as cons:
         while not done():
-            polled = held + await cons.poll(16, 0.2)
-            ready = [d for d in polled if newest is None or d.record.min_version <= newest()]
-            held = [d for d in polled if d not in ready]
+            ready: list[Delivery] = []
+            waiting: list[Delivery] = []
+            for d in held + await cons.poll(16, 0.2):
+                (ready if newest is None or d.record.min_version <= newest() else waiting).append(d)
+            held = waiting
             for d in ready:
                 p = d.record
                 assert isinstance(p, PromptRecord)
