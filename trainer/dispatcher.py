@@ -117,7 +117,7 @@ class Dispatcher:
     def admitted(self) -> int:
         return self.next_index
 
-    def steps_ahead(self, step: int, released: int) -> int | None:
+    def next_min_version_offset(self, step: int, released: int) -> int | None:
         """How many versions past the newest the next group must wait for (`versions_ahead`); None when
         it may not be sent yet, or the data set's prompts are all drawn. `released`: admitted groups
         settled without training."""
@@ -137,7 +137,7 @@ class Dispatcher:
         """
         sent = await self._retry_unsent(now)
         sends: list[tuple[str, InFlight]] = []
-        while not self.exhausted and (ahead := self.steps_ahead(step, released)) is not None:
+        while not self.exhausted and (ahead := self.next_min_version_offset(step, released)) is not None:
             item = next(self._prompts, None)
             if item is None:
                 self.exhausted = True
