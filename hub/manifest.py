@@ -117,12 +117,13 @@ _MANIFEST_HEAD = re.compile(r'\s*,\s*"manifest"\s*:\s*')
 
 
 def dump_signed(manifest: Manifest, keys: Keys) -> bytes:
-    """The manifest file: signed JSON in one zstd frame (hex digests and names shrink ~5x, which
-    matters next to deltas of a few hundred KB)."""
+    """The manifest file: signed JSON in one zstd frame (hex digests and names shrink ~4x, which
+    matters next to deltas of a few hundred KB). Level 9: level 19 saved 5 % more of a 2.7 KB
+    manifest for 30x the time (10 ms against 0.3 ms, on the path from a step to its version)."""
     body = manifest.model_dump_json().encode()
     signature = {"scheme": keys.scheme, "key_id": keys.key_id, "value": keys.sign(body)}
     text = b'{"signature":' + json.dumps(signature, separators=(",", ":")).encode() + b',"manifest":' + body + b"}"
-    return zstandard.ZstdCompressor(level=19).compress(text)
+    return zstandard.ZstdCompressor(level=9).compress(text)
 
 
 def manifest_text(data: bytes, where: str) -> bytes:

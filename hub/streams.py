@@ -212,21 +212,31 @@ def _unzigzag(zz: np.ndarray) -> np.ndarray:
     return (zz >> 1) ^ (-sign).view(zz.dtype)
 
 
-def _pack_small(values: np.ndarray, bits: int) -> list[np.ndarray] | None:
+def _ranked(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values by falling frequency (ties by value), and each value's rank in that order:
+    one sort, shared by the 1, 2 and 4-bit packings (`_pack_small`) of the same values."""
+    table, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    order = np.argsort(-counts, kind="stable")
+    rank = np.empty(table.size, dtype=np.int64)
+    rank[order] = np.arange(table.size)
+    return table[order], rank[inverse.reshape(-1)]
+
+
+def _pack_small(values: np.ndarray, bits: int, ranked: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> list[np.ndarray] | None:
     """The most frequent values as a table, every value as a `bits`-wide index packed 8/bits to a byte
     (zstd's Huffman stage then codes whole bytes, i.e. groups of indices, close to their entropy), and
-    the values outside the table, marked by the last index, in a side stream. None when pointless."""
-    table, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    the values outside the table, marked by the last index, in a side stream. None when pointless.
+    `ranked`: `_ranked(values)`, when the caller packs the same values more than once."""
+    by_rank, rank = ranked if ranked is not None else _ranked(values)
     slots = 1 << bits
-    if table.size > slots * 4 and bits < 4:
+    if by_rank.size > slots * 4 and bits < 4:
         return None  # too many escapes to be worth trying
-    rank = np.empty(table.size, dtype=np.int64)
-    rank[np.argsort(-counts, kind="stable")] = np.arange(table.size)
-    kept = table.size if table.size <= slots else slots - 1
-    index = rank[inverse.reshape(-1)]
+    kept = by_rank.size if by_rank.size <= slots else slots - 1
+    index = rank.copy()
     escaped = index >= kept
     index[escaped] = slots - 1
-    head = np.concatenate([[bits], table[np.argsort(rank)[:kept]].astype(table.dtype.newbyteorder("<"))
+    head = np.concatenate([[bits], by_rank[:kept].astype(by_rank.dtype.newbyteorder("<"))
                            .view(np.uint8)]).astype(np.uint8)
     per_byte = 8 // bits
     padded = np.zeros(-(-index.size // per_byte) * per_byte, dtype=np.uint8)
@@ -296,8 +306,9 @@ def encode_values(old: np.ndarray, new: np.ndarray, level: int) -> tuple[IntEnum
         (ValCodec.XOR, 0, _planes(old ^ new)),
         (ValCodec.SUB, 0, _planes(diff)),
     ]
+    ranked = _ranked(diff)
     for bits in (1, 2, 4):
-        packed = _pack_small(diff, bits)
+        packed = _pack_small(diff, bits, ranked)
         if packed is not None:
             candidates.append((ValCodec.SUB_PACKED, bits, packed))
     codec, _, frames, sizes = _smallest(candidates, level, _VAL_COST)
