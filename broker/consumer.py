@@ -335,6 +335,9 @@ class Consumer:
         return result
 
     async def _has_backlog(self, tps: list[TopicPartition]) -> bool:
+        """Whether any of `tps` holds records past this member's read position, as of now: the end is
+        asked of the broker (ListOffsets) when this is called, so it covers every record acknowledged
+        before the call."""
         c = self._c
         with translated(f"read end offsets of {tps[0].topic}"):
             ends = await bounded(c.end_offsets(tps), self.config.kafka.request_timeout_s, "end offsets")
@@ -344,6 +347,12 @@ class Consumer:
                 if await bounded(c.position(tp), self.config.kafka.request_timeout_s, "position") < end:
                     return True
         return False
+
+    async def read_to_end(self) -> bool:
+        """Whether this member holds partitions and has read (been handed) every record of each that
+        was acknowledged before this call. False while it holds none (joining, rebalancing)."""
+        tps = list(self._c.assignment())
+        return bool(tps) and not await self._has_backlog(tps)
 
     def _keep_highest(
         self, raw: dict[TopicPartition, list[ConsumerRecord[Any, Any]]]

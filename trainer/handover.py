@@ -25,9 +25,13 @@ dispatched again from scratch at the current version instead.
 
 Groups the region still holds without a partial (never admitted by a worker, or lost with a node
 that died without handing over) are dispatched again as prompts with `attempt + 1`: at once for a
-silent region, after `rollout.handover_timeout_s` (the workers' own bound) for a draining or offline
-one, whose partials are on their way. A region that comes back finds its copies superseded: the
-trainer's dedup by `group_id` trains exactly one of the attempts.
+silent region; for a draining one after `rollout.handover_timeout_s` (the workers' own bound), since
+its partials are on their way. An agent says `offline` only once its workers have handed over (their
+partials acknowledged) or died, so once every node of a region is `offline` and the trainer has read
+the region's `partials` to an end asked of the broker after that, no partial is still to come: the
+rest move at once, not a handover bound later (the groups a preempted region never started held
+admission slots for that long). A region that comes back finds its copies superseded: the trainer's
+dedup by `group_id` trains exactly one of the attempts.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class RegionWatch:
         self._nodes: dict[str, dict[str, _Node]] = {r: {} for r in regions}
         self.gone: dict[str, tuple[float, GoneReason]] = {}
         """region -> (trainer time it was found gone, why)."""
+        self.offline_at: dict[str, float] = {}
+        """Gone regions whose nodes are all `offline`: the trainer time that was first seen."""
 
     def observe(self, region: str, node: str, state: str, beat_ts: float, now: float, *,
                 serving: bool = True) -> None:
@@ -111,6 +117,10 @@ class RegionWatch:
                 del self.gone[region]
                 back.append(region)
                 log.info("handover.region_back", region=region)
+            if reason == "offline":
+                self.offline_at.setdefault(region, now)
+            elif reason is None or reason in ("drain", "silent"):
+                self.offline_at.pop(region, None)
         return went, back
 
     def _reason(self, nodes: Mapping[str, _Node], now: float) -> GoneReason | Literal["starting"] | None:
@@ -145,6 +155,8 @@ class Handover:
         self._closing: set[asyncio.Task[None]] = set()
         self.partials_moved = 0
         self.prompts_moved = 0
+        self._read_out: set[str] = set()
+        """Offline regions whose partials were all read (see the module docstring)."""
 
     async def tick(self, now: float, version: int,
                    nodes: Mapping[tuple[str, str], Heartbeat]) -> tuple[int, int]:
@@ -156,12 +168,13 @@ class Handover:
             self._close(region)
         for region in went:
             self._open(region)
+        self._read_out &= set(self.watch.offline_at)
         partials = prompts = 0
         gone = frozenset(self.watch.gone)
         for region, (since, reason) in list(self.watch.gone.items()):
             partials += await self._move_partials(region, now, version, gone)
-            grace_s = 0.0 if reason == "silent" else self.config.rollout.handover_timeout_s
-            if now - since >= grace_s:
+            settled = reason == "silent" or region in self._read_out
+            if settled or now - since >= self.config.rollout.handover_timeout_s:
                 prompts += await self.dispatcher.redispatch_region(region, now, exclude=gone)
         self.partials_moved += partials
         self.prompts_moved += prompts
@@ -186,7 +199,22 @@ class Handover:
         for record in latest.values():
             moved += await self._move_one(region, record, now, version, gone)
         await self._commit(region, consumer, deliveries)
+        if not deliveries and region in self.watch.offline_at and region not in self._read_out:
+            await self._check_read_out(region, consumer)
         return moved
+
+    async def _check_read_out(self, region: str, consumer: Consumer) -> None:
+        """Every node of `region` is offline (its partials acknowledged before that) and this poll found
+        nothing: whether the partials are read to an end asked of the broker now."""
+        try:
+            done = await consumer.read_to_end()
+        except KafkaError as exc:
+            log.warning("handover.end_unknown", region=region, error=str(exc))
+            return
+        if done:
+            self._read_out.add(region)
+            log.info("handover.partials_read", region=region,
+                     held=sum(1 for f in self.dispatcher.in_flight.values() if f.region == region))
 
     async def _move_one(self, region: str, record: PartialRecord, now: float, version: int,
                         gone: frozenset[str]) -> int:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fleetrl import devstack
-from fleetrl.broker import ControlPlane, GroupRecord, Heartbeat, ensure_topics
+from fleetrl.broker import ControlPlane, EngineStatus, GroupRecord, Heartbeat, ensure_topics
 from fleetrl.config import FleetConfig
 from fleetrl.rollout.worker import RolloutWorker
 from fleetrl.trainer.audit import read_topics, reconcile
@@ -52,7 +52,8 @@ def clusters() -> Iterator[dict[str, devstack.ServerProcess]]:
         yield {"a": a, "b": b}
 
 
-def fleet(run_id: str, tmp: pathlib.Path, clusters: dict[str, devstack.ServerProcess], mqtt_port: int) -> FleetConfig:
+def fleet(run_id: str, tmp: pathlib.Path, clusters: dict[str, devstack.ServerProcess], mqtt_port: int, *,
+          handover_timeout_s: float = 8.0, max_groups_in_flight: int = 4) -> FleetConfig:
     store = (tmp / "hub").as_uri()  # every region reads the home store: no replicator needed here
 
     def region(name: str, step_delay_s: float) -> dict[str, Any]:
@@ -71,8 +72,9 @@ def fleet(run_id: str, tmp: pathlib.Path, clusters: dict[str, devstack.ServerPro
         "mqtt": {"url": f"mqtt://127.0.0.1:{mqtt_port}", "heartbeat_interval_s": 0.5},
         "kafka": {"partitions": {"prompts": 1, "partials": 1, "trajectories": 1, "dead_letter": 1},
                   "max_message_bytes": 1024 * 1024, "request_timeout_s": 15.0},
-        "rollout": {"weight_fallback_poll_s": 0.2, "idle_poll_s": 0.05, "handover_timeout_s": 8.0,
-                    "min_version_wait_s": 60.0, "stats_interval_s": 60.0},
+        "rollout": {"weight_fallback_poll_s": 0.2, "idle_poll_s": 0.05, "handover_timeout_s": handover_timeout_s,
+                    "min_version_wait_s": 60.0, "stats_interval_s": 60.0,
+                    "max_groups_in_flight": max_groups_in_flight},
         "trainer": {"checkpoint_dir": str(tmp / "ckpt"), "checkpoint_every": 1},
         "regions": [region("a", 0.15), region("b", 0.0)],
     })
@@ -83,20 +85,31 @@ def reverse_prompts() -> Iterator[tuple[str, str, str]]:
 
 
 class Node:
-    """A region's node: one in-process rollout worker plus the heartbeat its agent would publish."""
+    """A region's node: one in-process rollout worker plus the heartbeat its agent would publish.
 
-    def __init__(self, config: FleetConfig, region: str) -> None:
+    `engine`: the engine state the heartbeat reports (None: no engine statuses, which serves while
+    `up`); with `start=False` the node beats (an agent whose engine loads) and runs no worker until
+    `start()`."""
+
+    def __init__(self, config: FleetConfig, region: str, *, start: bool = True, engine: str | None = None) -> None:
         self.config, self.region = config, region
         self.worker = RolloutWorker(config, region, "n1")
         self.stop = asyncio.Event()
-        self.state = "up"
-        self.task = asyncio.create_task(self.worker.run(self.stop), name=f"worker-{region}")
+        self.state, self.engine = "up", engine
+        self.task: asyncio.Task[None] | None = None
+        if start:
+            self.start()
         self.beats = asyncio.create_task(self._beat(), name=f"heartbeat-{region}")
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.worker.run(self.stop), name=f"worker-{self.region}")
 
     async def _beat(self) -> None:
         async with ControlPlane(self.config, f"{self.config.run}-agent-{self.region}", watch_nodes=False) as cp:
             while True:
-                beat = Heartbeat(state=self.state, tokens_per_s=50.0, in_flight=len(self.worker._jobs))
+                engines = [EngineStatus(index=0, state=self.engine)] if self.engine is not None else 0
+                beat = Heartbeat(state=self.state, tokens_per_s=50.0, in_flight=len(self.worker._jobs),
+                                 engines=engines)
                 await cp.heartbeat(self.region, "n1", beat)
                 await asyncio.sleep(self.config.mqtt.heartbeat_interval_s)
 
@@ -105,14 +118,16 @@ class Node:
         self.state = "draining"
         self.worker.stop_reason = "drain"
         self.stop.set()
+        assert self.task is not None
         await asyncio.wait_for(self.task, 30)
 
     async def close(self) -> None:
         self.stop.set()
         self.beats.cancel()
         for task in (self.task, self.beats):
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(task, 30)
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 30)
 
 
 async def test_a_drained_region_s_partials_are_finished_in_another_region_keeping_every_token(
@@ -165,6 +180,49 @@ async def test_a_drained_region_s_partials_are_finished_in_another_region_keepin
     report = reconcile(view, ckpt.state, config.run)
     assert report.ok, report.problems()
     assert report.trained == GROUPS
+
+
+async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_offline_and_partials_read(
+        run_id: str, tmp_path: pathlib.Path, clusters: dict[str, devstack.ServerProcess],
+        mqtt_server: devstack.ServerProcess) -> None:
+    """An agent says `offline` only after its workers handed over. Groups still unread in its region's
+    `prompts` have no partial coming, so they move as prompts once the trainer has read the region's
+    partials to their end: not after the handover bound, 600 s here (the test's own bound is 180 s)."""
+    config = fleet(run_id, tmp_path, clusters, mqtt_server.port, handover_timeout_s=600.0, max_groups_in_flight=1)
+    for region in ("a", "b"):
+        await ensure_topics(config, region)
+    trainer = Trainer(config, reverse_prompts, Learner(config.model, config.algorithm, DistContext()))
+    b = Node(config, "b", start=False, engine="starting")  # b's engine loads: it takes no work yet
+    a = Node(config, "a")
+    train = asyncio.create_task(trainer.run(max_steps=GROUPS // 2))
+    try:
+        # a's worker takes 2 groups (1 decoding, 1 waiting); the rest of what a holds stays in its topic
+        async with asyncio.timeout(90):
+            while not a.worker.engine.tokens_sampled or sum(
+                    f.region == "a" for f in trainer.dispatcher.in_flight.values()) <= 2:
+                await asyncio.sleep(0.05)
+        await a.drain()
+        a.state = "offline"  # the agent's last word, once its workers have handed over
+        handed = a.worker.groups_handed_over
+        assert handed >= 1
+        b.start()
+        b.engine = "up"
+        result = await asyncio.wait_for(train, 180)
+    finally:
+        if not train.done():
+            train.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await train
+        await a.close()
+        await b.close()
+    assert result.steps == GROUPS // 2 and result.trained_groups == GROUPS
+    assert trainer.handover.partials_moved == handed
+    assert trainer.handover.prompts_moved >= 1  # the unread ones, long before the handover bound
+    assert not any(f.region == "a" for f in trainer.dispatcher.in_flight.values())
+    ckpt = latest(config.trainer.checkpoint_dir, config.run)
+    assert ckpt is not None
+    report = reconcile(await read_topics(config), ckpt.state, config.run)
+    assert report.ok, report.problems()
 
 
 async def _trajectories(config: FleetConfig) -> list[Any]:
