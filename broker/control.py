@@ -89,6 +89,11 @@ class Heartbeat(_Payload):
     """Groups being decoded."""
     engines: int | list[EngineStatus] = 0
     """Engines on the node: a count, or each engine's status (what region agents send)."""
+    left: bool = False
+    """With `offline`: the agent left on purpose, after its workers stopped (each unfinished group
+    handed over, or the worker killed past its bound), so nothing more will come from this node. The
+    last will's `offline` (the agent died; its workers may live on, or a restarted agent resume the
+    region's work) does not say it."""
     ts: float = Field(default_factory=time.time)
 
     @property

@@ -51,6 +51,8 @@ class ControlPlane:
         wait_connected: bool = True,
     ) -> None:
         self.config, self.client_id, self.will = config, client_id, will
+        self.farewell: Heartbeat | None = None
+        """The node's last heartbeat on a graceful close (default: `offline`)."""
         self.connect_timeout_s = connect_timeout_s
         self.wait_connected = wait_connected
         """False: entering does not wait for the broker (a daemon that must start while MQTT is down);
@@ -101,11 +103,13 @@ class ControlPlane:
         await self.close()
 
     async def close(self, graceful: bool = True) -> None:
-        """Mark our node offline (a clean disconnect fires no last will), then disconnect. Bounded."""
+        """Mark our node offline (a clean disconnect fires no last will), then disconnect. Bounded.
+
+        `farewell`, set by the owner, is that last heartbeat (a region agent's says it `left`)."""
         if graceful and self.will is not None and self._connected.is_set() and self._failure is None:
             region, node = self.will
             with contextlib.suppress(ControlPlaneError):  # the broker is gone: nothing else to tell it
-                await self.heartbeat(region, node, Heartbeat(state="offline"), timeout_s=2.0)
+                await self.heartbeat(region, node, self.farewell or Heartbeat(state="offline"), timeout_s=2.0)
         self._closing = True
         task, self._task = self._task, None
         if task is not None and not task.done():

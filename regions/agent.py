@@ -132,8 +132,9 @@ class RegionAgent:
             for engine in self.engines:
                 engine.kill()  # only stragglers are left here: a handover that ran out of time, a crash
             await _cancel_all([*tasks, *self._running.values()], self.region, self.node)
-            self._set_state("offline")
-            with contextlib.suppress(ControlPlaneError):  # the last will says it anyway
+            self._set_state("offline")  # the workers are stopped: the heartbeat says the node `left`
+            cp.farewell = self.heartbeat()
+            with contextlib.suppress(ControlPlaneError):  # the last will says it anyway (without `left`)
                 await self._publish_heartbeat(timeout_s=2.0)
 
     async def _supervise(self, tasks: list[asyncio.Task[None]]) -> None:
@@ -237,7 +238,7 @@ class RegionAgent:
         """The node's state as the control plane shows it."""
         engines = [e.status() for e in self.engines]
         versions = [e.version for e in engines if e.version is not None]
-        return Heartbeat(state=self.state, version=min(versions) if versions else None,
+        return Heartbeat(state=self.state, left=self.state == "offline", version=min(versions) if versions else None,
                          tokens_per_s=round(sum(e.tokens_per_s for e in engines), 2) if self.state == "up" else 0.0,
                          busy_tokens_per_s=round(sum(e.busy_tokens_per_s for e in engines), 2)
                          if self.state == "up" else 0.0,

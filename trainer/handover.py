@@ -15,8 +15,7 @@ engines), and a gone region is not back for it, so nothing is sent to a worker t
 yet and the region does not flap between gone and back while its engines load.
 
 For a gone region the trainer reads the region's `partials` topic (its own consumer group
-`fleetrl.<run>.trainer.handover`, opened in the background so an unreachable cluster never stalls
-the loop) and re-dispatches each partial of a group it still has in flight there, as a
+`fleetrl.<run>.trainer.handover`) and re-dispatches each partial of a group it still has in flight there, as a
 `fleetrl.partial/1` record with the tokens, logprobs and per-token versions kept and `attempt + 1`,
 to the `partials` topic of another region, where a worker resumes it token for token. A partial
 whose group was already moved, trained or superseded by a newer attempt is skipped. A partial whose
@@ -26,12 +25,20 @@ dispatched again from scratch at the current version instead.
 Groups the region still holds without a partial (never admitted by a worker, or lost with a node
 that died without handing over) are dispatched again as prompts with `attempt + 1`: at once for a
 silent region; for a draining one after `rollout.handover_timeout_s` (the workers' own bound), since
-its partials are on their way. An agent says `offline` only once its workers have handed over (their
-partials acknowledged) or died, so once every node of a region is `offline` and the trainer has read
-the region's `partials` to an end asked of the broker after that, no partial is still to come: the
-rest move at once, not a handover bound later (the groups a preempted region never started held
-admission slots for that long). A region that comes back finds its copies superseded: the trainer's
+its partials are on their way. An agent that leaves (a preemption notice, a stop) says `offline`
+with `left` only once its workers have stopped, each unfinished group handed over (its partial
+acknowledged) or the worker killed past its bound; so once every node of a region has left and the
+trainer has read the region's `partials` to an end asked of the broker after that, no partial is
+still to come: the rest move at once, not a handover bound later (the groups a preempted region
+never started held admission slots for that long). An `offline` without `left` is a last will: the
+agent died, and its workers may live on or a restarted agent take the region's work up again, so
+the region keeps the handover bound. A region that comes back finds its copies superseded: the trainer's
 dedup by `group_id` trains exactly one of the attempts.
+
+The handover consumers join their groups when the trainer starts, in the background (an unreachable
+cluster never stalls the loop; it is tried again when its region goes), and stay joined, unpolled
+while their region lives: joining a group takes seconds (tansu: half the session timeout; Kafka:
+`group.initial.rebalance.delay.ms`, 3 s), and a preempted region's partials waited that long.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ from fleetrl.trainer.regions import RegionClients
 log = get_logger(__name__)
 GoneReason = Literal["drain", "offline", "silent"]
 _POLL_S = 0.05  # a gone region's partials are polled within the trainer's loop: keep it short
+_IDLE_MEMBER_S = 24 * 3600.0
+"""A handover consumer is polled only while its region is gone: the client may go this long between
+polls before it leaves its group (it joins again on the next poll, as one opened then would)."""
 
 
 @dataclass(slots=True)
@@ -72,6 +82,8 @@ class _Node:
     """Trainer time at which this heartbeat content was first seen."""
     serving: bool = True
     """`up` with an engine up (`Heartbeat.serving`); an `up` node that is not serving is starting."""
+    left: bool = False
+    """`offline` with `Heartbeat.left`: its agent stopped its workers and left."""
 
 
 class RegionWatch:
@@ -82,23 +94,23 @@ class RegionWatch:
         self._nodes: dict[str, dict[str, _Node]] = {r: {} for r in regions}
         self.gone: dict[str, tuple[float, GoneReason]] = {}
         """region -> (trainer time it was found gone, why)."""
-        self.offline_at: dict[str, float] = {}
-        """Gone regions whose nodes are all `offline`: the trainer time that was first seen."""
+        self.left_at: dict[str, float] = {}
+        """Gone regions whose nodes all left (`offline` with `Heartbeat.left`): when that was first seen."""
 
     def observe(self, region: str, node: str, state: str, beat_ts: float, now: float, *,
-                serving: bool = True) -> None:
+                serving: bool = True, left: bool = False) -> None:
         """`serving`: whether an `up` node has an engine up (`Heartbeat.serving`); False while its
-        engines all start or restart."""
+        engines all start or restart. `left`: `Heartbeat.left`."""
         nodes = self._nodes.get(region)
         if nodes is None:
             return
-        serving = serving and state == "up"
+        serving, left = serving and state == "up", left and state == "offline"
         known = nodes.get(node)
         if known is None:
             # A retained heartbeat seen for the first time may be old: trust its own clock, bounded by ours.
-            nodes[node] = _Node(state, beat_ts, min(beat_ts, now), serving)
-        elif beat_ts != known.beat_ts or state != known.state or serving != known.serving:
-            nodes[node] = _Node(state, beat_ts, now, serving)
+            nodes[node] = _Node(state, beat_ts, min(beat_ts, now), serving, left)
+        elif beat_ts != known.beat_ts or state != known.state or serving != known.serving or left != known.left:
+            nodes[node] = _Node(state, beat_ts, now, serving, left)
 
     def update(self, now: float) -> tuple[list[str], list[str]]:
         """Re-assess every region; returns (regions newly gone, regions back)."""
@@ -117,10 +129,10 @@ class RegionWatch:
                 del self.gone[region]
                 back.append(region)
                 log.info("handover.region_back", region=region)
-            if reason == "offline":
-                self.offline_at.setdefault(region, now)
-            elif reason is None or reason in ("drain", "silent"):
-                self.offline_at.pop(region, None)
+            if reason == "offline" and all(n.left for n in self._nodes[region].values()):
+                self.left_at.setdefault(region, now)
+            else:
+                self.left_at.pop(region, None)
         return went, back
 
     def _reason(self, nodes: Mapping[str, _Node], now: float) -> GoneReason | Literal["starting"] | None:
@@ -157,18 +169,24 @@ class Handover:
         self.prompts_moved = 0
         self._read_out: set[str] = set()
         """Offline regions whose partials were all read (see the module docstring)."""
+        self._joining_all = False
 
     async def tick(self, now: float, version: int,
                    nodes: Mapping[tuple[str, str], Heartbeat]) -> tuple[int, int]:
         """Observe the heartbeats, move what gone regions hold; returns (partials, prompts) moved."""
         for (region, node), beat in list(nodes.items()):
-            self.watch.observe(region, node, beat.state, beat.ts, now, serving=beat.serving)
-        went, back = self.watch.update(now)
-        for region in back:
-            self._close(region)
+            self.watch.observe(region, node, beat.state, beat.ts, now, serving=beat.serving, left=beat.left)
+        if not self._joining_all:
+            self._joining_all = True
+            for r in self.config.regions:
+                self._open(r.name)
+        went, _back = self.watch.update(now)
         for region in went:
-            self._open(region)
-        self._read_out &= set(self.watch.offline_at)
+            if region in self._consumers:
+                log.info("handover.reading_partials", region=region)
+            else:
+                self._open(region)  # its consumer could not join at start: try again
+        self._read_out &= set(self.watch.left_at)
         partials = prompts = 0
         gone = frozenset(self.watch.gone)
         for region, (since, reason) in list(self.watch.gone.items()):
@@ -199,12 +217,12 @@ class Handover:
         for record in latest.values():
             moved += await self._move_one(region, record, now, version, gone)
         await self._commit(region, consumer, deliveries)
-        if not deliveries and region in self.watch.offline_at and region not in self._read_out:
+        if not deliveries and region in self.watch.left_at and region not in self._read_out:
             await self._check_read_out(region, consumer)
         return moved
 
     async def _check_read_out(self, region: str, consumer: Consumer) -> None:
-        """Every node of `region` is offline (its partials acknowledged before that) and this poll found
+        """Every node of `region` left (its partials acknowledged before that) and this poll found
         nothing: whether the partials are read to an end asked of the broker now."""
         try:
             done = await consumer.read_to_end()
@@ -268,16 +286,19 @@ class Handover:
         try:
             consumer = await stack.enter_async_context(Consumer(
                 self.config, region, ["partials"], self.group, self.limits, self.clients.producer(region),
-                f"{self.config.run}-handover-{region}"))
+                f"{self.config.run}-handover-{region}", max_poll_interval_s=_IDLE_MEMBER_S))
         except KafkaError as exc:  # its groups still move as prompts
             await stack.aclose()
             log.warning("handover.partials_unreachable", region=region, error=str(exc))
             return
-        if region not in self.watch.gone:  # came back while we were joining
-            await stack.aclose()
-            return
         self._consumers[region], self._stacks[region] = consumer, stack
-        log.info("handover.reading_partials", region=region)
+        log.info("handover.reading_partials" if region in self.watch.gone else "handover.consumer_ready",
+                 region=region)
+
+    def ready(self, region: str) -> bool:
+        """Whether `region`'s handover consumer has joined its group (it reads only while the region is
+        gone)."""
+        return region in self._consumers
 
     def _close(self, region: str) -> None:
         opening = self._opening.pop(region, None)

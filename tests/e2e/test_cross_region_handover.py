@@ -109,7 +109,7 @@ class Node:
             while True:
                 engines = [EngineStatus(index=0, state=self.engine)] if self.engine is not None else 0
                 beat = Heartbeat(state=self.state, tokens_per_s=50.0, in_flight=len(self.worker._jobs),
-                                 engines=engines)
+                                 engines=engines, left=self.state == "offline")
                 await cp.heartbeat(self.region, "n1", beat)
                 await asyncio.sleep(self.config.mqtt.heartbeat_interval_s)
 
@@ -185,7 +185,8 @@ async def test_a_drained_region_s_partials_are_finished_in_another_region_keepin
 async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_offline_and_partials_read(
         run_id: str, tmp_path: pathlib.Path, clusters: dict[str, devstack.ServerProcess],
         mqtt_server: devstack.ServerProcess) -> None:
-    """An agent says `offline` only after its workers handed over. Groups still unread in its region's
+    """An agent that leaves says `offline` with `left` only after its workers handed over. Groups still
+    unread in its region's
     `prompts` have no partial coming, so they move as prompts once the trainer has read the region's
     partials to their end: not after the handover bound, 600 s here (the test's own bound is 180 s)."""
     config = fleet(run_id, tmp_path, clusters, mqtt_server.port, handover_timeout_s=600.0, max_groups_in_flight=1)
@@ -196,13 +197,16 @@ async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_o
     a = Node(config, "a")
     train = asyncio.create_task(trainer.run(max_steps=GROUPS // 2))
     try:
-        # a's worker takes 2 groups (1 decoding, 1 waiting); the rest of what a holds stays in its topic
+        # a's worker takes 2 groups (1 decoding, 1 waiting); the rest of what a holds stays in its topic.
+        # The handover consumers joined their groups at start, while a lives (a join takes seconds).
         async with asyncio.timeout(90):
             while not a.worker.engine.tokens_sampled or sum(
-                    f.region == "a" for f in trainer.dispatcher.in_flight.values()) <= 2:
+                    f.region == "a" for f in trainer.dispatcher.in_flight.values()) <= 2 \
+                    or not trainer.handover.ready("a"):
                 await asyncio.sleep(0.05)
+        assert "a" not in trainer.handover.watch.gone
         await a.drain()
-        a.state = "offline"  # the agent's last word, once its workers have handed over
+        a.state = "offline"  # the agent leaves (`left`), once its workers have handed over
         handed = a.worker.groups_handed_over
         assert handed >= 1
         b.start()

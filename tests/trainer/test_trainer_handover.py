@@ -129,6 +129,27 @@ def test_region_watch_reasons() -> None:
     assert "c" in watch.update(100.0)[0] and watch.gone["c"][1] == "silent"
 
 
+def test_a_region_counts_as_left_only_when_every_node_left_not_on_a_last_will() -> None:
+    """`left_at` (what lets the handover move a region's unstarted groups before its bound): every node
+    `offline` with `left`. A last will's `offline` (the agent died; its workers may live on, or a
+    restarted agent resume) does not count, nor does one node leaving while another drains."""
+    watch = RegionWatch(["a", "b"], heartbeat_interval_s=1.0)
+    watch.observe("a", "n1", "offline", 5.0, 5.0)  # a last will
+    watch.observe("b", "n1", "offline", 5.0, 5.0, left=True)
+    watch.observe("b", "n2", "draining", 5.0, 5.0)
+    watch.update(5.0)
+    assert watch.gone["a"][1] == "offline" and watch.gone["b"][1] == "drain"
+    assert watch.left_at == {}
+    watch.observe("b", "n2", "offline", 6.0, 6.0, left=True)
+    watch.update(6.0)
+    assert watch.left_at == {"b": 6.0}
+    watch.observe("a", "n1", "up", 7.0, 7.0)  # a restarted agent: a is back
+    watch.observe("b", "n3", "up", 7.0, 7.0, serving=False)  # a replacement whose engine loads: b stays left
+    assert watch.update(7.0) == ([], ["a"]) and watch.left_at == {"b": 6.0}
+    watch.observe("b", "n3", "up", 8.0, 8.0)
+    assert watch.update(8.0) == ([], ["b"]) and watch.left_at == {}
+
+
 async def test_a_region_is_not_back_until_an_engine_of_its_replacement_node_is_up() -> None:
     """An agent beats `up` as soon as it runs, while its engines load the model for tens of seconds.
     A preempted region whose replacement node is starting stays gone (its groups moved once, nothing
