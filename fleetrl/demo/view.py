@@ -114,6 +114,13 @@ class Progress:
             self.steps[self.step] = self._row(event)
             self.last_step_at = time.monotonic()
             return self.step_line()
+        if name == "trainer.started":
+            # A restarted trainer goes on from its checkpoint: the steps a killed one made after that are
+            # gone from the model (it redoes them), so they leave the view, the summary and metrics.jsonl.
+            self.step = int(event.get("step") or 0)
+            del self.rewards[self.step:]
+            for redone in [s for s in self.steps if s > self.step]:
+                del self.steps[redone]
         if name == "checkpoint.saved":
             self.last_checkpoint_at = time.monotonic()
         if name == "group.stale":

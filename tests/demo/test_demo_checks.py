@@ -100,3 +100,18 @@ def test_progress_folds_trainer_replicator_and_agent_events() -> None:
     assert p.regions["a"].replica_version == 0 and p.regions["a"].sources == {"home": 1}
     assert p.regions["a"].groups_done == 1 and p.regions["b"].nodes == {"n1": "draining"}
     assert p.holding_latest() == []  # version 1 is not replicated yet
+
+
+def test_a_restarted_trainer_takes_the_view_back_to_its_checkpoint() -> None:
+    """A trainer SIGKILLed after a step it had not checkpointed restarts from the checkpoint: the view
+    (and so the summary's `steps` and metrics.jsonl, which the chaos tests hold against the books)
+    shows the steps the model has, not the highest one a killed trainer logged."""
+    p = Progress(10, {"a": RegionView()})
+    for step in (1, 2, 3):
+        p.feed({"event": "step.done", "step": step, "version": step, "reward_mean": step / 10})
+    p.feed({"event": "trainer.started", "resumed": True, "step": 2, "version": 4})
+    assert (p.step, p.rewards, sorted(p.steps)) == (2, [0.1, 0.2], [1, 2])
+    p.feed({"event": "step.done", "step": 3, "version": 5, "reward_mean": 0.5})
+    assert (p.step, p.rewards, sorted(p.steps)) == (3, [0.1, 0.2, 0.5], [1, 2, 3])
+    p.feed({"event": "trainer.started", "resumed": False, "version": 0})  # killed before its first checkpoint
+    assert (p.step, p.rewards, p.steps) == (0, [], {})
