@@ -312,9 +312,12 @@ class Handover:
             task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
+        """Close every handover consumer; those still joining are cancelled and awaited too (bounded),
+        so that each closes its connections (a trainer that stops within a join's seconds has some)."""
+        joining = list(self._opening.values())
         for region in list(self._stacks) + list(self._opening):
             self._close(region)
-        tasks = list(self._closing)
+        tasks = [*joining, *self._closing]
         if tasks:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),
