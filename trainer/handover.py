@@ -94,8 +94,8 @@ class RegionWatch:
         self._nodes: dict[str, dict[str, _Node]] = {r: {} for r in regions}
         self.gone: dict[str, tuple[float, GoneReason]] = {}
         """region -> (trainer time it was found gone, why)."""
-        self.left_at: dict[str, float] = {}
-        """Gone regions whose nodes all left (`offline` with `Heartbeat.left`): when that was first seen."""
+        self.left: set[str] = set()
+        """Gone regions whose nodes all left (`offline` with `Heartbeat.left`)."""
 
     def observe(self, region: str, node: str, state: str, beat_ts: float, now: float, *,
                 serving: bool = True, left: bool = False) -> None:
@@ -130,9 +130,9 @@ class RegionWatch:
                 back.append(region)
                 log.info("handover.region_back", region=region)
             if reason == "offline" and all(n.left for n in self._nodes[region].values()):
-                self.left_at.setdefault(region, now)
+                self.left.add(region)
             else:
-                self.left_at.pop(region, None)
+                self.left.discard(region)
         return went, back
 
     def _reason(self, nodes: Mapping[str, _Node], now: float) -> GoneReason | Literal["starting"] | None:
@@ -169,24 +169,24 @@ class Handover:
         self.prompts_moved = 0
         self._read_out: set[str] = set()
         """Offline regions whose partials were all read (see the module docstring)."""
-        self._joining_all = False
+
+    def start(self) -> None:
+        """Join every region's handover consumer in the background (see the module docstring)."""
+        for region in self.config.regions:
+            self._open(region.name)
 
     async def tick(self, now: float, version: int,
                    nodes: Mapping[tuple[str, str], Heartbeat]) -> tuple[int, int]:
         """Observe the heartbeats, move what gone regions hold; returns (partials, prompts) moved."""
         for (region, node), beat in list(nodes.items()):
             self.watch.observe(region, node, beat.state, beat.ts, now, serving=beat.serving, left=beat.left)
-        if not self._joining_all:
-            self._joining_all = True
-            for r in self.config.regions:
-                self._open(r.name)
         went, _back = self.watch.update(now)
         for region in went:
             if region in self._consumers:
                 log.info("handover.reading_partials", region=region)
             else:
                 self._open(region)  # its consumer could not join at start: try again
-        self._read_out &= set(self.watch.left_at)
+        self._read_out &= self.watch.left
         partials = prompts = 0
         gone = frozenset(self.watch.gone)
         for region, (since, reason) in list(self.watch.gone.items()):
@@ -217,7 +217,7 @@ class Handover:
         for record in latest.values():
             moved += await self._move_one(region, record, now, version, gone)
         await self._commit(region, consumer, deliveries)
-        if not deliveries and region in self.watch.left_at and region not in self._read_out:
+        if not deliveries and region in self.watch.left and region not in self._read_out:
             await self._check_read_out(region, consumer)
         return moved
 

@@ -136,6 +136,7 @@ class Trainer:
                               on_dead_letter=self._count_dead_letter))
             self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector)
             stack.push_async_callback(self.handover.close)
+            self.handover.start()
             await self._loop(target, stop)
             await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
         self.result.steps, self.result.version = self.step, self.version

@@ -151,13 +151,7 @@ async def test_a_drained_region_s_partials_are_finished_in_another_region_keepin
         b = Node(config, "b")
         result = await asyncio.wait_for(train, 180)
     finally:
-        if not train.done():
-            train.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await train
-        await a.close()
-        if b is not None:
-            await b.close()
+        await _stop(train, a, b)
     assert result.steps == GROUPS // 2 and result.trained_groups == GROUPS
     assert trainer.handover.partials_moved == handed  # every partial a handed over, moved once
     m = trainer.metrics.registry
@@ -213,12 +207,7 @@ async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_o
         b.engine = "up"
         result = await asyncio.wait_for(train, 180)
     finally:
-        if not train.done():
-            train.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await train
-        await a.close()
-        await b.close()
+        await _stop(train, a, b)
     assert result.steps == GROUPS // 2 and result.trained_groups == GROUPS
     assert trainer.handover.partials_moved == handed
     assert trainer.handover.prompts_moved >= 1  # the unread ones, long before the handover bound
@@ -227,6 +216,17 @@ async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_o
     assert ckpt is not None
     report = reconcile(await read_topics(config), ckpt.state, config.run)
     assert report.ok, report.problems()
+
+
+async def _stop(train: asyncio.Task[Any], *nodes: Node | None) -> None:
+    """Cancel the trainer if it still runs, then close the nodes that were started."""
+    if not train.done():
+        train.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await train
+    for node in nodes:
+        if node is not None:
+            await node.close()
 
 
 async def _trajectories(config: FleetConfig) -> list[Any]:

@@ -130,7 +130,7 @@ def test_region_watch_reasons() -> None:
 
 
 def test_a_region_counts_as_left_only_when_every_node_left_not_on_a_last_will() -> None:
-    """`left_at` (what lets the handover move a region's unstarted groups before its bound): every node
+    """`left` (what lets the handover move a region's unstarted groups before its bound): every node
     `offline` with `left`. A last will's `offline` (the agent died; its workers may live on, or a
     restarted agent resume) does not count, nor does one node leaving while another drains."""
     watch = RegionWatch(["a", "b"], heartbeat_interval_s=1.0)
@@ -139,15 +139,15 @@ def test_a_region_counts_as_left_only_when_every_node_left_not_on_a_last_will() 
     watch.observe("b", "n2", "draining", 5.0, 5.0)
     watch.update(5.0)
     assert watch.gone["a"][1] == "offline" and watch.gone["b"][1] == "drain"
-    assert watch.left_at == {}
+    assert watch.left == set()
     watch.observe("b", "n2", "offline", 6.0, 6.0, left=True)
     watch.update(6.0)
-    assert watch.left_at == {"b": 6.0}
+    assert watch.left == {"b"}
     watch.observe("a", "n1", "up", 7.0, 7.0)  # a restarted agent: a is back
     watch.observe("b", "n3", "up", 7.0, 7.0, serving=False)  # a replacement whose engine loads: b stays left
-    assert watch.update(7.0) == ([], ["a"]) and watch.left_at == {"b": 6.0}
+    assert watch.update(7.0) == ([], ["a"]) and watch.left == {"b"}
     watch.observe("b", "n3", "up", 8.0, 8.0)
-    assert watch.update(8.0) == ([], ["b"]) and watch.left_at == {}
+    assert watch.update(8.0) == ([], ["b"]) and watch.left == set()
 
 
 async def test_a_region_is_not_back_until_an_engine_of_its_replacement_node_is_up() -> None:
