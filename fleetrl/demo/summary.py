@@ -82,7 +82,8 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
 def _stores_ok(stores: list[dict[str, Any]]) -> bool:
     """Every store verified (gapless, `latest` the newest, each version's hashes) and every region's
     replica at the home store's newest version (the replicas caught up)."""
-    return bool(stores) and all(s["ok"] for s in stores) and len({s["latest"] for s in stores}) == 1
+    return bool(stores) and all(s["ok"] and s["newest"] == s["latest"] for s in stores) \
+        and len({s["latest"] for s in stores}) == 1
 
 
 def render(s: dict[str, Any]) -> Table:
@@ -108,7 +109,9 @@ def render(s: dict[str, Any]) -> Table:
     table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
     table.add_row("stores", ("every version verified; " if s["stores_ok"] else "FAILED: ") + "; ".join(
         f"{x['store']} {x['first']}..{x['newest']} latest {x['latest']}"
-        + ("" if x["ok"] else f" (gaps {x['gaps'][:5]}, bad {list(x['bad'])[:5]})") for x in s["stores"]))
+        + ("" if x["ok"] else f" (gaps {x['gaps'][:5]}, bad {list(x['bad'])[:5]})")
+        + ("" if x["newest"] == x["latest"] else f" (latest not at the newest: {x.get('ahead', [])[:5]} ahead)")
+        for x in s["stores"]))
     if s["faults"]:
         kinds: dict[str, int] = {}
         for f in s["faults"]:
