@@ -296,7 +296,8 @@ class StoreCheck:
     def as_dict(self) -> dict[str, Any]:
         return {"store": self.store, "ok": self.ok, "first": self.versions[0] if self.versions else None,
                 "newest": self.versions[-1] if self.versions else None, "latest": self.latest,
-                "versions": len(self.versions), "ahead": self.ahead, "gaps": self.gaps, "bad": {str(k): v for k, v in self.bad.items()}}
+                "versions": len(self.versions), "ahead": self.ahead, "gaps": self.gaps,
+                "bad": {str(k): v for k, v in self.bad.items()}}
 
 
 def _matches(into: Mapping[str, Any], entries: Mapping[str, mf.TensorEntry]) -> bool:
