@@ -50,6 +50,9 @@ from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 Progress = Callable[[int], None]
+_ESTIMATE_MAX_VERSIONS = 48
+"""A catch-up's log estimates both routes' bytes from the manifests up to this many versions (the manifest
+cache holds 64, so the copy reads them again only past that)."""
 Holding = Callable[[int, str, int], None]
 """Told (version, manifest sha256, anchor) of the newest version the region store holds, after each pass
 of the lease holder: the region agent's daemon announces it on the control plane (the hub knows no MQTT)."""
@@ -209,6 +212,10 @@ class Replicator:
         holder. The bytes of the other route (the newest anchor whole, then what follows it) are logged
         beside; it would leave the versions before that anchor out of the region store, whose every
         version must verify, so it is never taken while those versions can still be copied."""
+        if len(todo) > _ESTIMATE_MAX_VERSIONS:  # a manifest read each: not worth it for a long catch-up
+            log.info("replicator.catch_up", region=self.region, versions=_spans(todo), count=len(todo),
+                     route="in_order")
+            return
         try:
             manifests = {v: self._manifest_anywhere(v)[0] for v in todo}
         except (StoreError, IntegrityError) as exc:
