@@ -14,6 +14,10 @@ recorded behaviour log-probability is that of the distribution actually sampled 
     logprob = log_softmax(logits / T)[token] - log(mass kept by top-p)
 
 which is exactly `log_softmax(logits / T)[token]` when `top_p == 1` (docs/rollout.md).
+
+The uniforms exist twice, bit for bit the same: `hashed_uniforms` in numpy on the host, and
+`device_uniforms` in int64 torch ops on the engine's device (the static decode step draws its
+tokens there, so no uniform crosses to the device per step).
 """
 
 from __future__ import annotations
@@ -64,6 +68,42 @@ def hashed_uniforms(hashed: np.ndarray, positions: Sequence[int] | np.ndarray[An
     bits = _splitmix64(hashed ^ (p * _GOLDEN))
     out: np.ndarray = (bits >> _S11).astype(np.float64) * (1.0 / 9007199254740992.0)
     return out
+
+
+def _signed(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no full uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_T_GOLDEN, _T_MIX1, _T_MIX2 = _signed(int(_GOLDEN)), _signed(int(_MIX1)), _signed(int(_MIX2))
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic on signed integers)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
+    # int64 addition and multiplication wrap modulo 2**64 on CPU and CUDA: the same bits as uint64.
+    z = x + _T_GOLDEN
+    z = z ^ _shr(z, 30)
+    z = z * _T_MIX1
+    z = z ^ _shr(z, 27)
+    z = z * _T_MIX2
+    return z ^ _shr(z, 31)
+
+
+def device_keys(hashed: np.ndarray) -> torch.Tensor:
+    """`hash_keys` output (uint64) as the int64 tensor `device_uniforms` takes (same bits)."""
+    return torch.from_numpy(np.ascontiguousarray(hashed, dtype=np.uint64).view(np.int64))
+
+
+def device_uniforms(hashed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`hashed_uniforms` in torch on any device: int64 keys (`device_keys`) and int64 positions of the
+    same shape (or broadcastable) -> float64 uniforms, bit for bit the host's. No host sync, no
+    data-dependent shape: it runs inside a captured CUDA graph."""
+    bits = _splitmix64_t(hashed ^ (positions * _T_GOLDEN))
+    return _shr(bits, 11).to(torch.float64) * (1.0 / 9007199254740992.0)
 
 
 def sample_tokens(
