@@ -121,6 +121,15 @@ class AlgorithmConfig(Model):
     """Max global grad norm."""
     micro_batch_samples: int = Field(64, ge=1)
     """Samples per forward/backward micro-batch (gradient accumulation)."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Scored tokens whose logits the learner holds at once: the output head and the log-softmax run chunk
+    by chunk, forward and backward, so a micro-batch's `[tokens, vocab]` fp32 logits never exist whole
+    (trainer/logprobs.py; only completion tokens go through the head). 0: the whole logits at once, at every
+    position (about 4 bytes x tokens x vocab, several times over in the backward pass)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in the forward pass and recompute the layer in the backward
+    (transformers' gradient checkpointing, non-reentrant): a micro-batch's activations shrink about as many
+    times as the model has layers, for about one more forward pass of compute."""
     ppo_epochs: int = Field(1, ge=1, le=64)
     """Passes over each step's samples. Above 1 (or with `mini_batches` above 1) the step makes several
     optimizer updates, the PPO ratio is taken against the logprobs of the weights before the step's

@@ -1,0 +1,121 @@
+"""A learner that fits: peak resident memory and time of one step, whole logits vs chunked logprobs.
+
+One step of the real learner (`trainer/learner.py`, GRPO, one micro-batch of every sample) on a Qwen2
+of ~50 M parameters with a 32k vocabulary (hidden 512, 12 layers, tied embeddings), 4,096 tokens per
+step (16 samples of 64 prompt + 192 completion tokens), fp32 on the CPU. The variants differ only in
+`algorithm.logprob_chunk_tokens`: 0 builds the micro-batch's whole `[tokens, vocab]` logits (the
+baseline), 1,024 runs the head and log-softmax chunk by chunk (trainer/logprobs.py). A third variant
+adds `activation_checkpointing` to the chunks.
+
+Each variant runs in its own process, so one's allocations never count in another's peak: the child
+builds the learner, resets the kernel's resident high-water mark (`/proc/self/clear_refs`), runs one
+step (the first: AdamW's state is allocated in it, the same in every variant) and reports `VmHWM`, the
+process's peak resident size during the step, and the step's wall time. Variants alternate over rounds
+and each keeps its best time (other processes on shared cores only slow a round down); the peak is
+the same every round.
+
+    .venv/bin/python bench/learner.py [--quick] [--rounds N] [--threads T]
+
+Last line: `result: peak_gib_full=... peak_gib_chunked=... peak_ratio=... step_time_ratio=...
+peak_gib_chunked_ckpt=... step_time_ratio_ckpt=...`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = {"full": (0, False), "chunked": (1024, False), "chunked_ckpt": (1024, True)}
+SHAPE = {"vocab_size": 32768, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 12,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+"""~50.6 M parameters: 16.8 M in the tied embedding, 2.8 M per layer."""
+SAMPLES, PROMPT, COMPLETION = 16, 64, 192
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def child(variant: str, threads: int) -> None:
+    import numpy as np
+    import torch
+
+    from fleetrl.broker import GroupRecord, Sample, floats, ids
+    from fleetrl.config import AlgorithmConfig, ModelConfig
+    from fleetrl.trainer.batch import build_step_batch
+    from fleetrl.trainer.dist import DistContext
+    from fleetrl.trainer.learner import Learner
+
+    torch.set_num_threads(threads)
+    chunk, ckpt = VARIANTS[variant]
+    algo = AlgorithmConfig(lr=1e-6, micro_batch_samples=64, logprob_chunk_tokens=chunk,
+                           activation_checkpointing=ckpt)
+    learner = Learner(ModelConfig(tiny=SHAPE), algo, DistContext())
+    params = sum(p.numel() for p in learner.model.parameters())
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(SAMPLES // 8):
+        samples = [Sample(ids(rng.integers(3, SHAPE["vocab_size"], COMPLETION).tolist()),
+                          floats(np.full(COMPLETION, -10.0, np.float32)), np.zeros(COMPLETION, np.int32),
+                          float(i % 2), "length") for i in range(8)]
+        groups.append(GroupRecord(f"g{g}", "r", "t", 0, "a", "n",
+                                  ids(rng.integers(3, SHAPE["vocab_size"], PROMPT).tolist()), samples))
+    batch = build_step_batch(groups, "grpo", 0)
+    before = _kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    started = time.perf_counter()
+    stats = learner.train_step(batch)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"variant": variant, "peak_kib": _kib("VmHWM"), "before_kib": before, "step_s": seconds,
+                      "loss": stats.loss, "params": params, "tokens": SAMPLES * (PROMPT + COMPLETION)}))
+
+
+def run_variant(variant: str, threads: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", variant, "--threads", str(threads)],
+                         check=True, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one round (under two minutes on 2 cores)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of the variants (default 3, quick 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per child")
+    parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.threads)
+        return
+    rounds = args.rounds or (1 if args.quick else 3)
+    best: dict[str, dict[str, float]] = {}
+    for r in range(rounds):
+        for variant in VARIANTS if r % 2 == 0 else list(VARIANTS)[::-1]:
+            got = run_variant(variant, args.threads)
+            print(f"round {r} {variant:12s}: peak {got['peak_kib'] / 2**20:.2f} GiB (resident before the step "
+                  f"{got['before_kib'] / 2**20:.2f} GiB), step {got['step_s']:.2f} s, loss {got['loss']:.6f}, "
+                  f"{got['params'] / 1e6:.1f} M params, {got['tokens']} tokens", flush=True)
+            if variant not in best or got["step_s"] < best[variant]["step_s"]:
+                best[variant] = got
+    gib = {v: best[v]["peak_kib"] / 2**20 for v in VARIANTS}
+    full_s = best["full"]["step_s"]
+    print("result: " + " ".join([
+        f"peak_gib_full={gib['full']:.2f}", f"peak_gib_chunked={gib['chunked']:.2f}",
+        f"peak_ratio={gib['chunked'] / gib['full']:.2f}",
+        f"step_time_ratio={best['chunked']['step_s'] / full_s:.2f}",
+        f"peak_gib_chunked_ckpt={gib['chunked_ckpt']:.2f}",
+        f"step_time_ratio_ckpt={best['chunked_ckpt']['step_s'] / full_s:.2f}",
+    ]))
+
+
+if __name__ == "__main__":
+    main()
