@@ -126,6 +126,22 @@ def sample_tokens(
     return tokens, behaviour
 
 
+def sample_tokens_fixed(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, nucleus: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` without a host sync, for a captured step: the caller says whether any row has
+    `top_p < 1` (`nucleus`; then every row is sampled both ways and keeps its own rule). The same tokens
+    and logprobs as `sample_tokens`, row for row."""
+    logp = torch.log_softmax(logits.float() / temperature.float()[:, None], dim=-1)
+    probs = logp.exp()
+    tokens, behaviour = _sample_full(logp, probs, u)
+    if nucleus:
+        tokens_p, behaviour_p = _sample_top_p(logp, probs, top_p, u)
+        full = top_p >= 1.0
+        tokens, behaviour = torch.where(full, tokens, tokens_p), torch.where(full, behaviour, behaviour_p)
+    return tokens, behaviour
+
+
 def _sample_top_p(
     logp: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     """log_softmax(h @ W.T / T)[target] per row, chunk by chunk (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 temperature: float, chunk: int, compute: torch.dtype) -> torch.Tensor:
         w = weight.to(compute)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -49,7 +49,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse = ctx.saved_tensors
         temperature, chunk, compute = ctx.temperature, ctx.chunk, ctx.compute
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -377,6 +377,16 @@ class TorchEngineConfig(Model):
     """Emulated slowness and completion lengths for benchmarks on CPU (see `EngineEmulation`)."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """History-drafted speculative decoding (see `SpeculativeConfig`); `enabled: false` turns it off."""
+    static_step: bool | None = None
+    """Decode with the static step (docs/rollout.md): fixed-size device buffers, sampling on the device, a
+    CUDA graph per batch bucket on a GPU. None: on for CUDA devices (where an eager step is host-bound),
+    off on CPU (where the packed pass, one forward for decode, prefill and drafts together, is faster)."""
+    cuda_graphs: bool = True
+    """With the static step on CUDA, capture each bucket's step as a CUDA graph and replay it; false runs the
+    same step eagerly (slower; for debugging)."""
+    prefill_tokens: int = Field(8192, ge=16)
+    """Most tokens (prompts padded to a power of two) one captured prefill pass of the static step holds; a
+    step's admissions are split into as few passes as fit."""
 
 
 class VllmEngineConfig(Model):
