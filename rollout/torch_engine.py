@@ -35,7 +35,7 @@ from fleetrl.rollout._graphs import GraphMode
 from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._slots import SlotTable
 from fleetrl.rollout._static import POSITION_ONLY_ROPE, StaticStep
-from fleetrl.rollout.engine import Engine, SeqState
+from fleetrl.rollout.engine import Engine, SeqState, TensorChanges
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.history import ResponseHistory, ResponseInbox, prompt_key
 from fleetrl.rollout.sampling import hashed_uniforms, sample_tokens
@@ -48,6 +48,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class TorchEngine(Engine):
     """Continuous-batching engine over a transformers causal LM."""
+
+    accepts_changes = True
 
     def __init__(
         self, model: Any, *, max_batch: int = 32, device: str = "cpu", dtype: str = "float32",
@@ -437,6 +439,26 @@ class TorchEngine(Engine):
         if missing:
             raise EngineError(f"weights are missing {len(missing)} parameter(s), first {missing[0]!r}")
         log.debug("engine.weights_loaded", tensors=len(tensors))
+
+    @torch.inference_mode()
+    def _load_changes(self, changes: Mapping[str, TensorChanges]) -> None:
+        """Scatter each tensor's changed elements into its parameter on the engine's device: only the
+        positions and values cross to the device, not the tensors (tied names written once)."""
+        written: set[int] = set()
+        for name, change in changes.items():
+            param = self._params.get(name)
+            if param is None:
+                raise EngineError(f"tensor {name!r} is not a parameter or buffer of the engine's model")
+            if id(param) in written:
+                continue
+            flat = param.view(-1)
+            pos = change.positions
+            if len(pos) != len(change.values) or (len(pos) and not 0 <= int(pos[0]) <= int(pos[-1]) < flat.numel()):
+                raise EngineError(f"changes of tensor {name!r} do not fit its {flat.numel()} elements")
+            index = torch.from_numpy(pos).to(self.device, non_blocking=True)
+            flat.index_copy_(0, index, change.values.to(self.device, non_blocking=True).to(flat.dtype))
+            written.add(id(param))
+        log.debug("engine.changes_loaded", tensors=len(written), elements=sum(len(c.positions) for c in changes.values()))
 
 
 def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
