@@ -12,9 +12,10 @@ engine a new version at any time (`stage_changes`: only the elements it changed,
 that `accepts_changes`); it is applied *between* decoding steps, so the per-token versions
 of a sample switch exactly at the step after which the weights changed (in-flight update; the KV
 cache of earlier tokens is kept, as PipelineRL does). Staged updates apply in the order given: a
-complete set of weights replaces whatever waits before it, changes and parts follow each other. `take(group_id)` withdraws an unfinished
-group and returns its samples as far as they got (token-level handover); `submit` with `resume=`
-continues them where they stopped, keeping finished samples as they are.
+complete set of weights replaces whatever waits before it, changes and parts follow each other.
+`take(group_id)` withdraws an unfinished group and returns its samples as far as they got
+(token-level handover); `submit` with `resume=` continues them where they stopped, keeping finished
+samples as they are.
 
 Answers that other workers of the region gave (read from its `trajectories`,
 `rollout/region_history.py`) reach the engine through `observe_responses`: an engine with a response

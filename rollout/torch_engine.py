@@ -458,7 +458,8 @@ class TorchEngine(Engine):
             index = torch.from_numpy(pos).to(self.device, non_blocking=True)
             flat.index_copy_(0, index, change.values.to(self.device, non_blocking=True).to(flat.dtype))
             written.add(id(param))
-        log.debug("engine.changes_loaded", tensors=len(written), elements=sum(len(c.positions) for c in changes.values()))
+        log.debug("engine.changes_loaded", tensors=len(written),
+                  elements=sum(len(c.positions) for c in changes.values()))
 
 
 def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
