@@ -17,8 +17,9 @@ between two `step()` calls. Along a delta chain `WeightSync` stages only the ten
 exactly them (vLLM's parameters are fused and sharded under other names, so the positions of single
 changed elements cannot be scattered into them from here).
 
-Sampling randomness: vLLM's per-request `seed`, derived from the sample key and the position the request starts at; a resumed sample is deterministic under that
-seed but, unlike the torch engine, not token-identical to an uninterrupted run.
+Sampling randomness: vLLM's per-request `seed`, derived from the sample key and the position the
+request starts at; a resumed sample is deterministic under that seed but, unlike the torch engine,
+not token-identical to an uninterrupted run.
 
 vllm is imported lazily, only when this engine is built. Not run in this repository's CI (no GPU):
 see docs/rollout.md for exactly what was and was not exercised.
