@@ -142,6 +142,7 @@ class StepGraphs:
             fn()  # warm-up: lazy inits happen outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA calls (a weight pull's copies) neither join nor break the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             fn()
         return graph
