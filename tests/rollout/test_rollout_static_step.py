@@ -178,3 +178,24 @@ def test_the_static_step_on_a_model_it_cannot_run_names_why() -> None:
     model.model.rotary_emb.rope_type = "dynamic"
     with pytest.raises(EngineError, match="dynamic"):
         TorchEngine(model, max_batch=2, static=True)
+
+
+def test_a_partial_handed_over_between_static_engines_continues_as_the_uninterrupted_run() -> None:
+    model = ModelConfig().build()
+    sampling = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=20)
+    request = GroupRequest("g", [1, 50, 51, 52, 53], sampling, n_samples=4, seed=11)
+
+    def static(batch: int) -> TorchEngine:
+        return TorchEngine(copy.deepcopy(model), max_batch=batch, eos_ids=FREQUENT_EOS, static=True, graphs="record")
+
+    uninterrupted = static(4).generate(request)
+    first = static(2)
+    first.submit(GroupRequest("g", request.prompt_ids, sampling, n_samples=4, seed=11))
+    for _ in range(5):
+        first.step()
+    handed = first.take("g")
+    assert any(s.finish_reason is None and len(s.completion_ids) for s in handed)
+    resumed = static(3).generate(GroupRequest("g", request.prompt_ids, sampling, 4, seed=11, resume=handed))
+    for a, b in zip(uninterrupted, resumed, strict=True):
+        np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
