@@ -79,6 +79,7 @@ class TorchEngine(Engine):
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._waiting: deque[SeqState] = deque()
         self._eos_table = np.zeros(0, dtype=bool)
+        self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
         spec = speculative if speculative is not None else SpeculativeConfig()
         use_static = self._use_static(static)
         # The static step keeps the slot table's last tokens on the host: they go up with its other inputs.
@@ -415,7 +416,7 @@ class TorchEngine(Engine):
 
     def _is_eos(self) -> np.ndarray:
         """A lookup table token id -> is EOS (np.isin costs ~10 us a step)."""
-        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        vocab = self._vocab
         if self._eos_table.shape[0] != vocab:
             self._eos_table = np.zeros(vocab, dtype=bool)
             self._eos_table[[e for e in self.eos_ids if 0 <= e < vocab]] = True
