@@ -10,9 +10,11 @@ adds `activation_checkpointing` to the chunks.
 Each variant runs in its own process, so one's allocations never count in another's peak: the child
 builds the learner, resets the kernel's resident high-water mark (`/proc/self/clear_refs`), runs one
 step (the first: AdamW's state is allocated in it, the same in every variant) and reports `VmHWM`, the
-process's peak resident size during the step, and the step's wall time. Variants alternate over rounds
-and each keeps its best time (other processes on shared cores only slow a round down); the peak is
-the same every round.
+process's peak resident size during the step, and the step's time. The time is the process's CPU time
+(user + system, one thread): on shared cores wall time swings by 2x with the neighbours' load (measured
+here: the same step took 17 to 50 s), CPU time much less; page faults and zeroing of fresh memory count
+in it. Wall time is printed too. Variants alternate over rounds and each keeps its best time; the peak
+is the same every round.
 
     .venv/bin/python bench/learner.py [--quick] [--rounds N] [--threads T]
 
@@ -77,10 +79,11 @@ def child(variant: str, threads: int) -> None:
     before = _kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     stats = learner.train_step(batch)
-    seconds = time.perf_counter() - started
-    print(json.dumps({"variant": variant, "peak_kib": _kib("VmHWM"), "before_kib": before, "step_s": seconds,
+    seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu
+    print(json.dumps({"variant": variant, "peak_kib": _kib("VmHWM"), "before_kib": before, "step_s": cpu_s,
+                      "wall_s": seconds,
                       "loss": stats.loss, "params": params, "tokens": SAMPLES * (PROMPT + COMPLETION)}))
 
 
@@ -107,7 +110,8 @@ def main() -> None:
         for variant in VARIANTS if r % 2 == 0 else list(VARIANTS)[::-1]:
             got = run_variant(variant, args.threads)
             print(f"round {r} {variant:12s}: peak {got['peak_kib'] / 2**20:.2f} GiB (resident before the step "
-                  f"{got['before_kib'] / 2**20:.2f} GiB), step {got['step_s']:.2f} s, loss {got['loss']:.6f}, "
+                  f"{got['before_kib'] / 2**20:.2f} GiB), step {got['step_s']:.2f} s CPU ({got['wall_s']:.2f} s wall), "
+                  f"loss {got['loss']:.6f}, "
                   f"{got['params'] / 1e6:.1f} M params, {got['tokens']} tokens", flush=True)
             if variant not in best or got["step_s"] < best[variant]["step_s"]:
                 best[variant] = got
