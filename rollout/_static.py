@@ -261,7 +261,8 @@ class StaticStep:
         at = 0
         while at < len(by_length):
             el = bucket(int(lengths[by_length[at]]), self.cache.capacity, 16)
-            per = max(1, self.prefill_tokens // el)
+            fit = self.prefill_tokens // el  # samples a pass holds, as a power of two: a bucket never outgrows it
+            per = 1 << (fit.bit_length() - 1) if fit else 1
             group = [i for i in by_length[at:at + per] if lengths[i] <= el]
             at += len(group)
             if outs and self.device.type == "cuda":

@@ -199,3 +199,19 @@ def test_a_partial_handed_over_between_static_engines_continues_as_the_uninterru
     for a, b in zip(uninterrupted, resumed, strict=True):
         np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_admissions_split_into_prefill_passes_of_any_token_budget() -> None:
+    model = ModelConfig().build().eval()
+    cache = SlotCache(model.config.num_hidden_layers, 16)
+    # 200 tokens is not a power of two: 12 samples of 16 padded tokens would be 16 rows in one bucket.
+    step = StaticStep(model, model.model, cache, max_batch=16, max_tokens=1, mode="record", prefill_tokens=200)
+    seqs = [[1, *range(30 + i, 30 + i + 5 + i)] for i in range(12)]
+    ones = np.ones(12, dtype=np.float32)
+    keys = hash_keys(list(range(12)))
+    _, together = step.step(None, PrefillRows(list(range(12)), seqs, np.zeros(12, np.int64), keys, ones, ones))
+    assert together is not None
+    for i, s in enumerate(seqs):
+        probs = torch.softmax(_hf_logits(model, s)[-1], -1)
+        assert together[1][i] == pytest.approx(float(torch.log(probs[int(together[0][i])])), abs=1e-4)
