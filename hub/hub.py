@@ -186,16 +186,7 @@ class Hub:
         steps, from_caller = self.reader.plan(version, have_version if usable else None)
         work: dict[str, np.ndarray]
         if from_caller and into is not None and not verify_full and self._in_place_ok(steps, entries, into):
-            changed = {n for step in steps for n, _ in self.reader.refs(step)}
-            targets = {n: to_words(into[n]) for n in changed}
-            if len(steps) == 1:  # one version behind: the common case, checked and applied per part
-                inplace.apply_step(self.reader, steps[0], targets, progress)
-            else:
-                decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
-                self.reader.apply_verified(decoded, targets)
-            for n, e in entries.items():
-                if e.encoding == "tied" and e.tied_to and into[n].data_ptr() != into[e.tied_to].data_ptr():
-                    into[n].copy_(into[e.tied_to])
+            self._deltas_in_place(steps, entries, into, progress, positions=False)
             return into
         if from_caller:
             assert into is not None
@@ -207,6 +198,50 @@ class Hub:
         out = {n: from_words(w, entries[n].dtype, entries[n].shape) for n, w in work.items()
                if entries[n].encoding != "tied"}
         return _hand_out(out, entries, into)
+
+    def changes(self, version: int, into: dict[str, torch.Tensor], have_version: int,
+                progress: Progress | None = None) -> dict[str, np.ndarray] | None:
+        """Bring `into` (holding `have_version`) to `version` in place along the delta chain, as
+        `materialize` does, and return per tensor the flat positions (sorted int64) of the elements the
+        chain changed: all an engine holding `have_version` must write (the new values are
+        `into[name].view(-1)[positions]`). Tied names are listed with the tensor they share. Every
+        changed word is checked against its part's digest before anything is written. None (and `into`
+        untouched) where deltas in place cannot get there: an anchor is nearer, the chain is broken, or
+        `into` does not match; then `materialize`."""
+        entries = {t.name: t for t in self.reader.manifest(version).tensors}
+        if not _matches(into, entries):
+            return None
+        steps, from_caller = self.reader.plan(version, have_version)
+        if not from_caller or not self._in_place_ok(steps, entries, into):
+            return None
+        return self._deltas_in_place(steps, entries, into, progress, positions=True)
+
+    def _deltas_in_place(self, steps: list[Step], entries: Mapping[str, mf.TensorEntry], into: dict[str, Any],
+                         progress: Progress | None, positions: bool) -> dict[str, np.ndarray]:
+        """Apply a chain of delta steps straight into `into` (see `materialize`); with `positions`, the
+        changed positions per tensor (tied names included)."""
+        import numpy as np
+
+        changed = {n for step in steps for n, _ in self.reader.refs(step)}
+        targets = {n: to_words(into[n]) for n in changed}
+        found: dict[str, np.ndarray] = {}
+        if len(steps) == 1:  # one version behind: the common case, checked and applied per part
+            payloads = inplace.apply_step(self.reader, steps[0], targets, progress)
+            if positions:
+                found = self.reader.changed_positions(steps[0], payloads)
+        else:
+            decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
+            self.reader.apply_verified(decoded, targets)
+            if positions:
+                found = {n: np.unique(np.concatenate([d.pos + r.start for _, d, r in parts if d.pos is not None]))
+                         for n, parts in decoded.items()}
+        for n, e in entries.items():
+            if e.encoding == "tied" and e.tied_to:
+                if into[n].data_ptr() != into[e.tied_to].data_ptr():
+                    into[n].copy_(into[e.tied_to])
+                if e.tied_to in found:
+                    found[n] = found[e.tied_to]
+        return found
 
     def verify_store(self, progress: Callable[[int], None] | None = None) -> StoreCheck:
         """Check every version in this hub's store, oldest first: numbers gapless, `latest` naming the

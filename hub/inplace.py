@@ -50,12 +50,15 @@ _Prepared = tuple[dict[np.dtype, tuple[kernels.Batch, list[_Fused]]], list[tuple
 """A batch ready to apply: kernel groups per word dtype, and the parts for numpy."""
 
 
-def apply_step(reader: Reader, step: Step, targets: dict[str, np.ndarray], progress: Progress | None = None) -> None:
-    """Apply delta `step` into `targets` (the caller's memory); on any error nothing is changed."""
+def apply_step(reader: Reader, step: Step, targets: dict[str, np.ndarray], progress: Progress | None = None
+               ) -> dict[tuple[str, int], memoryview]:
+    """Apply delta `step` into `targets` (the caller's memory); on any error nothing is changed.
+    Returns the step's part payloads (each checked against its sha256), keyed as `Reader.fetch` keys them."""
     refs = reader.refs(step)
     mf.check_disjoint(refs, reader.store.where(mf.version_key(reader.run, step.version)))
     payloads = reader.fetch(step.version, refs, progress)
     _InPlace(reader, step.version, payloads, targets).run(_batches(refs), reader.threads)
+    return payloads
 
 
 def _batches(refs: list[tuple[str, mf.PartRef]]) -> list[list[tuple[str, mf.PartRef]]]:

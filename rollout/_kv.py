@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -106,7 +106,21 @@ class Pass:
     """Drafted tokens of running samples, verified in this pass (they follow the prefill tokens)."""
 
 
-_PASS: contextvars.ContextVar[tuple[SlotCache, Pass] | None] = contextvars.ContextVar("fleetrl_pass", default=None)
+class OtherPass(Protocol):
+    """A pass of another layout (`fleetrl.rollout._static`): it writes and attends itself."""
+
+    width: int
+
+    def write(self, layer: SlotLayer, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write this pass's keys and values into the layer's buffers."""
+
+    def attend(self, layer: SlotLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """The attention output [*query's leading dims but heads, tokens, heads, dim]."""
+
+
+AnyPass = Pass | OtherPass
+_PASS: contextvars.ContextVar[tuple[SlotCache, AnyPass] | None] = contextvars.ContextVar("fleetrl_pass", default=None)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -119,10 +133,13 @@ class SlotLayer(CacheLayerMixin):
         self._owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.allocate(key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device)
+
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The buffers, zeroed (the static step allocates them before any capture)."""
         o = self._owner
-        self.keys = key_states.new_zeros(o.max_batch + 1, key_states.shape[1], o.capacity, key_states.shape[3])
-        self.values = value_states.new_zeros(o.max_batch + 1, value_states.shape[1], o.capacity,
-                                             value_states.shape[3])
+        self.keys = torch.zeros(o.max_batch + 1, kv_heads, o.capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
         self.is_initialized = True
 
     def update(
@@ -132,6 +149,9 @@ class SlotLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
         p = self._owner.current
+        if not isinstance(p, Pass):
+            p.write(self, key_states, value_states)
+            return key_states, value_states
         # [1, heads, R, dim] -> one (slot, column) per packed token, written in place.
         self.keys[p.write_slot, :, p.write_col] = key_states[0].transpose(0, 1)
         self.values[p.write_slot, :, p.write_col] = value_states[0].transpose(0, 1)
@@ -164,11 +184,11 @@ class SlotCache(Cache):
     def __init__(self, num_layers: int, max_batch: int, capacity: int = 128) -> None:
         self.max_batch = max_batch
         self.capacity = capacity
-        self._current: Pass | None = None
+        self._current: AnyPass | None = None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
     @property
-    def current(self) -> Pass:
+    def current(self) -> AnyPass:
         if self._current is None:
             raise RuntimeError("the slot cache is used outside of a slot pass")
         return self._current
@@ -184,8 +204,15 @@ class SlotCache(Cache):
             layer.grow(self.capacity)
 
 
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate every layer's buffers now (zeroed), at the current capacity."""
+        for layer in self.layers:
+            assert isinstance(layer, SlotLayer)
+            layer.allocate(kv_heads, head_dim, dtype, device)
+
+
 @contextlib.contextmanager
-def slot_pass(model: Any, cache: SlotCache, plan: Pass) -> Iterator[None]:
+def slot_pass(model: Any, cache: SlotCache, plan: AnyPass) -> Iterator[None]:
     """Run the model's attention through `slot_attention` for this pass only."""
     config = model.config
     previous = config._attn_implementation_internal
@@ -213,6 +240,8 @@ def slot_attention(
     cache, p = current
     layer = cache.layers[module.layer_idx]  # type: ignore[index]
     assert isinstance(layer, SlotLayer)
+    if not isinstance(p, Pass):
+        return p.attend(layer, query, key, value, scaling), None
     keys, values = layer.keys, layer.values
     assert keys is not None and values is not None
     heads, dim, kv_heads = query.shape[1], query.shape[3], keys.shape[1]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fleetrl.rollout._kv import Pass, Prefill, SlotCache
+from fleetrl.rollout._static import DecodeRows, PrefillRows
 from fleetrl.rollout.engine import SeqState
 from fleetrl.rollout.sampling import hash_keys
 
@@ -96,6 +97,25 @@ class SlotTable:
         draft_start = n + int(offsets[a]) if drafts else n + total
         keep = np.concatenate([np.arange(n), n + offsets[:a] + lengths[:a] - 1, np.arange(draft_start, n + total)])
         return plan, torch.cat([self.last[:n], torch.from_numpy(flat).to(dev)]), torch.from_numpy(keep).to(dev)
+
+    def decode_rows(self, drafts: Sequence[tuple[int, list[int]]], pad_id: int) -> DecodeRows:
+        """The static step's decode inputs for slots 0..n-1: each slot's last token, then its draft."""
+        n = self.n
+        length = 1 + max((len(d) for _, d in drafts), default=0)
+        ids = np.full((n, length), pad_id, dtype=np.int64)
+        ids[:, 0] = self.last[:n].numpy()
+        for b, draft in drafts:
+            ids[b, 1:1 + len(draft)] = draft
+        return DecodeRows(ids, self.pos[:n], self.write_slot[:n], self.count[:n], self.keys[:n], self.temp[:n],
+                          self.top_p[:n])
+
+    @staticmethod
+    def prefill_rows(rows: list[int], seqs: list[SeqState]) -> PrefillRows:
+        """The static step's prefill inputs for `seqs` admitted into slots `rows` (as `admit` will set them)."""
+        return PrefillRows(
+            rows, [s.prompt_ids + s.tokens for s in seqs], np.array([len(s.tokens) for s in seqs], dtype=np.int64),
+            hash_keys([s.key for s in seqs]), np.array([s.sampling.temperature for s in seqs], dtype=np.float32),
+            np.array([s.sampling.top_p for s in seqs], dtype=np.float32))
 
     def reserve(self, width: int) -> None:
         self.cache.reserve(width)

@@ -8,11 +8,14 @@ samples have finished.
 
 Every sampled token carries its behaviour log-probability (`fleetrl.rollout.sampling` states the
 convention) and the policy version of the weights that produced it. `stage_weights` hands the
-engine a new version at any time; it is applied *between* decoding steps, so the per-token versions
+engine a new version at any time (`stage_changes`: only the elements it changed, for an engine
+that `accepts_changes`); it is applied *between* decoding steps, so the per-token versions
 of a sample switch exactly at the step after which the weights changed (in-flight update; the KV
-cache of earlier tokens is kept, as PipelineRL does). `take(group_id)` withdraws an unfinished
-group and returns its samples as far as they got (token-level handover); `submit` with `resume=`
-continues them where they stopped, keeping finished samples as they are.
+cache of earlier tokens is kept, as PipelineRL does). Staged updates apply in the order given: a
+complete set of weights replaces whatever waits before it, changes and parts follow each other.
+`take(group_id)` withdraws an unfinished group and returns its samples as far as they got
+(token-level handover); `submit` with `resume=` continues them where they stopped, keeping finished
+samples as they are.
 
 Answers that other workers of the region gave (read from its `trajectories`,
 `rollout/region_history.py`) reach the engine through `observe_responses`: an engine with a response
@@ -50,6 +53,16 @@ class GroupRequest:
     """With (group_id, sample index, token position), fixes every sampled token."""
     resume: Sequence[PartialSample] | None = None
     """Samples as far as a previous worker got (n_samples of them); finished ones are kept as is."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorChanges:
+    """The elements of one tensor (Hugging Face name) that a version changed."""
+
+    positions: Any
+    """Flat positions (sorted int64 numpy array) into the tensor's elements."""
+    values: Any
+    """Their new values (a 1-D torch tensor in the published dtype, as long as `positions`)."""
 
 
 @dataclass(slots=True)
@@ -102,7 +115,8 @@ class Engine(ABC):
         self._touched: set[str] = set()
         self.tokens_sampled = 0
         """Tokens this engine sampled (resumed prefixes excluded): the work it did."""
-        self._staged: tuple[Mapping[str, Any], int] | None = None
+        self._staged: list[tuple[str, Mapping[str, Any], int]] = []
+        """Updates waiting for the next step, in order: (kind `all`/`part`/`changes`, tensors, version)."""
         self._staged_lock = threading.Lock()
         self.responses_observed = 0
         """Answers of other workers (`observe_responses`) recorded into the engine's history."""
@@ -116,11 +130,14 @@ class Engine(ABC):
         """Policy version of the weights the next step decodes with (once staged ones apply)."""
         return self._version
 
+    accepts_changes = False
+    """Whether `stage_changes` works: the engine scatters a version's changed elements into its weights."""
+
     @property
     def staged_version(self) -> int | None:
-        """Version handed to `stage_weights` and not applied yet, if any."""
+        """Newest version staged and not applied yet, if any."""
         with self._staged_lock:
-            return None if self._staged is None else self._staged[1]
+            return self._staged[-1][2] if self._staged else None
 
     def has_staged(self) -> bool:
         return self.staged_version is not None
@@ -151,10 +168,23 @@ class Engine(ABC):
         self._withdraw([s for s in seqs if s.finish_reason is None])
         return [s.to_partial() for s in seqs]
 
-    def stage_weights(self, tensors: Mapping[str, Any], version: int) -> None:
-        """Hand over a new weight version (any thread); it applies before the next decoding step."""
+    def stage_weights(self, tensors: Mapping[str, Any], version: int, complete: bool = True) -> None:
+        """Hand over a new weight version (any thread); it applies before the next decoding step. The
+        engine reads the tensors when it applies them: the caller must not change them meanwhile.
+        `complete` False: only the tensors the version changed (after what is staged already)."""
         with self._staged_lock:
-            self._staged = (tensors, version)
+            if complete:
+                self._staged = [("all", tensors, version)]
+            else:
+                self._staged.append(("part", tensors, version))
+
+    def stage_changes(self, changes: Mapping[str, TensorChanges], version: int) -> None:
+        """Hand over the elements `version` changed from the version before it (staged or loaded); they
+        are written into the weights before the next decoding step (any thread)."""
+        if not self.accepts_changes:
+            raise EngineError(f"{type(self).__name__} does not take sparse weight changes; stage tensors")
+        with self._staged_lock:
+            self._staged.append(("changes", changes, version))
 
     def group_ids(self) -> list[str]:
         return list(self._groups)
@@ -213,6 +243,14 @@ class Engine(ABC):
     def _load_weights(self, tensors: Mapping[str, Any]) -> None:
         """Copy a full set of weights (Hugging Face names) into the model."""
 
+    def _load_part(self, tensors: Mapping[str, Any]) -> None:
+        """Copy some of the weights (the tensors a version changed) into the model."""
+        raise EngineError(f"{type(self).__name__} loads complete sets of weights only")
+
+    def _load_changes(self, changes: Mapping[str, TensorChanges]) -> None:
+        """Write a version's changed elements into the model (engines that `accepts_changes`)."""
+        raise EngineError(f"{type(self).__name__} does not take sparse weight changes")
+
     def _append(self, seq: SeqState, token: int, logprob: float) -> None:
         """Record one sampled token and decide whether the sample finished."""
         self.tokens_sampled += 1
@@ -233,10 +271,14 @@ class Engine(ABC):
 
     def _apply_staged(self) -> None:
         with self._staged_lock:
-            staged, self._staged = self._staged, None
-        if staged is not None:
-            tensors, version = staged
-            self._load_weights(tensors)
+            staged, self._staged = self._staged, []
+        for kind, tensors, version in staged:
+            if kind == "all":
+                self._load_weights(tensors)
+            elif kind == "part":
+                self._load_part(tensors)
+            else:
+                self._load_changes(tensors)
             self._version = version
 
     def _collect_finished(self) -> list[FinishedGroup]:

@@ -14,6 +14,10 @@ recorded behaviour log-probability is that of the distribution actually sampled 
     logprob = log_softmax(logits / T)[token] - log(mass kept by top-p)
 
 which is exactly `log_softmax(logits / T)[token]` when `top_p == 1` (docs/rollout.md).
+
+The uniforms exist twice, bit for bit the same: `hashed_uniforms` in numpy on the host, and
+`device_uniforms` in int64 torch ops on the engine's device (the static decode step draws its
+tokens there, so no uniform crosses to the device per step).
 """
 
 from __future__ import annotations
@@ -66,6 +70,42 @@ def hashed_uniforms(hashed: np.ndarray, positions: Sequence[int] | np.ndarray[An
     return out
 
 
+def _signed(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no full uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_T_GOLDEN, _T_MIX1, _T_MIX2 = _signed(int(_GOLDEN)), _signed(int(_MIX1)), _signed(int(_MIX2))
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic on signed integers)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
+    # int64 addition and multiplication wrap modulo 2**64 on CPU and CUDA: the same bits as uint64.
+    z = x + _T_GOLDEN
+    z = z ^ _shr(z, 30)
+    z = z * _T_MIX1
+    z = z ^ _shr(z, 27)
+    z = z * _T_MIX2
+    return z ^ _shr(z, 31)
+
+
+def device_keys(hashed: np.ndarray) -> torch.Tensor:
+    """`hash_keys` output (uint64) as the int64 tensor `device_uniforms` takes (same bits)."""
+    return torch.from_numpy(np.ascontiguousarray(hashed, dtype=np.uint64).view(np.int64))
+
+
+def device_uniforms(hashed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`hashed_uniforms` in torch on any device: int64 keys (`device_keys`) and int64 positions of the
+    same shape (or broadcastable) -> float64 uniforms, bit for bit the host's. No host sync, no
+    data-dependent shape: it runs inside a captured CUDA graph."""
+    bits = _splitmix64_t(hashed ^ (positions * _T_GOLDEN))
+    return _shr(bits, 11).to(torch.float64) * (1.0 / 9007199254740992.0)
+
+
 def sample_tokens(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +123,22 @@ def sample_tokens(
         # Each row's rule depends only on its own top_p, never on the rest of the batch.
         tokens_f, behaviour_f = _sample_full(logp, probs, u)
         tokens, behaviour = torch.where(full, tokens_f, tokens), torch.where(full, behaviour_f, behaviour)
+    return tokens, behaviour
+
+
+def sample_tokens_fixed(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, nucleus: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` without a host sync, for a captured step: the caller says whether any row has
+    `top_p < 1` (`nucleus`; then every row is sampled both ways and keeps its own rule). The same tokens
+    and logprobs as `sample_tokens`, row for row."""
+    logp = torch.log_softmax(logits.float() / temperature.float()[:, None], dim=-1)
+    probs = logp.exp()
+    tokens, behaviour = _sample_full(logp, probs, u)
+    if nucleus:
+        tokens_p, behaviour_p = _sample_top_p(logp, probs, top_p, u)
+        full = top_p >= 1.0
+        tokens, behaviour = torch.where(full, tokens, tokens_p), torch.where(full, behaviour, behaviour_p)
     return tokens, behaviour
 
 

@@ -6,9 +6,17 @@ into free slots, packed into one row. One token is sampled per slot (`fleetrl.ro
 the finish rules are applied to the whole batch at once, and a finished sample's slot is free for
 the next admission (its cache columns are simply overwritten).
 
+On a GPU the packed pass is host-bound (each step's ~1,000 eager ops cost more than its kernels), so
+there the engine runs the static step instead (`_static.py`): decode, prefill and draft verification
+as functions of fixed-size device buffers, sampling included, each captured once per bucket as a
+CUDA graph and replayed. The bookkeeping after a step (appending tokens, finish rules, the slot
+table) is the same for both.
+
 Weights come from the hub's materialized tensors (Hugging Face names, tied weights once) via
-`stage_weights`, cast into the engine's dtype; the model itself is built from `ModelConfig`
-(a tiny Qwen2 from config, or any local Hugging Face checkpoint).
+`stage_weights`, cast into the engine's dtype, and are copied into the parameters' own storage (a
+captured graph stays valid); a version's sparse changes (`stage_changes`) are scattered into it on the
+device. The model itself is built from `ModelConfig` (a tiny Qwen2 from config, or any local Hugging
+Face checkpoint).
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ import torch
 
 from fleetrl.config import EngineEmulation, SpeculativeConfig
 from fleetrl.log import get_logger
+from fleetrl.rollout._graphs import GraphMode
 from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._slots import SlotTable
-from fleetrl.rollout.engine import Engine, SeqState
+from fleetrl.rollout._static import POSITION_ONLY_ROPE, StaticStep
+from fleetrl.rollout.engine import Engine, SeqState, TensorChanges
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.history import ResponseHistory, ResponseInbox, prompt_key
 from fleetrl.rollout.sampling import hashed_uniforms, sample_tokens
@@ -39,11 +49,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class TorchEngine(Engine):
     """Continuous-batching engine over a transformers causal LM."""
 
+    accepts_changes = True
+
     def __init__(
         self, model: Any, *, max_batch: int = 32, device: str = "cpu", dtype: str = "float32",
         eos_ids: list[int] | None = None, pad_id: int | None = None, version: int = 0,
         refill_fraction: float = 0.125, emulate: EngineEmulation | None = None,
         speculative: SpeculativeConfig | None = None, length_aware: bool = True,
+        static: bool | None = None, graphs: GraphMode | None = None, prefill_tokens: int = 8192,
     ) -> None:
         cfg = model.config
         eos = eos_ids if eos_ids is not None else model_eos_ids(model)
@@ -66,8 +79,18 @@ class TorchEngine(Engine):
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._waiting: deque[SeqState] = deque()
         self._eos_table = np.zeros(0, dtype=bool)
-        self._slots = SlotTable(max_batch, int(cfg.num_hidden_layers), self.max_context, self.device)
+        self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
         spec = speculative if speculative is not None else SpeculativeConfig()
+        use_static = self._use_static(static)
+        # The static step keeps the slot table's last tokens on the host: they go up with its other inputs.
+        self._slots = SlotTable(max_batch, int(cfg.num_hidden_layers), self.max_context,
+                                torch.device("cpu") if use_static else self.device)
+        self._static = StaticStep(
+            self.model, self._decoder, self._slots.cache, max_batch=max_batch,
+            max_tokens=1 + (spec.max_draft_tokens if spec.enabled else 0),
+            mode=graphs or ("cuda" if self.device.type == "cuda" else "eager"), prefill_tokens=prefill_tokens,
+            pad_id=self.pad_id) if use_static else None
+        """The static-shape step (`_static.py`), or None: the packed pass."""
         self.history = ResponseHistory(max_prompts=spec.history_prompts, max_responses=spec.history_responses,
                                        max_tokens=spec.history_tokens, max_ngram=spec.max_ngram,
                                        min_ngram=spec.min_ngram, min_acceptance=spec.min_acceptance,
@@ -85,10 +108,27 @@ class TorchEngine(Engine):
                     length_aware: bool = True) -> TorchEngine:
         """Build the model of `ModelConfig` and wrap it per `TorchEngineConfig`."""
         torch.set_num_threads(engine_config.threads)
+        graphs: GraphMode | None = None if engine_config.cuda_graphs else "eager"
         return cls(model_config.build(), max_batch=engine_config.max_batch, device=engine_config.device,
                    dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction,
                    emulate=engine_config.emulate, speculative=engine_config.speculative,
-                   length_aware=length_aware)
+                   length_aware=length_aware, static=engine_config.static_step, graphs=graphs,
+                   prefill_tokens=engine_config.prefill_tokens)
+
+    def _use_static(self, static: bool | None) -> bool:
+        """Whether to run the static step: as asked, else on CUDA wherever the model allows it."""
+        why = None
+        if self._decoder is None:
+            why = f"{type(self.model).__name__} is not one of the plain decoders {sorted(_PLAIN)}"
+        elif getattr(self._decoder.rotary_emb, "rope_type", "default") not in POSITION_ONLY_ROPE:
+            why = f"its RoPE type {self._decoder.rotary_emb.rope_type!r} depends on more than the position"
+        if static is None:
+            if why is not None and self.device.type == "cuda":
+                log.warning("engine.static_step_off", reason=why)
+            return why is None and self.device.type == "cuda"
+        if static and why is not None:
+            raise EngineError(f"engine.static_step is on but the model cannot run it: {why}")
+        return static
 
     # -- the region's answers (rollout/region_history.py) ---------------------------------------
 
@@ -135,14 +175,22 @@ class TorchEngine(Engine):
         self._waiting = deque(s for s in self._waiting if id(s) not in gone)
         self._slots.free([b for b, s in enumerate(self._slots.seqs) if s is not None and id(s) in gone])
 
+    def _drafts(self) -> list[tuple[int, list[int]]]:
+        """Drafts for the running slots only (an admitted sample's pass is its prefill); each fits the
+        tokens its slot may still take after this step's own one."""
+        slots = self._slots
+        if self.speculator is None or not slots.running:
+            return []
+        return self.speculator.drafts(slots.seqs[: slots.n], slots.limit[: slots.n] - slots.count[: slots.n] - 1)
+
     @torch.inference_mode()
     def _decode_step(self) -> None:
+        if self._static is not None:
+            self._static_step(self._static)
+            return
         slots = self._slots
         admitted = self._admissions()
-        # Drafts for the running slots only (an admitted sample's pass is its prefill); each fits the
-        # tokens its slot may still take after this step's own one.
-        drafts = [] if self.speculator is None or not slots.running else self.speculator.drafts(
-            slots.seqs[: slots.n], slots.limit[: slots.n] - slots.count[: slots.n] - 1)
+        drafts = self._drafts()
         rows = slots.free_slots(len(admitted))
         plan, input_ids, keep = slots.plan([(b, s.prompt_ids + s.tokens) for b, s in zip(rows, admitted, strict=True)],
                                            drafts)
@@ -170,6 +218,38 @@ class TorchEngine(Engine):
             self._sample_verified(logits, verify, drafts)
         else:
             self._sample(logits)
+
+    def _static_step(self, static: StaticStep) -> None:
+        """One step through the static step: the same admissions, drafts and bookkeeping as the packed
+        pass, the tokens drawn on the device."""
+        slots = self._slots
+        admitted = self._admissions()
+        drafts = self._drafts()
+        rows = slots.free_slots(len(admitted))
+        n_before = slots.n
+        try:
+            dec, pre = static.step(slots.decode_rows(drafts, self.pad_id) if n_before else None,
+                                   slots.prefill_rows(rows, admitted) if admitted else None,
+                                   overlap=self.record_observed)
+        except BaseException:
+            self._waiting.extendleft(reversed(admitted))  # nothing advanced, as in the packed pass
+            raise
+        if admitted:
+            slots.admit(rows, admitted)
+        # Each slot's next token: its decode row's first, or an admitted sample's prefill token.
+        tokens, logprobs = np.zeros(slots.n, dtype=np.int64), np.zeros(slots.n, dtype=np.float32)
+        if dec is not None:
+            tokens[:n_before], logprobs[:n_before] = dec[0][:, 0], dec[1][:, 0]
+        if pre is not None:
+            tokens[rows], logprobs[rows] = pre
+        if not drafts:
+            self._book(tokens, logprobs.tolist(), torch.from_numpy(tokens))
+            return
+        assert dec is not None
+        # `_book_verified`'s layout: one row per slot, then each draft's rows in the order of `drafts`.
+        toks = np.concatenate([tokens, *(dec[0][b, 1:1 + len(d)] for b, d in drafts)])
+        lps = np.concatenate([logprobs, *(dec[1][b, 1:1 + len(d)] for b, d in drafts)])
+        self._book_verified(toks.tolist(), lps.tolist(), drafts)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """Logits [len(keep), vocab] of the packed row's tokens `keep` (None: all of them)."""
@@ -231,8 +311,14 @@ class TorchEngine(Engine):
         u = torch.from_numpy(hashed_uniforms(s.keys[:n], s.count[:n])).to(dev)
         temp, top_p = torch.from_numpy(s.temp[:n]).to(dev), torch.from_numpy(s.top_p[:n]).to(dev)
         tokens, logprobs = sample_tokens(logits, temp, top_p, u)
-        tok_np = tokens.cpu().numpy()
-        toks, lps, version = tok_np.tolist(), logprobs.tolist(), self._version
+        self._book(tokens.cpu().numpy(), logprobs.tolist(), tokens)
+
+    def _book(self, tok_np: np.ndarray, lps: list[float], last: torch.Tensor) -> None:
+        """Record one token per running slot (`tok_np`, `lps` indexed by slot; `last` the same tokens as
+        the slot table keeps them), apply the finish rules, advance the slots."""
+        s = self._slots
+        n = s.n
+        toks, version = tok_np.tolist(), self._version
         rows = s.running_rows()
         for b in rows:
             seq = s.seqs[b]
@@ -244,19 +330,18 @@ class TorchEngine(Engine):
         # Engine._append's finish rules over the whole batch at once: EOS -> stop; max_new_tokens or
         # the context (both folded into the slot's `limit`) -> length.
         live = s.live[:n] > 0
-        stop = self._is_eos(logits.shape[-1])[tok_np] & live
+        stop = self._is_eos()[tok_np] & live
         done = np.flatnonzero(stop | ((s.count[:n] + 1 >= s.limit[:n]) & live)).tolist()
         for b in done:
             self._finish(b, bool(stop[b]))
-        s.advance(tokens)
+        s.advance(last)
         s.free(done)
 
     def _sample_verified(self, logits: torch.Tensor, verify: torch.Tensor, drafts: list[tuple[int, list[int]]]) -> None:
         """`_sample` for a step that verified drafts (`fleetrl.rollout.speculative`): `logits` one row per
         slot (the position after its last token), `verify` one row per drafted token (the position after
         it), in the order of `drafts`. Each slot emits its accepted drafts and one token more."""
-        s, spec = self._slots, self.speculator
-        assert spec is not None
+        s = self._slots
         n = s.n
         dev = self.device
         k = [len(d) for _, d in drafts]
@@ -267,7 +352,16 @@ class TorchEngine(Engine):
         temp = torch.from_numpy(s.temp[row_slot]).to(dev)
         top_p = torch.from_numpy(s.top_p[row_slot]).to(dev)
         tokens, logprobs = sample_tokens(torch.cat([logits, verify]), temp, top_p, u)
-        toks, lps, version = tokens.cpu().numpy().tolist(), logprobs.tolist(), self._version
+        self._book_verified(tokens.cpu().numpy().tolist(), logprobs.tolist(), drafts)
+
+    def _book_verified(self, toks: list[int], lps: list[float], drafts: list[tuple[int, list[int]]]) -> None:
+        """`_book` for a step that verified drafts: `toks`/`lps` one row per slot, then one per drafted
+        token in the order of `drafts`. Each slot emits its accepted drafts and one token more."""
+        s, spec = self._slots, self.speculator
+        assert spec is not None
+        n = s.n
+        k = [len(d) for _, d in drafts]
+        version = self._version
         emitted: dict[int, tuple[list[int], list[float]]] = {}
         first = n
         for (b, draft), m in zip(drafts, k, strict=True):
@@ -278,7 +372,7 @@ class TorchEngine(Engine):
             assert seq is not None
             spec.verdict(seq, draft, taken - 1, version)
             first += m
-        eos = self._is_eos(logits.shape[-1])
+        eos = self._is_eos()
         is_eos = eos[toks[:n]].tolist()  # plain rows: one lookup for the batch
         count, limit = s.count[:n].tolist(), s.limit[:n].tolist()
         last = list(toks[:n])
@@ -308,7 +402,7 @@ class TorchEngine(Engine):
             if stop or count[b] + taken >= limit[b]:
                 done.append(b)
                 self._finish(b, bool(stop))
-        s.advance(torch.tensor(last, dtype=torch.long, device=dev), extra)
+        s.advance(torch.tensor(last, dtype=torch.long, device=s.device), extra)
         s.free(done)
 
     def _finish(self, b: int, eos: bool) -> None:
@@ -320,8 +414,9 @@ class TorchEngine(Engine):
         self._touched.add(seq.group_id)
         self.history.record(seq.prompt_ids, seq.tokens)
 
-    def _is_eos(self, vocab: int) -> np.ndarray:
+    def _is_eos(self) -> np.ndarray:
         """A lookup table token id -> is EOS (np.isin costs ~10 us a step)."""
+        vocab = self._vocab
         if self._eos_table.shape[0] != vocab:
             self._eos_table = np.zeros(vocab, dtype=bool)
             self._eos_table[[e for e in self.eos_ids if 0 <= e < vocab]] = True
@@ -345,6 +440,27 @@ class TorchEngine(Engine):
         if missing:
             raise EngineError(f"weights are missing {len(missing)} parameter(s), first {missing[0]!r}")
         log.debug("engine.weights_loaded", tensors=len(tensors))
+
+    @torch.inference_mode()
+    def _load_changes(self, changes: Mapping[str, TensorChanges]) -> None:
+        """Scatter each tensor's changed elements into its parameter on the engine's device: only the
+        positions and values cross to the device, not the tensors (tied names written once)."""
+        written: set[int] = set()
+        for name, change in changes.items():
+            param = self._params.get(name)
+            if param is None:
+                raise EngineError(f"tensor {name!r} is not a parameter or buffer of the engine's model")
+            if id(param) in written:
+                continue
+            flat = param.view(-1)
+            pos = change.positions
+            if len(pos) != len(change.values) or (len(pos) and not 0 <= int(pos[0]) <= int(pos[-1]) < flat.numel()):
+                raise EngineError(f"changes of tensor {name!r} do not fit its {flat.numel()} elements")
+            index = torch.from_numpy(pos).to(self.device, non_blocking=True)
+            flat.index_copy_(0, index, change.values.to(self.device, non_blocking=True).to(flat.dtype))
+            written.add(id(param))
+        log.debug("engine.changes_loaded", tensors=len(written),
+                  elements=sum(len(c.positions) for c in changes.values()))
 
 
 def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:

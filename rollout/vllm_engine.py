@@ -12,9 +12,14 @@ would ignore the temperature.
 
 Weights: `stage_weights` tensors are written to one safetensors file (tmpfs where available) and
 every worker reloads them in place through `collective_rpc` (`_vllm_worker.FleetrlWeightLoader`),
-between two `step()` calls. Sampling randomness: vLLM's per-request `seed`, derived from the
-sample key and the position the request starts at; a resumed sample is deterministic under that
-seed but, unlike the torch engine, not token-identical to an uninterrupted run.
+between two `step()` calls. Along a delta chain `WeightSync` stages only the tensors the chain changed
+(`complete=False`, `_load_part`): the file holds those alone, and the model's `load_weights` replaces
+exactly them (vLLM's parameters are fused and sharded under other names, so the positions of single
+changed elements cannot be scattered into them from here).
+
+Sampling randomness: vLLM's per-request `seed`, derived from the sample key and the position the
+request starts at; a resumed sample is deterministic under that seed but, unlike the torch engine,
+not token-identical to an uninterrupted run.
 
 vllm is imported lazily, only when this engine is built. Not run in this repository's CI (no GPU):
 see docs/rollout.md for exactly what was and was not exercised.
@@ -103,6 +108,10 @@ class VllmEngine(Engine):
                 if seq.finish_reason is None:
                     seq.finish_reason = _FINISH.get(str(completion.finish_reason), "abort")
                 del self._requests[out.request_id]
+
+    def _load_part(self, tensors: Mapping[str, Any]) -> None:
+        """Only the tensors a version changed: the workers' `load_weights` replaces exactly those."""
+        self._load_weights(tensors)
 
     def _load_weights(self, tensors: Mapping[str, Any]) -> None:
         from safetensors.torch import save_file

@@ -4,9 +4,13 @@ Pulls are driven by the control plane, not by polling the store: the region's re
 each version its store holds (retained, `fleetrl/<run>/replicas/<region>`; where a region reads the
 home store, the trainer's policy announcement plays that part), and whoever hears it (the region
 agent, over its worker's command pipe, or the worker's own control-plane client) calls
-`notify(version)`. `WeightSync` then materializes that version in a thread (in place over the
-previous one, so only the delta chain is read; a node more than an anchor interval behind starts
-from the newest anchor) and stages it on the engine, which switches between two decoding steps.
+`notify(version)`. `WeightSync` then brings its host copy of the weights to that version in a thread
+(in place over the previous one, so only the delta chain is read; a node more than an anchor
+interval behind starts from the newest anchor) and stages it on the engine, which switches between
+two decoding steps. Along a delta chain only what changed is handed over: the changed elements'
+positions and values to an engine that scatters them itself (the torch engine, on its device: no
+dense copy of the model, no clone of the host state), else the tensors the chain touched (vLLM).
+Every changed word was checked against its part's digest on the host before anything is staged.
 
 The store's `latest` is read only once at start and then every `rollout.weight_fallback_poll_s`
 (minutes) without an announcement: at 10,000 nodes a 0.2 s poll would be 50,000 requests a second.
@@ -22,9 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fleetrl.hub import Hub, HubError
 from fleetrl.log import get_logger
-from fleetrl.rollout.engine import Engine
+from fleetrl.rollout.engine import Engine, TensorChanges
 
 log = get_logger(__name__)
 _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights notices a stop
@@ -111,19 +117,30 @@ class WeightSync:
         if self.transfer_s:  # EMULATED: the version's copy into the region store over a WAN link
             await asyncio.sleep(self.transfer_s)
         try:
-            state = await asyncio.to_thread(self._materialize, version)
+            how = await asyncio.to_thread(self._pull, version)
         except HubError as exc:
             log.warning("weights.materialize_failed", version=version, error=str(exc), retriable=exc.retriable)
             if not exc.retriable:
                 self._refused.add(version)
             return False
-        # The engine copies from its own snapshot: the next materialize updates `_state` in place.
-        self.engine.stage_weights({k: v.clone() for k, v in state.items()}, version)
-        log.info("weights.staged", version=version, previous=self.have,
+        log.info("weights.staged", version=version, previous=self.have, staged=how,
                  seconds=round(time.monotonic() - started, 3))
         self.have = version
         return True
 
-    def _materialize(self, version: int) -> dict[str, Any]:
+    def _pull(self, version: int) -> str:
+        """Bring `_state` to `version` and stage it on the engine; returns what was staged: `changes`
+        (positions and values), `part` (the changed tensors) or `all`."""
+        if self._state is not None and self.have is not None:
+            positions = self.hub.changes(version, self._state, self.have)
+            if positions is not None:
+                if self.engine.accepts_changes:  # gathered into new tensors: `_state` may change meanwhile
+                    self.engine.stage_changes({n: TensorChanges(p, self._state[n].view(-1)[torch.from_numpy(p)])
+                                               for n, p in positions.items()}, version)
+                    return "changes"
+                self.engine.stage_weights({n: self._state[n].clone() for n in positions}, version, complete=False)
+                return "part"
         self._state = self.hub.materialize(version, into=self._state, have_version=self.have)
-        return self._state
+        # The engine reads its own copy when it applies it: the next version updates `_state` in place.
+        self.engine.stage_weights({k: v.clone() for k, v in self._state.items()}, version)
+        return "all"

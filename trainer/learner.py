@@ -24,7 +24,8 @@ from fleetrl.hub import PublishedVersion, ShardPublisher
 from fleetrl.log import get_logger
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
-from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss, token_logprobs
+from fleetrl.trainer.logprobs import causal_lm_logprobs
+from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss
 from fleetrl.trainer.sharded_publish import publish_sharded
 from fleetrl.trainer.snapshots import SnapshotRing
 
@@ -70,6 +71,8 @@ class Learner:
         self.publish_dtype = _PUBLISH_DTYPES[model_cfg.publish_dtype]
         model = model_cfg.build().float()
         ref = copy.deepcopy(model).requires_grad_(False) if algo.kl_coef > 0 else None
+        if algo.activation_checkpointing:
+            _checkpoint_activations(model)
         self.model = ctx.shard(model)
         self.ref = ctx.shard(ref).eval() if ref is not None else None
         self.optimizer = torch.optim.AdamW(
@@ -274,14 +277,25 @@ class Learner:
         ], dtype=torch.float64)
 
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-        return token_logprobs(logits, mb.targets, self.algo.temperature)
+        """[B, T-1] logprobs of the targets at the scored positions (`loss_mask`), 0 elsewhere."""
+        return causal_lm_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, mb.loss_mask > 0,
+                                  self.algo.temperature, self.algo.logprob_chunk_tokens)
 
     def _autocast(self) -> Any:
         # fp32 master weights; on CUDA the matmuls run in bf16, the loss maths in fp32.
         if self.ctx.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
+
+
+def _checkpoint_activations(model: Any) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (transformers renamed the method in
+    5.2x; the lent GPU machines run 5.17)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,15 @@ class AlgorithmConfig(Model):
     """Max global grad norm."""
     micro_batch_samples: int = Field(64, ge=1)
     """Samples per forward/backward micro-batch (gradient accumulation)."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Scored tokens whose logits the learner holds at once: the output head and the log-softmax run chunk
+    by chunk, forward and backward, so a micro-batch's `[tokens, vocab]` fp32 logits never exist whole
+    (trainer/logprobs.py; only completion tokens go through the head). 0: the whole logits at once, at every
+    position (about 4 bytes x tokens x vocab, several times over in the backward pass)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in the forward pass and recompute the layer in the backward
+    (transformers' gradient checkpointing, non-reentrant): a micro-batch's activations shrink about as many
+    times as the model has layers, for about one more forward pass of compute."""
     ppo_epochs: int = Field(1, ge=1, le=64)
     """Passes over each step's samples. Above 1 (or with `mini_batches` above 1) the step makes several
     optimizer updates, the PPO ratio is taken against the logprobs of the weights before the step's
@@ -368,6 +377,16 @@ class TorchEngineConfig(Model):
     """Emulated slowness and completion lengths for benchmarks on CPU (see `EngineEmulation`)."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """History-drafted speculative decoding (see `SpeculativeConfig`); `enabled: false` turns it off."""
+    static_step: bool | None = None
+    """Decode with the static step (docs/rollout.md): fixed-size device buffers, sampling on the device, a
+    CUDA graph per batch bucket on a GPU. None: on for CUDA devices (where an eager step is host-bound),
+    off on CPU (where the packed pass, one forward for decode, prefill and drafts together, is faster)."""
+    cuda_graphs: bool = True
+    """With the static step on CUDA, capture each bucket's step as a CUDA graph and replay it; false runs the
+    same step eagerly (slower; for debugging)."""
+    prefill_tokens: int = Field(8192, ge=16)
+    """Most tokens (prompts padded to a power of two) one captured prefill pass of the static step holds; a
+    step's admissions are split into as few passes as fit."""
 
 
 class VllmEngineConfig(Model):

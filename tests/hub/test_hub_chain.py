@@ -136,3 +136,40 @@ def test_gc_keeps_the_window_and_the_chains_it_needs(dir_config: Callable[..., F
         for v in (10, 13):
             assert same_bits(hub.materialize(v), states[v])
         assert hub.gc().deleted_objects == []
+
+
+def _changed(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    return torch.nonzero(a.reshape(-1).view(torch.int16) != b.reshape(-1).view(torch.int16)).flatten().tolist()
+
+
+def test_changes_name_exactly_the_changed_elements_and_update_in_place(
+        dir_config: Callable[..., FleetConfig]) -> None:
+    with Hub.from_config(dir_config(anchor_interval=5)) as hub:
+        states = publish_chain(hub, 9)
+        into = {k: v.clone() for k, v in states[3].items()}
+        into["lm_head.weight"] = into["model.embed_tokens.weight"]
+        ptrs = {k: v.data_ptr() for k, v in into.items()}
+        for have, version in ((3, 4), (4, 7)):  # one step (the kernel path), then three across the anchor at 5
+            found = hub.changes(version, into, have)
+            assert found is not None and same_bits(into, states[version])
+            assert {k: v.data_ptr() for k, v in into.items()} == ptrs
+            for name, positions in found.items():
+                assert positions.dtype.name == "int64"
+                union = sorted({p for v in range(have + 1, version + 1)
+                                for p in _changed(states[v - 1][name], states[v][name])})
+                assert positions.tolist() == union, name
+            assert found["lm_head.weight"] is found["model.embed_tokens.weight"]
+        # More than an anchor interval behind: no chain in place; the caller materializes.
+        stale = {k: v.clone() for k, v in states[0].items()}
+        assert hub.changes(8, stale, 0) is None and same_bits(stale, states[0])
+
+
+def test_changes_from_a_state_that_is_not_the_claimed_version_write_nothing(
+        dir_config: Callable[..., FleetConfig]) -> None:
+    with Hub.from_config(dir_config()) as hub:
+        states = publish_chain(hub, 3)
+        wrong = {k: v.clone() for k, v in states[0].items()}  # claims to hold version 1
+        before = {k: v.clone() for k, v in wrong.items()}
+        with pytest.raises(HubError, match="digest"):
+            hub.changes(2, wrong, 1)
+        assert same_bits(wrong, before)

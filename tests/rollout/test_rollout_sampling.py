@@ -6,8 +6,19 @@ import math
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fleetrl.rollout.sampling import behaviour_logprobs, sample_key, sample_tokens, uniforms
+from fleetrl.rollout.sampling import (
+    behaviour_logprobs,
+    device_keys,
+    device_uniforms,
+    hash_keys,
+    hashed_uniforms,
+    sample_key,
+    sample_tokens,
+    uniforms,
+)
 
 N = 2000
 GRID = torch.tensor([(k + 0.5) / N for k in range(N)], dtype=torch.float64)  # evenly spread u
@@ -80,3 +91,29 @@ def test_a_rows_token_does_not_depend_on_the_other_rows() -> None:
     torch.testing.assert_close(together[0::2], alone[0::2])
     truncated, _ = sample_tokens(logits[1::2], temp[1::2], mixed[1::2], u[1::2])
     torch.testing.assert_close(together[1::2], truncated)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40), st.integers(0, 2**31))
+def test_device_uniforms_equal_the_hosts_bit_for_bit(keys: list[int], first: int) -> None:
+    positions = np.arange(first, first + len(keys), dtype=np.int64)
+    host = hashed_uniforms(hash_keys(keys), positions)
+    device = device_uniforms(device_keys(hash_keys(keys)), torch.from_numpy(positions))
+    assert device.dtype == torch.float64
+    np.testing.assert_array_equal(device.numpy().view(np.uint64), host.view(np.uint64))
+
+
+def test_a_sampled_token_is_a_pure_function_of_seed_group_sample_and_position() -> None:
+    # Extreme keys and positions (every top bit set) go through the same wrapping arithmetic.
+    keys = [sample_key(s, g, i) for s in (0, 2**40) for g in ("g", "h") for i in (0, 63)] + [2**64 - 1, 0]
+    positions = torch.tensor([0, 1, 2**31, 2**62, 7, 8, 9, 10, 11, 12], dtype=torch.int64)
+    hashed = hash_keys(keys)
+    u = device_uniforms(device_keys(hashed), positions)
+    np.testing.assert_array_equal(u.numpy(), hashed_uniforms(hashed, positions.numpy()))
+    logits = torch.randn(len(keys), 50, generator=torch.Generator().manual_seed(3))
+    tokens, _ = sample_tokens(logits, torch.ones(len(keys)), torch.ones(len(keys)), u)
+    # Each row alone, in another order, at the same (key, position): the same token.
+    for row in (9, 0, 4):
+        alone = device_uniforms(device_keys(hashed[row:row + 1]), positions[row:row + 1])
+        t, _ = sample_tokens(logits[row:row + 1], torch.ones(1), torch.ones(1), alone)
+        assert int(t) == int(tokens[row])

@@ -52,4 +52,9 @@ def test_vllm_engine_records_logprobs_and_reloads_weights(checkpoint: pathlib.Pa
             break
     for s in done[0].samples:
         assert s.versions[0] == 0 and (s.versions[1:] == 3).all()
+    # A delta's part: only the tensors it changed (the final norm here) go to the workers' load_weights.
+    engine.stage_weights({"model.norm.weight": (new["model.norm.weight"] * 2).to(torch.bfloat16)}, version=4,
+                         complete=False)
+    later = engine.generate(GroupRequest("k", [1, 40, 41, 42], sampling, n_samples=2, seed=3))
+    assert all((s.versions == 4).all() for s in later)
     engine.close()
