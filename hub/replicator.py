@@ -15,6 +15,9 @@ is signed, so it is verified whichever store it came from. A region partitioned 
 from a peer keeps receiving weights; the home holder references it could not write then are
 written once home answers again.
 
+A LoRA run's versions are adapters on a base version of full weights (its manifest names it): a region
+that starts from an adapter chain's anchor copies that base first, once.
+
 An anchor's dense objects are not copied when the region holds the version before it: only the
 anchor's delta crosses the WAN, and the dense objects are rebuilt here from the region's own chain
 and kept only if byte for byte the published ones (see rebuild.py); any other is copied. So a region
@@ -123,7 +126,15 @@ class Replicator:
         start = (have + 1) if have is not None else newest
         if have is None or newest - have > self.config.hub.anchor_interval:
             start = self._manifest_anywhere(newest)[0].anchor
-        return list(range(start, newest + 1))
+        return self._missing_base(start) + list(range(start, newest + 1))
+
+    def _missing_base(self, start: int) -> list[int]:
+        """[the base] when version `start` is a LoRA adapter on a base older than it that the region store
+        lacks (a region joining mid-run starts from the adapter chain's anchor), else []."""
+        base = self._manifest_anywhere(start)[0].base
+        if base is None or base >= start or self.local.exists(mf.holder_key(self.run, base, self.region)):
+            return []
+        return [base]
 
     def newest(self) -> int | None:
         """The newest version known: the home store's `latest`, or what the announcements said,

@@ -1,7 +1,8 @@
 """Retention: delete versions older than the window, and objects no retained version needs.
 
 The window is the newest `hub.retention_versions` versions; every version back to the oldest anchor
-any of them starts from is kept too, so each retained version stays materializable. Manifests go
+any of them starts from is kept too, and the base version of every kept LoRA adapter version (its
+full weights, however old), so each retained version stays materializable. Manifests go
 first (oldest first), then holder markers, then objects: a reader never finds a manifest whose
 objects are gone. Objects younger than `hub.gc_grace_s` stay even when unreferenced, because a
 publisher may be uploading them before it creates its manifest.
@@ -47,8 +48,11 @@ def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_
     newest = max(versions[-1], latest if latest is not None else -1)
     window = [v for v in versions if v > newest - retention]
     floor = min([reader.manifest(v).anchor for v in window] + [newest])
-    report.kept_versions = [v for v in versions if v >= floor]
-    report.deleted_versions = [v for v in versions if v < floor]
+    chains = [v for v in versions if v >= floor]
+    bases = {b for v in chains if (b := reader.manifest(v).base) is not None}
+    kept = set(chains) | (bases & set(versions))
+    report.kept_versions = sorted(kept)
+    report.deleted_versions = [v for v in versions if v not in kept]
     needed = {obj for v in report.kept_versions for obj in reader.manifest(v).objects}
     now = time.time()
     doomed = [i for i in store.scan(f"{run}/objects/")
@@ -63,7 +67,8 @@ def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_
     # Every holder reference below the floor, not only those of the manifests deleted now: a pass that
     # was killed after deleting manifests leaves their references for this one.
     for info in store.scan(f"{run}/holders/"):
-        if _holder_version(info.key, run) < floor:
+        held = _holder_version(info.key, run)
+        if held < floor and held not in bases:
             store.delete(info.key)
             crash_point("hub.gc.holder_deleted")
     for info in doomed:
