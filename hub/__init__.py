@@ -21,6 +21,7 @@ from fleetrl.hub.errors import (
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.lease import Lease
 from fleetrl.hub.manifest import AdapterInfo, Manifest, TensorEntry
+from fleetrl.hub.peft_folder import save_peft_adapter
 from fleetrl.hub.publisher import PublishedVersion
 from fleetrl.hub.replicator import Replicator, VersionHints
 from fleetrl.hub.sharded import ShardParts, ShardPlan, ShardPublisher, ShardReport
@@ -52,4 +53,5 @@ __all__ = [
     "VersionConflict",
     "VersionHints",
     "open_store",
+    "save_peft_adapter",
 ]

@@ -10,7 +10,10 @@ Every sampled token carries its behaviour log-probability (`fleetrl.rollout.samp
 convention) and the policy version of the weights that produced it. `stage_weights` hands the
 engine a new version at any time; it is applied *between* decoding steps, so the per-token versions
 of a sample switch exactly at the step after which the weights changed (in-flight update; the KV
-cache of earlier tokens is kept, as PipelineRL does). `take(group_id)` withdraws an unfinished
+cache of earlier tokens is kept, as PipelineRL does). A LoRA run's versions are adapters on a base
+version: `stage_adapter` hands one over the same way (with its base's full weights when the engine
+does not hold that base yet), and an adapter of a base the engine does not hold is refused.
+`take(group_id)` withdraws an unfinished
 group and returns its samples as far as they got (token-level handover); `submit` with `resume=`
 continues them where they stopped, keeping finished samples as they are.
 
@@ -34,6 +37,7 @@ from typing import Any
 
 from fleetrl.broker import PartialSample, Sampling, floats, ids
 from fleetrl.config import EngineEmulation
+from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.sampling import sample_key
 
@@ -102,8 +106,10 @@ class Engine(ABC):
         self._touched: set[str] = set()
         self.tokens_sampled = 0
         """Tokens this engine sampled (resumed prefixes excluded): the work it did."""
-        self._staged: tuple[Mapping[str, Any], int] | None = None
+        self._staged: _Staged | None = None
         self._staged_lock = threading.Lock()
+        self.base_version: int | None = None
+        """The version of full weights under the adapter this engine serves (None: no adapter)."""
         self.responses_observed = 0
         """Answers of other workers (`observe_responses`) recorded into the engine's history."""
         self.responses_dropped = 0
@@ -120,7 +126,7 @@ class Engine(ABC):
     def staged_version(self) -> int | None:
         """Version handed to `stage_weights` and not applied yet, if any."""
         with self._staged_lock:
-            return None if self._staged is None else self._staged[1]
+            return None if self._staged is None else self._staged.version
 
     def has_staged(self) -> bool:
         return self.staged_version is not None
@@ -154,7 +160,23 @@ class Engine(ABC):
     def stage_weights(self, tensors: Mapping[str, Any], version: int) -> None:
         """Hand over a new weight version (any thread); it applies before the next decoding step."""
         with self._staged_lock:
-            self._staged = (tensors, version)
+            self._staged = _Staged(tensors, version, None)
+
+    def stage_adapter(self, adapter: LoraWeights, base: Mapping[str, Any] | None = None) -> None:
+        """Hand over a LoRA adapter version (any thread), applied before the next decoding step like
+        `stage_weights`. `base`: the full weights of version `adapter.base`, when the engine does not
+        hold that base yet. Refuses (EngineError) an adapter of another base than the one it holds."""
+        with self._staged_lock:
+            held = self.base_version
+            if self._staged is not None and self._staged.tensors is not None:  # a base still to be applied
+                held = self._staged.adapter.base if self._staged.adapter is not None else None
+            if base is None and held != adapter.base:
+                holding = "no base" if held is None else f"base version {held}"
+                raise EngineError(f"adapter version {adapter.version} applies to base version {adapter.base}; "
+                                  f"the engine holds {holding} and was given none")
+            if base is None and self._staged is not None:
+                base = self._staged.tensors  # replaces a version not applied yet: keep the base it brought
+            self._staged = _Staged(base, adapter.version, adapter)
 
     def group_ids(self) -> list[str]:
         return list(self._groups)
@@ -213,6 +235,12 @@ class Engine(ABC):
     def _load_weights(self, tensors: Mapping[str, Any]) -> None:
         """Copy a full set of weights (Hugging Face names) into the model."""
 
+    def _load_adapter(self, adapter: LoraWeights | None) -> None:
+        """Serve `adapter` from the next step on (None: the base alone); engines that serve LoRA
+        adapters override this."""
+        if adapter is not None:
+            raise EngineError(f"engine {type(self).__name__} cannot serve LoRA adapters")
+
     def _append(self, seq: SeqState, token: int, logprob: float) -> None:
         """Record one sampled token and decide whether the sample finished."""
         self.tokens_sampled += 1
@@ -234,10 +262,16 @@ class Engine(ABC):
     def _apply_staged(self) -> None:
         with self._staged_lock:
             staged, self._staged = self._staged, None
-        if staged is not None:
-            tensors, version = staged
-            self._load_weights(tensors)
-            self._version = version
+        if staged is None:
+            return
+        if staged.tensors is not None:
+            if self.base_version is not None:
+                self._load_adapter(None)  # back to the weights as loaded, then the new ones over them
+            self._load_weights(staged.tensors)
+            self.base_version = None if staged.adapter is None else staged.adapter.base
+        if staged.adapter is not None:
+            self._load_adapter(staged.adapter)
+        self._version = staged.version
 
     def _collect_finished(self) -> list[FinishedGroup]:
         # Only groups with a sample that finished since the last step (or submitted finished) can be done.
@@ -279,6 +313,16 @@ class Engine(ABC):
         if tail < e.tail_p:
             return None
         return draw.randint(1, max(1, min(e.short_tokens, seq.sampling.max_new_tokens)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """Weights handed over and not applied yet."""
+
+    tensors: Mapping[str, Any] | None
+    """Full weights (a version of its own, or the base of `adapter`); None keeps the weights held."""
+    version: int
+    adapter: LoraWeights | None
 
 
 def _restore(seq: SeqState, partial: PartialSample, engine: Engine) -> None:

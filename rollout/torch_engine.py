@@ -8,7 +8,9 @@ the next admission (its cache columns are simply overwritten).
 
 Weights come from the hub's materialized tensors (Hugging Face names, tied weights once) via
 `stage_weights`, cast into the engine's dtype; the model itself is built from `ModelConfig`
-(a tiny Qwen2 from config, or any local Hugging Face checkpoint).
+(a tiny Qwen2 from config, or any local Hugging Face checkpoint). A LoRA run's adapter versions come
+via `stage_adapter` and are served merged into the weights or beside them (`adapters.py`,
+`engine.lora_mode`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fleetrl.config import EngineEmulation, SpeculativeConfig
 from fleetrl.log import get_logger
 from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._slots import SlotTable
+from fleetrl.rollout.adapters import AdapterServer, LoraWeights, adapter_server
 from fleetrl.rollout.engine import Engine, SeqState
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.history import ResponseHistory, ResponseInbox, prompt_key
@@ -43,7 +46,7 @@ class TorchEngine(Engine):
         self, model: Any, *, max_batch: int = 32, device: str = "cpu", dtype: str = "float32",
         eos_ids: list[int] | None = None, pad_id: int | None = None, version: int = 0,
         refill_fraction: float = 0.125, emulate: EngineEmulation | None = None,
-        speculative: SpeculativeConfig | None = None, length_aware: bool = True,
+        speculative: SpeculativeConfig | None = None, length_aware: bool = True, lora_mode: str = "merged",
     ) -> None:
         cfg = model.config
         eos = eos_ids if eos_ids is not None else model_eos_ids(model)
@@ -79,6 +82,9 @@ class TorchEngine(Engine):
         self.speculator = Speculator(self.history, spec.max_draft_tokens) if spec.enabled else None
         self.length_aware = length_aware
         """Admit the waiting samples with the longest predicted completion first (else arrival order)."""
+        self.lora_mode = lora_mode
+        self._adapters: AdapterServer | None = None
+        """Serves a LoRA run's adapter versions, once one came (rollout/adapters.py)."""
 
     @classmethod
     def from_config(cls, model_config: Any, engine_config: Any, version: int = 0,
@@ -88,7 +94,7 @@ class TorchEngine(Engine):
         return cls(model_config.build(), max_batch=engine_config.max_batch, device=engine_config.device,
                    dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction,
                    emulate=engine_config.emulate, speculative=engine_config.speculative,
-                   length_aware=length_aware)
+                   length_aware=length_aware, lora_mode=engine_config.lora_mode)
 
     # -- the region's answers (rollout/region_history.py) ---------------------------------------
 
@@ -345,6 +351,14 @@ class TorchEngine(Engine):
         if missing:
             raise EngineError(f"weights are missing {len(missing)} parameter(s), first {missing[0]!r}")
         log.debug("engine.weights_loaded", tensors=len(tensors))
+
+    def _load_adapter(self, adapter: LoraWeights | None) -> None:
+        if self._adapters is None:
+            if adapter is None:
+                return
+            self._adapters = adapter_server(self.model, self.lora_mode)
+        self._adapters.apply(adapter)
+        log.debug("engine.adapter_loaded", version=None if adapter is None else adapter.version, mode=self.lora_mode)
 
 
 def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:

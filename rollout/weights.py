@@ -12,6 +12,10 @@ The store's `latest` is read only once at start and then every `rollout.weight_f
 (minutes) without an announcement: at 10,000 nodes a 0.2 s poll would be 50,000 requests a second.
 Nothing waits for a pull: generation goes on with the old weights meanwhile. A version that fails
 verification is logged and skipped, never loaded.
+
+A LoRA run's versions are adapters on a base version of full weights: the base is materialized once
+(when the engine does not hold it yet) and handed to the engine with the first adapter; after that
+only the adapter chain is read, updated in place as a full state would be.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import Any
 
 from fleetrl.hub import Hub, HubError
 from fleetrl.log import get_logger
+from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.engine import Engine
+from fleetrl.rollout.errors import EngineError
 
 log = get_logger(__name__)
 _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights notices a stop
@@ -40,6 +46,10 @@ class WeightSync:
         self.announced: int | None = None
         """Newest version announced as held by the region store (None: nothing heard yet)."""
         self._state: dict[str, Any] | None = None
+        self.base: int | None = None
+        """The base version under the engine's adapter (a LoRA run), once one was staged."""
+        self._adapter: dict[str, Any] | None = None
+        self._adapter_version: int | None = None
         self._refused: set[int] = set()
         self._wake = asyncio.Event()
 
@@ -111,19 +121,35 @@ class WeightSync:
         if self.transfer_s:  # EMULATED: the version's copy into the region store over a WAN link
             await asyncio.sleep(self.transfer_s)
         try:
-            state = await asyncio.to_thread(self._materialize, version)
-        except HubError as exc:
-            log.warning("weights.materialize_failed", version=version, error=str(exc), retriable=exc.retriable)
-            if not exc.retriable:
+            base = await asyncio.to_thread(self._stage, version)
+        except (HubError, EngineError) as exc:
+            retriable = isinstance(exc, HubError) and exc.retriable
+            log.warning("weights.materialize_failed", version=version, error=str(exc), retriable=retriable)
+            if not retriable:
                 self._refused.add(version)
             return False
-        # The engine copies from its own snapshot: the next materialize updates `_state` in place.
-        self.engine.stage_weights({k: v.clone() for k, v in state.items()}, version)
-        log.info("weights.staged", version=version, previous=self.have,
+        log.info("weights.staged", version=version, previous=self.have, base=base,
                  seconds=round(time.monotonic() - started, 3))
         self.have = version
         return True
 
-    def _materialize(self, version: int) -> dict[str, Any]:
-        self._state = self.hub.materialize(version, into=self._state, have_version=self.have)
-        return self._state
+    def _stage(self, version: int) -> int | None:
+        """Materialize `version` and hand it to the engine (a thread); returns its base (None: full)."""
+        manifest = self.hub.manifest(version)
+        if manifest.adapter is None:
+            self._adapter = self._adapter_version = self.base = None
+            self._state = self.hub.materialize(version, into=self._state, have_version=self.have)
+            # The engine copies from its own snapshot: the next materialize updates `_state` in place.
+            self.engine.stage_weights({k: v.clone() for k, v in self._state.items()}, version)
+            return None
+        base_state = None
+        if self.base != manifest.adapter.base:  # once per base: the engine keeps it from then on
+            self._state = None
+            base_state = self.hub.materialize(manifest.adapter.base)
+        info, self._adapter = self.hub.materialize_adapter(version, manifest.adapter.base, into=self._adapter,
+                                                           have_version=self._adapter_version)
+        self._adapter_version = version
+        adapter = LoraWeights(version, info, {k: v.clone() for k, v in self._adapter.items()})
+        self.engine.stage_adapter(adapter, base=base_state)
+        self.base = manifest.adapter.base
+        return self.base

@@ -402,6 +402,10 @@ class TorchEngineConfig(Model):
     """Emulated slowness and completion lengths for benchmarks on CPU (see `EngineEmulation`)."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """History-drafted speculative decoding (see `SpeculativeConfig`); `enabled: false` turns it off."""
+    lora_mode: Literal["merged", "unmerged"] = "merged"
+    """How a LoRA run's adapter versions are served (`model.lora`): `merged` writes W0 + scale * B @ A into
+    each target weight (no cost per step; keeps a copy of the targets' base weights), `unmerged` adds the
+    adapter's output beside each target (no copy; two thin matmuls per target per step)."""
 
 
 class VllmEngineConfig(Model):
