@@ -85,7 +85,8 @@ def export(args: argparse.Namespace, config: FleetConfig) -> int:
     from fleetrl.hub.export import export_version
 
     with Hub.from_config(config, store=args.store) as hub:
-        summary = export_version(hub, config, _version(hub, args.hub_version), args.out, args.max_shard_size)
+        summary = export_version(hub, config, _version(hub, args.hub_version), args.out, args.max_shard_size,
+                                 merged=args.merged)
     print(json.dumps(summary))
     return 0
 
