@@ -23,6 +23,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,7 +91,10 @@ def _merge(model: Any, hub: Hub, version: int, base: int, scratch: pathlib.Path)
     from peft import PeftModel
 
     info, tensors = hub.materialize_adapter(version, base)
-    with tempfile.TemporaryDirectory(dir=scratch.parent, prefix=".adapter-") as folder:
+    with tempfile.TemporaryDirectory(dir=scratch.parent, prefix=".adapter-") as folder, \
+            warnings.catch_warnings():
+        # peft 0.21 asks transformers 5 `is_gradient_checkpointing`, which warns that it was renamed.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         save_peft_adapter(folder, info, {k: v.float() for k, v in tensors.items()})
         return PeftModel.from_pretrained(model.float(), folder).merge_and_unload()
 

@@ -48,5 +48,7 @@ def save_peft_adapter(folder: str | os.PathLike[str], info: AdapterInfo, tensors
                         target_modules=adapted_modules(list(tensors)), task_type="CAUSAL_LM",
                         base_model_name_or_path=base_model)
     config.save_pretrained(str(out))
-    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(out / WEIGHTS_FILE))
+    # Copies: the hub hands equal tensors out as one (all B matrices of a shape are zero at first), and
+    # safetensors refuses tensors that share memory.
+    save_file({name: t.detach().cpu().clone() for name, t in tensors.items()}, str(out / WEIGHTS_FILE))
     return out
