@@ -44,10 +44,31 @@ def wrap(model: torch.nn.Module, cfg: LoraAdapterConfig) -> Any:
             torch.manual_seed(cfg.seed)
             # peft 0.21 asks transformers 5 `is_gradient_checkpointing`, which warns that it was renamed.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            # A tied head among the targets: refused below, with the field named.
+            warnings.filterwarnings("ignore", message=".*a tied layer is part of the adapter.*", category=UserWarning)
             # autocast_adapter_dtype: the adapter (and so its optimizer state) is fp32 whatever the base.
-            return peft.get_peft_model(model, config, autocast_adapter_dtype=True)
+            wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:  # peft's words for target modules the model does not have
         raise TrainerError(f"model.lora: {exc}") from exc
+    _check_targets(wrapped)
+    return wrapped
+
+
+def _check_targets(wrapped: Any) -> None:
+    """Engines serve adapters on the linear layers inside the model: not on the output head (tied to the
+    embeddings, peft would publish the base's weight with the adapter), nor on other layer kinds."""
+    from peft.tuners.lora import LoraLayer
+
+    head = wrapped.get_base_model().get_output_embeddings()
+    for name, module in wrapped.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        is_head = module is head or base is head
+        if is_head or not isinstance(base, torch.nn.Linear):
+            what = "the output head" if is_head else f"a {type(base).__name__}"
+            raise TrainerError(f"model.lora.target_modules: {name.removeprefix('base_model.model.')!r} is "
+                               f"{what}; adapters go on the linear layers inside the model")
 
 
 def is_adapter(name: str) -> bool:

@@ -48,6 +48,10 @@ class TinyModelConfig(Model):
     """Longest prompt + completion the model handles."""
     tie_word_embeddings: bool = True
     """Share input and output embeddings (stored once in the hub, as in HF checkpoints)."""
+    initializer_range: float = Field(0.02, gt=0, le=1)
+    """Standard deviation of the initial weights (Qwen2's default). A LoRA run trains adapters on a frozen
+    base: with the default, the frozen random head keeps every logit within about +-1.3, so no adapter can
+    make the policy confident; a wider range (0.1) stands in for a pretrained base's scale."""
     seed: int = 0
     """Seed of the initial weights: every process that builds the model gets the same ones."""
 

@@ -97,9 +97,11 @@ def test_published_state_is_the_adapter_and_base_state_the_base_under_hf_names()
         Learner(ModelConfig(), AlgorithmConfig(), DistContext()).base_state()
 
 
-def test_target_modules_the_model_lacks_are_named() -> None:
+def test_target_modules_the_model_lacks_or_the_engines_cannot_serve_are_named() -> None:
     with pytest.raises(TrainerError, match="model.lora"):
         Learner(_lora(target_modules=["no_such_proj"]), AlgorithmConfig(), DistContext())
+    with pytest.raises(TrainerError, match="model.lora.target_modules: 'lm_head' is the output head"):
+        Learner(_lora(target_modules=["q_proj", "lm_head"]), AlgorithmConfig(), DistContext())
 
 
 def test_a_checkpoint_holds_the_adapter_and_its_optimizer_and_resumes_exactly(tmp_path: pathlib.Path) -> None:
