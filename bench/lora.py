@@ -280,7 +280,8 @@ async def main_async(args: argparse.Namespace) -> None:
     quick = args.quick
     print(f"load before: {os.getloadavg()}", flush=True)
     full_tiny, lora_tiny = await version_bytes(TINY, steps=4 if quick else 8)
-    print(f"bytes/version tiny: full {full_tiny:.0f} lora {lora_tiny:.0f} ratio {full_tiny / lora_tiny:.1f}", flush=True)
+    print(f"bytes/version tiny: full {full_tiny:.0f} lora {lora_tiny:.0f} ratio {full_tiny / lora_tiny:.1f}",
+          flush=True)
     full_mid, lora_mid = await version_bytes(MID, steps=3 if quick else 6)
     print(f"bytes/version ~100M: full {full_mid:.0f} lora {lora_mid:.0f} ratio {full_mid / lora_mid:.1f}", flush=True)
     peaks: dict[int, tuple[int, int]] = {}

@@ -96,7 +96,7 @@ class AdapterInfo(_Frozen):
     """The version of the full model this adapter applies to (a reader must hold exactly that one)."""
     r: int
     """Rank of every A (r x in) and B (out x r)."""
-    lora_alpha: float
+    lora_alpha: int
     """Each target weight becomes W + lora_alpha / r * B @ A."""
     lora_dropout: float = 0.0
     """Training-time dropout, kept for the exported adapter config (inference ignores it)."""

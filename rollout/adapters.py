@@ -99,7 +99,7 @@ class MergedLora:
             _check(layers[name], a, b, name, version)
         for name in list(self._base):
             if name not in pairs:  # a target the new version does not have: back to the base
-                self.model.get_submodule(name).weight.copy_(self._base.pop(name))
+                _linear(self.model, name, version).weight.copy_(self._base.pop(name))
         for name, (a, b) in pairs.items():
             weight = layers[name].weight
             base = self._base.get(name)

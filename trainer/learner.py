@@ -23,8 +23,8 @@ import torch
 from fleetrl.config import AlgorithmConfig, LearnerEmulation, ModelConfig
 from fleetrl.hub import PublishedVersion, ShardPublisher
 from fleetrl.log import get_logger
-from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer import lora
+from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
 from fleetrl.trainer.errors import TrainerError
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss, token_logprobs

@@ -27,8 +27,8 @@ from typing import Protocol, TypeAlias
 import torch
 
 from fleetrl.broker import ControlPlaneError, PolicyAnnouncement
-from fleetrl.crashpoints import crash_point
 from fleetrl.config import LoraAdapterConfig
+from fleetrl.crashpoints import crash_point
 from fleetrl.hub import AdapterInfo, Hub, HubError, PublishedVersion
 from fleetrl.log import get_logger
 from fleetrl.trainer.metrics import TrainerMetrics

@@ -63,7 +63,7 @@ class LoraAdapterConfig(Model):
 
     r: int = Field(8, ge=1, le=4096)
     """Rank of the adapter's matrices (A is r x in, B is out x r)."""
-    lora_alpha: float = Field(8.0, gt=0)
+    lora_alpha: int = Field(8, ge=1)
     """Scale numerator: the adapter adds `lora_alpha / r * B @ A` to each target weight."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input while training (engines never apply it)."""

@@ -44,7 +44,7 @@ def adapter_step(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
 
 
 def info(base: int, r: int = 4) -> AdapterInfo:
-    return AdapterInfo(base=base, r=r, lora_alpha=8.0)
+    return AdapterInfo(base=base, r=r, lora_alpha=8)
 
 
 def publish_lora(hub: Hub, n: int) -> tuple[int, list[dict[str, torch.Tensor]]]:
@@ -89,7 +89,7 @@ def test_a_version_of_full_weights_is_written_as_before_adapters(dir_config: Cal
         full = json.loads(manifest_text((root / f"{0:012d}.json").read_bytes(), "v0"))["manifest"]
         adapter = json.loads(manifest_text((root / f"{1:012d}.json").read_bytes(), "v1"))["manifest"]
     assert "adapter" not in full  # readers that predate adapters read it as they did
-    assert adapter["adapter"] == {"base": 0, "r": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "peft_type": "LORA"}
+    assert adapter["adapter"] == {"base": 0, "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "peft_type": "LORA"}
 
 
 def test_readers_refuse_an_adapter_of_a_base_they_do_not_hold(dir_config: Callable[..., FleetConfig]) -> None:

@@ -25,7 +25,7 @@ from fleetrl.trainer import lora
 
 torch.set_num_threads(1)
 MODES = ["merged", "unmerged"]
-INFO = AdapterInfo(base=0, r=4, lora_alpha=8.0)
+INFO = AdapterInfo(base=0, r=4, lora_alpha=8)
 PROMPT = [1, 40, 41, 42, 61, 50]
 
 
@@ -41,7 +41,7 @@ def _peft(seed: int) -> Any:
 
 def _adapter(version: int, seed: int, base: int = 0) -> LoraWeights:
     tensors = {k: v.detach().clone() for k, v in lora.adapter_state(_peft(seed)).items()}
-    return LoraWeights(version, AdapterInfo(base=base, r=4, lora_alpha=8.0), tensors)
+    return LoraWeights(version, AdapterInfo(base=base, r=4, lora_alpha=8), tensors)
 
 
 def _base() -> dict[str, torch.Tensor]:

@@ -71,7 +71,7 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off_and_no_copy() -> None
     learner = Learner(_lora(), AlgorithmConfig(lr=1e-2, kl_coef=0.1), DistContext())
     assert learner.ref is None
     _train(learner, range(3))  # the adapter moved: the policy is no longer the base
-    x = torch.tensor([PROMPT + [50, 51, 52]])
+    x = torch.tensor([[*PROMPT, 50, 51, 52]])
     base = ModelConfig().build().eval()
     with torch.no_grad():
         with learner._reference() as ref:
@@ -98,9 +98,9 @@ def test_published_state_is_the_adapter_and_base_state_the_base_under_hf_names()
 
 
 def test_target_modules_the_model_lacks_or_the_engines_cannot_serve_are_named() -> None:
-    with pytest.raises(TrainerError, match="model.lora"):
+    with pytest.raises(TrainerError, match=r"model\.lora"):
         Learner(_lora(target_modules=["no_such_proj"]), AlgorithmConfig(), DistContext())
-    with pytest.raises(TrainerError, match="model.lora.target_modules: 'lm_head' is the output head"):
+    with pytest.raises(TrainerError, match=r"model\.lora\.target_modules: 'lm_head' is the output head"):
         Learner(_lora(target_modules=["q_proj", "lm_head"]), AlgorithmConfig(), DistContext())
 
 
