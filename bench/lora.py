@@ -28,8 +28,13 @@ Three measurements, each on the real components (the `Learner`, the hub's `Weigh
 
     .venv/bin/python bench/lora.py [--quick]
 
-Last line: `result: bytes_ratio=... bytes_ratio_tiny=... peak_ratio=... reward_lora=... reward_full=...
-reward_seed_sd=...` (bytes_ratio: full over LoRA on the ~100 M model; peak_ratio: LoRA over full).
+* **serving**: the torch engine decoding with an adapter merged into the weights against unmerged
+  (`engine.lora_mode`), tokens per second and the time to apply the next version, on the tiny model
+  (and the ~100 M one without `--quick`).
+
+Last line: `result: bytes_ratio=... bytes_ratio_tiny=... peak_ratio=... [peak_ratio_mb8=...] reward_lora=...
+reward_full=... reward_seed_sd=... merged_over_unmerged_tok_s=...` (bytes_ratio: full over LoRA on the
+~100 M model; peak_ratio: LoRA over full, at micro-batch 2).
 """
 
 from __future__ import annotations
@@ -220,6 +225,52 @@ async def version_bytes(model: dict[str, Any], steps: int) -> tuple[float, float
     return statistics.fmean(sizes["full"][1:]), statistics.fmean(sizes["lora"][1:])
 
 
+def serving(model: dict[str, Any], rounds: int, groups: int = 8) -> dict[str, tuple[float, float]]:
+    """Per mode (`merged`, `unmerged`): decoded tokens per second with an adapter served, and ms to apply
+    the next adapter version (between two steps). Rounds alternate the modes; each keeps its best (other
+    processes on shared cores only ever slow a round down)."""
+    import torch
+
+    from fleetrl.broker import Sampling
+    from fleetrl.config import LoraAdapterConfig, ModelConfig
+    from fleetrl.hub import AdapterInfo
+    from fleetrl.rollout.adapters import LoraWeights
+    from fleetrl.rollout.engine import GroupRequest
+    from fleetrl.rollout.torch_engine import TorchEngine
+    from fleetrl.trainer import lora
+
+    cfg = ModelConfig.model_validate({"tiny": model})
+    peft_model = lora.wrap(cfg.build(), LoraAdapterConfig.model_validate(LORA))
+    info = AdapterInfo(base=0, r=int(LORA["r"]), lora_alpha=int(LORA["lora_alpha"]))
+    with torch.no_grad():
+        for p in (p for _, p in peft_model.named_parameters() if p.requires_grad):
+            p.normal_(0, 0.01)
+    adapter = {k: v.detach().to(torch.bfloat16) for k, v in lora.adapter_state(peft_model).items()}
+    base = {k: v.to(torch.bfloat16) for k, v in cfg.build().state_dict().items()}
+    best: dict[str, tuple[float, float]] = {}
+    engines = {mode: TorchEngine(cfg.build(), max_batch=64, lora_mode=mode, eos_ids=[cfg.tiny.vocab_size + 1])
+               for mode in ("merged", "unmerged")}
+    for mode, engine in engines.items():
+        engine.stage_adapter(LoraWeights(1, info, adapter), base=base)
+        engine.step()
+    for r in range(rounds):
+        for mode, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.stage_adapter(LoraWeights(2 + r, info, adapter))
+            engine.step()  # applies it (no work yet)
+            apply_ms = (time.perf_counter() - t0) * 1e3
+            before = engine.tokens_sampled
+            t0 = time.perf_counter()
+            for g in range(groups):
+                engine.submit(GroupRequest(f"r{r}g{g}", [1, *range(40, 48)], Sampling(max_new_tokens=24), 8, seed=g))
+            while engine.has_work():
+                engine.step()
+            rate = (engine.tokens_sampled - before) / (time.perf_counter() - t0)
+            old = best.get(mode, (0.0, float("inf")))
+            best[mode] = (max(old[0], rate), min(old[1], apply_ms))
+    return best
+
+
 def _rss_kib() -> tuple[int, int]:
     """(RSS now, peak RSS) of this process in KiB, from /proc (`ru_maxrss` would count the parent's peak:
     Linux carries it across fork and exec)."""
@@ -290,6 +341,13 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"learner peak RSS ~100M, micro-batch {micro}: full {peaks[micro][0] / 1024:.0f} MiB "
               f"lora {peaks[micro][1] / 1024:.0f} MiB", flush=True)
 
+    serve = serving(TINY, rounds=3)
+    for mode, (rate, apply_ms) in serve.items():
+        print(f"serving tiny {mode}: {rate:.0f} tokens/s, next version applied in {apply_ms:.2f} ms", flush=True)
+    serve_mid = {} if quick else serving(MID, rounds=2, groups=4)
+    for mode, (rate, apply_ms) in serve_mid.items():
+        print(f"serving ~100M {mode}: {rate:.0f} tokens/s, next version applied in {apply_ms:.1f} ms", flush=True)
+
     steps, seeds = (40, [0]) if quick else (args.steps, [0, 1, 2])
     finals: dict[str, list[float]] = {"full": [], "lora": []}
     base = pathlib.Path(tempfile.mkdtemp(prefix="bench-lora-base-"))
@@ -307,7 +365,8 @@ async def main_async(args: argparse.Namespace) -> None:
           f"peak_ratio={peaks[2][1] / peaks[2][0]:.2f} "
           + (f"peak_ratio_mb8={peaks[8][1] / peaks[8][0]:.2f} " if 8 in peaks else "")
           + f"reward_lora={statistics.fmean(finals['lora']):.3f} "
-          f"reward_full={statistics.fmean(finals['full']):.3f} reward_seed_sd={sd:.3f}")
+          f"reward_full={statistics.fmean(finals['full']):.3f} reward_seed_sd={sd:.3f} "
+          f"merged_over_unmerged_tok_s={serve['merged'][0] / serve['unmerged'][0]:.2f}")
 
 
 def main() -> None:

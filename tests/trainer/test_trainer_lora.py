@@ -97,6 +97,11 @@ def test_published_state_is_the_adapter_and_base_state_the_base_under_hf_names()
         Learner(ModelConfig(), AlgorithmConfig(), DistContext()).base_state()
 
 
+def test_a_lora_learner_under_torchrun_is_refused_before_any_collective() -> None:
+    with pytest.raises(TrainerError, match="trains in one process"):
+        Learner(_lora(), AlgorithmConfig(), DistContext(rank=0, world_size=2))
+
+
 def test_target_modules_the_model_lacks_or_the_engines_cannot_serve_are_named() -> None:
     with pytest.raises(TrainerError, match=r"model\.lora"):
         Learner(_lora(target_modules=["no_such_proj"]), AlgorithmConfig(), DistContext())
