@@ -250,7 +250,7 @@ def serving(model: dict[str, Any], rounds: int, groups: int = 8) -> dict[str, tu
     best: dict[str, tuple[float, float]] = {}
     engines = {mode: TorchEngine(cfg.build(), max_batch=64, lora_mode=mode, eos_ids=[cfg.tiny.vocab_size + 1])
                for mode in ("merged", "unmerged")}
-    for mode, engine in engines.items():
+    for engine in engines.values():
         engine.stage_adapter(LoraWeights(1, info, adapter), base=base)
         engine.step()
     for r in range(rounds):
