@@ -12,8 +12,11 @@ Three measurements, each on the real components (the `Learner`, the hub's `Weigh
   the tiny Qwen2 of the demo, and a ~100 M-parameter Qwen2 (Qwen2's vocabulary of 151,936 with
   tied embeddings, 8 layers of width 512).
 * **peak memory**: a fresh process per side builds the learner on the ~100 M model and takes
-  `PEAK_STEPS` steps; the figure is its peak RSS less its RSS before the model was built (the
-  interpreter and libraries), so the ratio compares what the learner itself holds.
+  `PEAK_STEPS` steps (one with `--quick`; the two processes run side by side); the figure is its
+  peak RSS less its RSS before the model was built (the interpreter and libraries), so the ratio
+  compares what the learner itself holds. At micro-batch 2 (the result's `peak_ratio`) and 8
+  (`peak_ratio_mb8`, full mode): the logits of Qwen2's 151,936-token vocabulary (and their
+  log-softmax and gradients) are the same on both sides and grow with the micro-batch.
 * **learning per sample**: a synchronous on-policy loop (generate with the engine from the newest
   version, score, train one step, publish, pull) on the `sort` task's partial-credit reward, 64
   samples a step. LoRA adapts a pretrained base, so the base is the tiny model first trained
@@ -86,7 +89,7 @@ def _config(tmp: pathlib.Path, model: dict[str, Any], lr: float, lora: bool, see
                   "path": path, "tokenizer": "char"},
         "algorithm": {"lr": lr, "groups_per_step": groups, "n_samples": samples, "max_new_tokens": 6,
                       "micro_batch_samples": 64},
-        "hub": {"home_store": str(tmp / "hub"), "threads": 1, "anchor_interval": 1000,
+        "hub": {"home_store": str(tmp / "hub"), "threads": 2, "anchor_interval": 1000,
                 "signing": {"scheme": "hmac-sha256", "key": "bench-lora-" * 4}},
         "regions": [{"name": "r", "kafka": "127.0.0.1:9", "store": str(tmp / "hub")}],
     })
@@ -319,12 +322,19 @@ def _synthetic_groups(n: int, vocab: int, seed: int = 0) -> list[Any]:
     return out
 
 
-def peak(lora: bool, steps: int, micro: int) -> int:
-    out = subprocess.run([sys.executable, __file__, "--peak-child", "lora" if lora else "full", "--steps",
-                          str(steps), "--micro", str(micro)], capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    line = json.loads(out.stdout.strip().splitlines()[-1])
-    return int(line["peak_kib"]) - int(line["before_kib"])
+def peaks(steps: int, micro: int) -> tuple[int, int]:
+    """(full, LoRA) learner peaks in KiB, each side in a fresh process (the two run side by side)."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--peak-child", side, "--steps", str(steps), "--micro",
+                               str(micro)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for side in ("full", "lora")]
+    out = []
+    for proc in procs:
+        stdout, _ = proc.communicate(timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"peak child {proc.args} exited {proc.returncode}")
+        line = json.loads(stdout.strip().splitlines()[-1])
+        out.append(int(line["peak_kib"]) - int(line["before_kib"]))
+    return out[0], out[1]
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -335,11 +345,11 @@ async def main_async(args: argparse.Namespace) -> None:
           flush=True)
     full_mid, lora_mid = await version_bytes(MID, steps=3 if quick else 6)
     print(f"bytes/version ~100M: full {full_mid:.0f} lora {lora_mid:.0f} ratio {full_mid / lora_mid:.1f}", flush=True)
-    peaks: dict[int, tuple[int, int]] = {}
+    peak: dict[int, tuple[int, int]] = {}
     for micro in (2,) if quick else (2, 8):
-        peaks[micro] = peak(False, PEAK_STEPS, micro), peak(True, PEAK_STEPS, micro)
-        print(f"learner peak RSS ~100M, micro-batch {micro}: full {peaks[micro][0] / 1024:.0f} MiB "
-              f"lora {peaks[micro][1] / 1024:.0f} MiB", flush=True)
+        peak[micro] = peaks(1 if quick else PEAK_STEPS, micro)
+        print(f"learner peak RSS ~100M, micro-batch {micro}: full {peak[micro][0] / 1024:.0f} MiB "
+              f"lora {peak[micro][1] / 1024:.0f} MiB", flush=True)
 
     serve = serving(TINY, rounds=3)
     for mode, (rate, apply_ms) in serve.items():
@@ -348,7 +358,7 @@ async def main_async(args: argparse.Namespace) -> None:
     for mode, (rate, apply_ms) in serve_mid.items():
         print(f"serving ~100M {mode}: {rate:.0f} tokens/s, next version applied in {apply_ms:.1f} ms", flush=True)
 
-    steps, seeds = (40, [0]) if quick else (args.steps, [0, 1, 2])
+    steps, seeds = (30, [0]) if quick else (args.steps, [0, 1, 2])
     finals: dict[str, list[float]] = {"full": [], "lora": []}
     base = pathlib.Path(tempfile.mkdtemp(prefix="bench-lora-base-"))
     pretrain(base, PRETRAIN_STEPS)
@@ -362,8 +372,8 @@ async def main_async(args: argparse.Namespace) -> None:
     sd = statistics.stdev(finals["full"]) if len(finals["full"]) > 1 else float("nan")
     print(f"load after: {os.getloadavg()}")
     print(f"result: bytes_ratio={full_mid / lora_mid:.1f} bytes_ratio_tiny={full_tiny / lora_tiny:.1f} "
-          f"peak_ratio={peaks[2][1] / peaks[2][0]:.2f} "
-          + (f"peak_ratio_mb8={peaks[8][1] / peaks[8][0]:.2f} " if 8 in peaks else "")
+          f"peak_ratio={peak[2][1] / peak[2][0]:.2f} "
+          + (f"peak_ratio_mb8={peak[8][1] / peak[8][0]:.2f} " if 8 in peak else "")
           + f"reward_lora={statistics.fmean(finals['lora']):.3f} "
           f"reward_full={statistics.fmean(finals['full']):.3f} reward_seed_sd={sd:.3f} "
           f"merged_over_unmerged_tok_s={serve['merged'][0] / serve['unmerged'][0]:.2f}")
