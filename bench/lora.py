@@ -25,9 +25,9 @@ Three measurements, each on the real components (the `Learner`, the hub's `Weigh
   sort. (On the random-init tiny model a frozen head keeps every logit within about +-1.3, and no
   adapter can make the policy confident: LoRA does not learn there at all.) Each side at its own
   learning rate (LoRA's about three times full fine-tuning's here; "LoRA Without Regret" finds about
-  ten on large models), three seeds each (adapter init and prompts). The figure is the mean reward
-  of steps `STEPS - WINDOW + 1 .. STEPS`; seed noise is the standard deviation over full fine-tuning's
-  seeds.
+  ten on large models), three seeds each (adapter init and prompts; one with `--quick`). The figure
+  is the mean reward of the last `WINDOW` steps up to `--steps` (100; 30 with `--quick`); seed noise
+  is each side's standard deviation over its seeds.
 
     .venv/bin/python bench/lora.py [--quick]
 
@@ -36,8 +36,8 @@ Three measurements, each on the real components (the `Learner`, the hub's `Weigh
   (and the ~100 M one without `--quick`).
 
 Last line: `result: bytes_ratio=... bytes_ratio_tiny=... peak_ratio=... [peak_ratio_mb8=...] reward_lora=...
-reward_full=... reward_seed_sd=... merged_over_unmerged_tok_s=...` (bytes_ratio: full over LoRA on the
-~100 M model; peak_ratio: LoRA over full, at micro-batch 2).
+reward_full=... reward_full_sd=... reward_lora_sd=... merged_over_unmerged_tok_s=...` (bytes_ratio: full over
+LoRA on the ~100 M model; peak_ratio: LoRA over full, at micro-batch 2).
 """
 
 from __future__ import annotations
@@ -369,13 +369,14 @@ async def main_async(args: argparse.Namespace) -> None:
             marks = [round(statistics.fmean(curve.rewards[i:i + WINDOW]), 3) for i in range(0, steps, WINDOW)]
             print(f"learning {name} seed {seed}: reward by {WINDOW} steps {marks} ({curve.seconds:.0f} s)", flush=True)
     shutil.rmtree(base, ignore_errors=True)
-    sd = statistics.stdev(finals["full"]) if len(finals["full"]) > 1 else float("nan")
+    sd = {k: statistics.stdev(v) if len(v) > 1 else float("nan") for k, v in finals.items()}
     print(f"load after: {os.getloadavg()}")
     print(f"result: bytes_ratio={full_mid / lora_mid:.1f} bytes_ratio_tiny={full_tiny / lora_tiny:.1f} "
           f"peak_ratio={peak[2][1] / peak[2][0]:.2f} "
           + (f"peak_ratio_mb8={peak[8][1] / peak[8][0]:.2f} " if 8 in peak else "")
           + f"reward_lora={statistics.fmean(finals['lora']):.3f} "
-          f"reward_full={statistics.fmean(finals['full']):.3f} reward_seed_sd={sd:.3f} "
+          f"reward_full={statistics.fmean(finals['full']):.3f} reward_full_sd={sd['full']:.3f} "
+          f"reward_lora_sd={sd['lora']:.3f} "
           f"merged_over_unmerged_tok_s={serve['merged'][0] / serve['unmerged'][0]:.2f}")
 
 
