@@ -36,8 +36,10 @@ Three measurements, each on the real components (the `Learner`, the hub's `Weigh
   (and the ~100 M one without `--quick`).
 
 Last line: `result: bytes_ratio=... bytes_ratio_tiny=... peak_ratio=... [peak_ratio_mb8=...] reward_lora=...
-reward_full=... reward_full_sd=... reward_lora_sd=... merged_over_unmerged_tok_s=...` (bytes_ratio: full over
-LoRA on the ~100 M model; peak_ratio: LoRA over full, at micro-batch 2).
+reward_full=... reward_full_sd=... reward_lora_sd=... reward_gap_se=... merged_over_unmerged_tok_s=...`
+(bytes_ratio: full over LoRA on the ~100 M model; peak_ratio: LoRA over full, at micro-batch 2;
+reward_gap_se: full minus LoRA in standard errors of the difference; merged_over_unmerged_tok_s: on
+the tiny model, per CPU second).
 """
 
 from __future__ import annotations
@@ -229,9 +231,10 @@ async def version_bytes(model: dict[str, Any], steps: int) -> tuple[float, float
 
 
 def serving(model: dict[str, Any], rounds: int, groups: int = 8) -> dict[str, tuple[float, float]]:
-    """Per mode (`merged`, `unmerged`): decoded tokens per second with an adapter served, and ms to apply
-    the next adapter version (between two steps). Rounds alternate the modes; each keeps its best (other
-    processes on shared cores only ever slow a round down)."""
+    """Per mode (`merged`, `unmerged`): decoded tokens per CPU second with an adapter served, and CPU ms
+    to apply the next adapter version (between two steps). CPU time of this one-threaded process, not
+    wall time: the cores are shared, and other processes stretch wall time by whatever they take.
+    Rounds alternate the modes; each keeps its best."""
     import torch
 
     from fleetrl.broker import Sampling
@@ -258,17 +261,17 @@ def serving(model: dict[str, Any], rounds: int, groups: int = 8) -> dict[str, tu
         engine.step()
     for r in range(rounds):
         for mode, engine in engines.items():
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             engine.stage_adapter(LoraWeights(2 + r, info, adapter))
             engine.step()  # applies it (no work yet)
-            apply_ms = (time.perf_counter() - t0) * 1e3
+            apply_ms = (time.thread_time() - t0) * 1e3
             before = engine.tokens_sampled
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             for g in range(groups):
                 engine.submit(GroupRequest(f"r{r}g{g}", [1, *range(40, 48)], Sampling(max_new_tokens=24), 8, seed=g))
             while engine.has_work():
                 engine.step()
-            rate = (engine.tokens_sampled - before) / (time.perf_counter() - t0)
+            rate = (engine.tokens_sampled - before) / (time.thread_time() - t0)
             old = best.get(mode, (0.0, float("inf")))
             best[mode] = (max(old[0], rate), min(old[1], apply_ms))
     return best
@@ -353,10 +356,12 @@ async def main_async(args: argparse.Namespace) -> None:
 
     serve = serving(TINY, rounds=3)
     for mode, (rate, apply_ms) in serve.items():
-        print(f"serving tiny {mode}: {rate:.0f} tokens/s, next version applied in {apply_ms:.2f} ms", flush=True)
+        print(f"serving tiny {mode}: {rate:.0f} tokens per CPU s, next version applied in {apply_ms:.2f} CPU ms",
+              flush=True)
     serve_mid = {} if quick else serving(MID, rounds=2, groups=4)
     for mode, (rate, apply_ms) in serve_mid.items():
-        print(f"serving ~100M {mode}: {rate:.0f} tokens/s, next version applied in {apply_ms:.1f} ms", flush=True)
+        print(f"serving ~100M {mode}: {rate:.0f} tokens per CPU s, next version applied in {apply_ms:.1f} CPU ms",
+              flush=True)
 
     steps, seeds = (30, [0]) if quick else (args.steps, [0, 1, 2])
     finals: dict[str, list[float]] = {"full": [], "lora": []}
@@ -370,13 +375,16 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"learning {name} seed {seed}: reward by {WINDOW} steps {marks} ({curve.seconds:.0f} s)", flush=True)
     shutil.rmtree(base, ignore_errors=True)
     sd = {k: statistics.stdev(v) if len(v) > 1 else float("nan") for k, v in finals.items()}
+    # The gap in standard errors of the difference of the two means (Welch): |gap| below ~2 is seed noise.
+    se = (sd["full"] ** 2 / len(seeds) + sd["lora"] ** 2 / len(seeds)) ** 0.5
+    gap_se = (statistics.fmean(finals["full"]) - statistics.fmean(finals["lora"])) / se if se > 0 else float("nan")
     print(f"load after: {os.getloadavg()}")
     print(f"result: bytes_ratio={full_mid / lora_mid:.1f} bytes_ratio_tiny={full_tiny / lora_tiny:.1f} "
           f"peak_ratio={peak[2][1] / peak[2][0]:.2f} "
           + (f"peak_ratio_mb8={peak[8][1] / peak[8][0]:.2f} " if 8 in peak else "")
           + f"reward_lora={statistics.fmean(finals['lora']):.3f} "
           f"reward_full={statistics.fmean(finals['full']):.3f} reward_full_sd={sd['full']:.3f} "
-          f"reward_lora_sd={sd['lora']:.3f} "
+          f"reward_lora_sd={sd['lora']:.3f} reward_gap_se={gap_se:.1f} "
           f"merged_over_unmerged_tok_s={serve['merged'][0] / serve['unmerged'][0]:.2f}")
 
 
