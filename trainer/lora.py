@@ -36,7 +36,9 @@ def wrap(model: torch.nn.Module, cfg: LoraAdapterConfig) -> Any:
     initialized from `cfg.seed`."""
     import peft
 
-    model = model.to(_DTYPES[cfg.base_dtype])
+    with torch.no_grad():  # parameters only: RoPE's `inv_freq` stays fp32, as transformers keeps it
+        for p in model.parameters():
+            p.data = p.data.to(_DTYPES[cfg.base_dtype])
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                              target_modules=cfg.target_modules, task_type="CAUSAL_LM")
     try:

@@ -58,6 +58,7 @@ def test_the_base_is_frozen_and_only_the_adapter_has_optimizer_state() -> None:
     assert {n.split(".")[-4] for n in trainable} == set(LINEAR)  # every linear layer, not the head
     assert {p.dtype for p in trainable.values()} == {torch.float32}
     assert {p.dtype for p in frozen.values()} == {torch.bfloat16}
+    assert {b.dtype for n, b in learner.model.named_buffers() if n.endswith("inv_freq")} == {torch.float32}
     before = {n: p.detach().clone() for n, p in frozen.items()}
     _train(learner, range(2))
     assert all(torch.equal(p, before[n]) for n, p in frozen.items())
