@@ -7,6 +7,7 @@ materialize versions from their region store only.
 """
 
 from fleetrl.hub.errors import (
+    BaseMismatch,
     CodecError,
     HubError,
     IntegrityError,
@@ -19,13 +20,16 @@ from fleetrl.hub.errors import (
 )
 from fleetrl.hub.hub import Hub, StoreCheck
 from fleetrl.hub.lease import Lease
-from fleetrl.hub.manifest import Manifest, TensorEntry
+from fleetrl.hub.manifest import AdapterInfo, Manifest, TensorEntry
+from fleetrl.hub.peft_folder import save_peft_adapter
 from fleetrl.hub.publisher import PublishedVersion
 from fleetrl.hub.replicator import Replicator, VersionHints
 from fleetrl.hub.sharded import ShardParts, ShardPlan, ShardPublisher, ShardReport
 from fleetrl.hub.stores import DirStore, ObjectStore, open_store
 
 __all__ = [
+    "AdapterInfo",
+    "BaseMismatch",
     "CodecError",
     "DirStore",
     "Hub",
@@ -50,4 +54,5 @@ __all__ = [
     "VersionConflict",
     "VersionHints",
     "open_store",
+    "save_peft_adapter",
 ]

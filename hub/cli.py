@@ -85,7 +85,8 @@ def export(args: argparse.Namespace, config: FleetConfig) -> int:
     from fleetrl.hub.export import export_version
 
     with Hub.from_config(config, store=args.store) as hub:
-        summary = export_version(hub, config, _version(hub, args.hub_version), args.out, args.max_shard_size)
+        summary = export_version(hub, config, _version(hub, args.hub_version), args.out, args.max_shard_size,
+                                 merged=args.merged)
     print(json.dumps(summary))
     return 0
 
@@ -126,7 +127,8 @@ def ls(args: argparse.Namespace, config: FleetConfig) -> int:
             encodings: dict[str, int] = {}
             for t in m.tensors:
                 encodings[t.encoding] = encodings.get(t.encoding, 0) + 1
-            rows.append({"version": v, "anchor": m.anchor, "latest": v == latest, "bytes": sum(m.objects.values()),
+            rows.append({"version": v, "anchor": m.anchor, "base": m.base, "latest": v == latest,
+                         "bytes": sum(m.objects.values()),
                          "encodings": encodings, "holders": hub.holders(v),
                          "published_at": datetime.datetime.fromtimestamp(m.published_at, datetime.UTC).isoformat()})
     if args.json:
@@ -135,10 +137,11 @@ def ls(args: argparse.Namespace, config: FleetConfig) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("version", "anchor", "bytes", "encodings", "holders", "published (UTC)",
+    table = Table("version", "anchor", "base", "bytes", "encodings", "holders", "published (UTC)",
                   title=f"{config.run} in {args.store}")
     for r in rows:
-        table.add_row(f"{r['version']}{' *' if r['latest'] else ''}", str(r["anchor"]), f"{r['bytes']:,}",
+        base = "" if r["base"] is None else str(r["base"])  # the base version of a LoRA adapter version
+        table.add_row(f"{r['version']}{' *' if r['latest'] else ''}", str(r["anchor"]), base, f"{r['bytes']:,}",
                       " ".join(f"{k}:{n}" for k, n in sorted(r["encodings"].items())), ",".join(r["holders"]),
                       r["published_at"][:19])
     Console().print(table)

@@ -9,6 +9,7 @@
     │                             does not decode, a manifest that contradicts its key
     ├── SignatureError            an unsigned or mis-signed manifest, or a missing key
     ├── LeaseLost                 a replicator's lease was taken over
+    ├── BaseMismatch              a LoRA adapter version whose base the reader does not hold
     └── CodecError                a tensor the codec cannot encode (dtype, shape)
 
 Messages name the store and key, and the tensor where one is at fault, so that an operator knows
@@ -63,6 +64,11 @@ class LeaseLost(HubError):
     """The replicator lease is held by someone else."""
 
     retriable = True
+
+
+class BaseMismatch(HubError):
+    """A LoRA adapter version applies to a base version other than the one the reader holds: it must
+    load that base first (the adapter alone would run on the wrong weights)."""
 
 
 class CodecError(HubError):

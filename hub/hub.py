@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fleetrl.config import FleetConfig
 from fleetrl.hub import inplace
 from fleetrl.hub import manifest as mf
-from fleetrl.hub.errors import HubError
+from fleetrl.hub.errors import BaseMismatch, HubError
 from fleetrl.hub.parent import newest
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
 from fleetrl.hub.reader import Progress, Reader, Step, empty_words
-from fleetrl.hub.retention import GcReport, collect, stored_versions
+from fleetrl.hub.retention import GcReport, collect, gaps, stored_versions
 from fleetrl.hub.sharded import ShardPublisher
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
@@ -83,7 +83,7 @@ class Hub:
     # --- publishing -------------------------------------------------------------------------
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None,
-                owned: bool = False) -> PublishedVersion:
+                owned: bool = False, adapter: mf.AdapterInfo | None = None) -> PublishedVersion:
         """Publish the next version of `state_dict` (tensors in publish dtype) into the home store.
 
         Deltas against the version this hub published last or, when it holds none (a new process),
@@ -91,10 +91,12 @@ class Hub:
         impossible (`PublishedVersion.anchor_reason` says why) or every `hub.anchor_interval`
         versions. With `version`, raises VersionConflict unless that is the next version. With
         `owned`, the caller hands the tensors over (it will not modify them): they are not copied.
+        With `adapter`, `state_dict` is a LoRA adapter (peft's names) on the full-weights version
+        `adapter.base` of this store: its chain of deltas and anchors runs over adapter versions only.
         """
         if self._publisher is None:
             self._publisher = self._new_publisher(Publisher)
-        return self._publisher.publish(state_dict, version=version, owned=owned)
+        return self._publisher.publish(state_dict, version=version, owned=owned, adapter=adapter)
 
     def shard_publisher(self) -> ShardPublisher:
         """A publisher for one rank of a sharded trainer (see hub/sharded.py); keep it across versions."""
@@ -243,15 +245,39 @@ class Hub:
                     found[n] = found[e.tied_to]
         return found
 
+    def materialize_adapter(self, version: int, base: int | None, into: dict[str, torch.Tensor] | None = None,
+                            have_version: int | None = None, progress: Progress | None = None
+                            ) -> tuple[mf.AdapterInfo, dict[str, torch.Tensor]]:
+        """The LoRA adapter of `version` for a reader that holds full-weights version `base`.
+
+        Refuses (BaseMismatch) an adapter of another base, and (HubError) a version of full weights:
+        the caller must load that version whole. `into` / `have_version` are the caller's adapter of an
+        earlier version, updated in place along the adapter chain as `materialize` does."""
+        target = self.reader.manifest(version)
+        where = self.store.where(mf.version_key(self.run, version))
+        if target.adapter is None:
+            raise HubError(f"{where}: version {version} is full weights, not an adapter")
+        if target.adapter.base != base:
+            held = "no base" if base is None else f"base version {base}"
+            raise BaseMismatch(f"{where}: version {version} is an adapter of base version {target.adapter.base}; "
+                               f"this reader holds {held}")
+        if have_version is not None and self.reader.manifest(have_version).base != base:
+            into, have_version = None, None  # an adapter of another base: start from this chain's anchor
+        return target.adapter, self.materialize(version, into=into, have_version=have_version, progress=progress)
+
     def verify_store(self, progress: Callable[[int], None] | None = None) -> StoreCheck:
-        """Check every version in this hub's store, oldest first: numbers gapless, `latest` naming the
-        newest, and each version materialized along its chain with every tensor's sha256 checked
-        against its signed manifest. Errors are collected (one per version), not raised."""
+        """Check every version in this hub's store, oldest first: numbers gapless (but for a LoRA run's
+        base kept before its adapter chain, `retention.gaps`), `latest` one of them, and each version
+        materialized along its chain with every tensor's sha256 checked against its signed manifest.
+        Errors are collected (one per version), not raised."""
         latest = self.latest()  # before the listing: a manifest is created before `latest` names it
         versions = self.versions()
         check = StoreCheck(self.store.name, versions, latest)
         if versions:
-            check.gaps = sorted(set(range(versions[0], versions[-1] + 1)) - set(versions))
+            try:
+                check.gaps = gaps(versions, self.reader.manifest)
+            except HubError:  # the manifest after a missing run does not verify: counted below, and the run
+                check.gaps = sorted(set(range(versions[0], versions[-1] + 1)) - set(versions))
         state: dict[str, torch.Tensor] | None = None
         have: int | None = None
         for v in versions:

@@ -8,6 +8,9 @@
 
 A manifest lists each tensor under its Hugging Face name with dtype, shape, encoding, its parts
 (object, byte range, sha256 of the part, element range) and the sha256 of its bytes after apply.
+The manifest of a LoRA adapter version (`adapter`) lists the adapter's tensors under peft's names and
+names the version of the base model they apply to; its chain (anchor, parent, deltas) runs over
+adapter versions only, and the base is a version of its own, published once.
 The file is `{"signature":{...},"manifest":{...}}` in one zstd frame; the signature covers the exact bytes of
 the `manifest` value as stored (nothing is re-serialized to check it), so any edit, even of whitespace, is
 refused, and the run and version inside it must match the key it is stored under (a manifest copied
@@ -86,6 +89,24 @@ class TensorEntry(_Frozen):
     """Anchors only: the sparse change from the parent, so a reader one step behind skips the dense copy."""
 
 
+class AdapterInfo(_Frozen):
+    """What makes a version a LoRA adapter, and how to apply it (peft's names)."""
+
+    base: int
+    """The version of the full model this adapter applies to (a reader must hold exactly that one)."""
+    r: int
+    """Rank of every A (r x in) and B (out x r)."""
+    lora_alpha: int
+    """Each target weight becomes W + lora_alpha / r * B @ A."""
+    lora_dropout: float = 0.0
+    """Training-time dropout, kept for the exported adapter config (inference ignores it)."""
+    peft_type: Literal["LORA"] = "LORA"
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / self.r
+
+
 class Manifest(_Frozen):
     format: Literal["fleetrl.hub/1"] = "fleetrl.hub/1"
     run: str
@@ -98,6 +119,13 @@ class Manifest(_Frozen):
     objects: dict[str, int]
     """Every object this version's parts live in, with its size."""
     tensors: list[TensorEntry]
+    adapter: AdapterInfo | None = None
+    """Set for a LoRA adapter version: the tensors are the adapter's, applied to version `adapter.base`."""
+
+    @property
+    def base(self) -> int | None:
+        """The version of the full model this adapter version applies to; None for full weights."""
+        return None if self.adapter is None else self.adapter.base
 
     @property
     def is_anchor(self) -> bool:
@@ -120,7 +148,8 @@ def dump_signed(manifest: Manifest, keys: Keys) -> bytes:
     """The manifest file: signed JSON in one zstd frame (hex digests and names shrink ~4x, which
     matters next to deltas of a few hundred KB). Level 9: level 19 saved 5 % more of a 2.7 KB
     manifest for 30x the time (10 ms against 0.3 ms, on the path from a step to its version)."""
-    body = manifest.model_dump_json().encode()
+    # A version of full weights is written as before adapters existed (readers of then still read it).
+    body = manifest.model_dump_json(exclude={"adapter"} if manifest.adapter is None else None).encode()
     signature = {"scheme": keys.scheme, "key_id": keys.key_id, "value": keys.sign(body)}
     text = b'{"signature":' + json.dumps(signature, separators=(",", ":")).encode() + b',"manifest":' + body + b"}"
     return zstandard.ZstdCompressor(level=9).compress(text)

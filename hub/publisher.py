@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     import torch
 
 log = get_logger(__name__)
+_EXPECTED_ANCHORS = ("first version", "anchor_interval", "first adapter")
+"""Anchor reasons that are the plan, not a fallback (the others are logged as warnings)."""
 OBJECT_FRAMES = 64
 """Parts are packed into objects of at most this many frames (256 MiB at the default frame size)."""
 
@@ -115,6 +117,8 @@ class Publisher:
         self._prev: dict[str, _Tensor] | None = None
         self._prev_version: int | None = None
         self._prev_anchor = 0
+        self._prev_base: int | None = None
+        """The base version of the parent in memory when it is an adapter."""
 
     def _snapshot(self, state: Mapping[str, torch.Tensor], owned: bool) -> dict[str, _Tensor]:
         """Bit patterns and hashes of every tensor; tied tensors (same storage or same bytes) once.
@@ -150,12 +154,16 @@ class Publisher:
                         f"{self._prev_version}")
         return None
 
-    def _parent_problem(self, latest: int | None, cur: dict[str, _Tensor]) -> str | None:
+    def _parent_problem(self, latest: int | None, cur: dict[str, _Tensor],
+                        adapter: mf.AdapterInfo | None = None) -> str | None:
         """Make the store's newest version the parent in memory (reading it back when another process
         published it); returns why the next version cannot be a delta of it, or None."""
         if latest is None:
             self._prev, self._prev_version = None, None
             return "first version"
+        lineage = self._lineage_problem(latest, adapter)
+        if lineage is not None:
+            return lineage
         if self._prev is None or self._prev_version != latest:
             self._prev, self._prev_version = None, None
             try:
@@ -165,16 +173,38 @@ class Publisher:
             entries = {t.name: t for t in parent.manifest.tensors if self._keeps(t.name, cur)}
             self._prev = {n: _Tensor(n, e.dtype, e.shape, parent.words[n], e.sha256) for n, e in entries.items()}
             self._prev_version, self._prev_anchor = latest, parent.manifest.anchor
+            self._prev_base = parent.manifest.base
             log.info("hub.parent_read", version=latest, anchor=parent.manifest.anchor, store=self.store.name)
         return self._difference(cur)
+
+    def _lineage_problem(self, latest: int, adapter: mf.AdapterInfo | None) -> str | None:
+        """Why version `latest` cannot be the parent of a version on base `adapter.base` (an adapter) or
+        of full weights (`adapter` None): adapters delta only against adapters of the same base, full
+        weights only against full weights. Decided from the manifest: a base is never read back as an
+        adapter's parent."""
+        if self._prev is not None and self._prev_version == latest:
+            theirs = self._prev_base  # ours: no need to read back what we wrote
+        else:
+            try:
+                theirs = self.reader.manifest(latest).base
+            except HubError:
+                return None  # the parent read below says what is wrong with it
+        ours = None if adapter is None else adapter.base
+        if theirs == ours:
+            return None
+        self._prev, self._prev_version = None, None
+        if ours is None:
+            return f"first version of full weights after adapter version {latest} (on base {theirs})"
+        return f"first adapter on base version {ours}"
 
     def _keeps(self, name: str, cur: Mapping[str, _Tensor]) -> bool:
         """Whether a parent read back keeps this tensor's bits (all of them, for one process)."""
         return True
 
     def publish(self, state: Mapping[str, torch.Tensor], *, version: int | None = None,
-                owned: bool = False) -> PublishedVersion:
-        """Publish the next version; with `version`, refuse (VersionConflict) unless it is that one."""
+                owned: bool = False, adapter: mf.AdapterInfo | None = None) -> PublishedVersion:
+        """Publish the next version; with `version`, refuse (VersionConflict) unless it is that one. With
+        `adapter`, `state` is a LoRA adapter on the base version it names (which must be in the store)."""
         cur = self._snapshot(state, owned)
         latest = newest(self.reader, read_latest(self.store, self.run))
         nxt = 0 if latest is None else latest + 1
@@ -182,31 +212,46 @@ class Publisher:
             raise VersionConflict(f"{self.store.where(mf.latest_key(self.run))}: asked to publish version "
                                   f"{version} but the next version of run {self.run!r} is {nxt} (another "
                                   f"publisher is writing into this run?)")
-        reason = self._parent_problem(latest, cur)
+        if adapter is not None:
+            self._check_base(adapter)
+        reason = self._parent_problem(latest, cur, adapter)
         can_delta = reason is None
         if can_delta and nxt - self._prev_anchor >= self.cfg.anchor_interval:
             reason = f"anchor_interval: {nxt - self._prev_anchor} versions since anchor {self._prev_anchor}"
-        if reason is not None and not reason.startswith(("first version", "anchor_interval")):
+        if reason is not None and not reason.startswith(_EXPECTED_ANCHORS):
             log.warning("hub.anchor_instead_of_delta", version=nxt, reason=reason, store=self.store.name)
-        return self._write(cur, nxt, latest, reason, can_delta)
+        return self._write(cur, nxt, latest, reason, can_delta, adapter)
+
+    def _check_base(self, adapter: mf.AdapterInfo) -> None:
+        """An adapter is published only on a base of full weights the store holds."""
+        try:
+            base = self.reader.manifest(adapter.base)
+        except HubError as exc:
+            raise HubError(f"an adapter on base version {adapter.base}: the base is not readable in "
+                           f"{self.store.name}: {exc}") from exc
+        if base.adapter is not None:
+            raise HubError(f"an adapter on base version {adapter.base}: that version is itself an adapter "
+                           f"(on base {base.adapter.base}), not full weights")
 
     def _write(self, cur: dict[str, _Tensor], version: int, parent: int | None, reason: str | None,
-               can_delta: bool) -> PublishedVersion:
+               can_delta: bool, adapter: mf.AdapterInfo | None = None) -> PublishedVersion:
         """Encode, upload, then create the manifest (conditional) and move `latest`."""
         entries, objects = self._encode(cur, anchor=reason is not None, with_delta=can_delta)
         written = self._upload(objects)
         crash_point("hub.publish.objects_written")
-        pv = self._commit(entries, {sha: len(o) for sha, o in objects.items()}, version, parent, reason, written)
+        pv = self._commit(entries, {sha: len(o) for sha, o in objects.items()}, version, parent, reason, written,
+                          adapter)
         self._prev, self._prev_version, self._prev_anchor = cur, version, pv.anchor
+        self._prev_base = None if adapter is None else adapter.base
         return pv
 
     def _commit(self, entries: list[mf.TensorEntry], objects: dict[str, int], version: int, parent: int | None,
-                reason: str | None, written: int) -> PublishedVersion:
+                reason: str | None, written: int, adapter: mf.AdapterInfo | None = None) -> PublishedVersion:
         """Create the signed manifest of uploaded parts (conditional write), then the holder marker
         and `latest`. Raises VersionConflict when another publisher created version N first."""
         manifest = mf.Manifest(
             run=self.run, version=version, parent=parent, anchor=version if reason is not None else self._prev_anchor,
-            published_at=time.time(), objects=objects, tensors=entries,
+            published_at=time.time(), objects=objects, tensors=entries, adapter=adapter,
         )
         data = mf.dump_signed(manifest, self._keys())
         key = mf.version_key(self.run, version)
@@ -223,7 +268,7 @@ class Publisher:
         crash_point("hub.publish.holder_written")
         self.store.put(mf.latest_key(self.run), json.dumps(pointer).encode())
         log.info("hub.published", version=version, anchor=manifest.anchor, bytes=written + len(data),
-                 tensors=len(entries), store=self.store.name, anchor_reason=reason)
+                 tensors=len(entries), store=self.store.name, anchor_reason=reason, base=manifest.base)
         return PublishedVersion(version, key, manifest.anchor, sha, manifest.published_at,
                                 written + len(data), reason)
 

@@ -15,6 +15,9 @@ is signed, so it is verified whichever store it came from. A region partitioned 
 from a peer keeps receiving weights; the home holder references it could not write then are
 written once home answers again.
 
+A LoRA run's versions are adapters on a base version of full weights (its manifest names it): a region
+that starts from an adapter chain's anchor copies that base first, once.
+
 An anchor's dense objects are not copied when the region holds the version before it: only the
 anchor's delta crosses the WAN, and the dense objects are rebuilt here from the region's own chain
 and kept only if byte for byte the published ones (see rebuild.py); any other is copied. So a region
@@ -42,7 +45,7 @@ from fleetrl.hub.lease import Lease
 from fleetrl.hub.metrics import ReplicatorMetrics
 from fleetrl.hub.publisher import read_latest
 from fleetrl.hub.rebuild import dense_objects, follows_chain
-from fleetrl.hub.retention import retire_below, stored_versions
+from fleetrl.hub.retention import gaps, retire_below, stored_versions
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
 from fleetrl.hub.tensors import to_words
@@ -137,20 +140,30 @@ class Replicator:
             start = have + 1
         if self._floor is not None:
             start = max(start, self._floor)
-        return holes + list(range(start, newest + 1))
+        todo = holes + list(range(start, newest + 1))
+        return self._missing_base(todo[0]) + todo if todo else []
 
     def _holes_below(self, have: int | None) -> list[int]:
         """Versions missing from the region store between its oldest and `latest` (an older replicator
         jumped ahead after a partition): looked for at this process's first pass, then those of them
-        still unfilled."""
+        still unfilled. The run between a LoRA base and its adapter chain is not a hole (retention.gaps)."""
         if self._holes is None:
             held = stored_versions(self.local, self.run)
             top = min(have, held[-1]) if have is not None and held else None
-            self._holes = sorted(set(range(held[0], top + 1)) - set(held)) if top is not None else []
+            below = [v for v in held if top is not None and v <= top]
+            self._holes = gaps(below, lambda v: self._manifest(self.local, v)[0]) if below else []
             if self._holes:
                 log.warning("replicator.holes_found", region=self.region, holes=_spans(self._holes),
                             count=len(self._holes), hint="filling them, oldest first, before newer versions")
         return list(self._holes)
+
+    def _missing_base(self, start: int) -> list[int]:
+        """[the base] when version `start` is a LoRA adapter on a base older than it that the region store
+        lacks (a region joining mid-run starts from the adapter chain's anchor), else []."""
+        base = self._manifest_anywhere(start)[0].base
+        if base is None or base >= start or self.local.exists(mf.holder_key(self.run, base, self.region)):
+            return []
+        return [base]
 
     def newest(self) -> int | None:
         """The newest version known: the home store's `latest`, or what the announcements said,

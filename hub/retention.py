@@ -1,7 +1,8 @@
 """Retention: delete versions older than the window, and objects no retained version needs.
 
 The window is the newest `hub.retention_versions` versions; every version back to the oldest anchor
-any of them starts from is kept too, so each retained version stays materializable. Manifests go
+any of them starts from is kept too, and the base version of every kept LoRA adapter version (its
+full weights, however old), so each retained version stays materializable. Manifests go
 first (oldest first), then holder markers, then objects: a reader never finds a manifest whose
 objects are gone. Objects younger than `hub.gc_grace_s` stay even when unreferenced, because a
 publisher may be uploading them before it creates its manifest.
@@ -10,6 +11,7 @@ publisher may be uploading them before it creates its manifest.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetrl.crashpoints import crash_point
@@ -54,15 +56,43 @@ def stored_versions(store: ObjectStore, run: str) -> list[int]:
     return sorted(int(i.key[len(prefix):].split(".")[0]) for i in store.scan(prefix) if i.key.endswith(".json"))
 
 
+def gaps(versions: list[int], manifest: Callable[[int], mf.Manifest]) -> list[int]:
+    """Versions missing between a store's oldest and newest, but for the run between a LoRA run's base and
+    its adapter chain: gc keeps an adapter's base however old, and a region joining mid-run copies the
+    base and the chain from its newest anchor. A missing run is such when the version right after it is an
+    anchor of adapters on a base that is the only version before the run."""
+    held = set(versions)
+    out: list[int] = []
+    v = versions[0] if versions else 0
+    while versions and v < versions[-1]:
+        if v in held:
+            v += 1
+            continue
+        end = v
+        while end not in held:
+            end += 1
+        after = manifest(end)
+        before = {u for u in versions if u < v}
+        if not (after.is_anchor and after.base is not None and before == {after.base}):
+            out.extend(range(v, end))
+        v = end
+    return out
+
+
 def retire_below(store: ObjectStore, reader: Reader, run: str, floor: int, grace_s: float, *,
                  versions: list[int] | None = None, dry_run: bool = False) -> GcReport:
-    """Delete every version below `floor` (an anchor, or the start of the store's chain) and the
-    objects no version from `floor` on needs: manifests oldest first, then holder references, then
-    objects, so that a reader never finds a manifest whose objects are gone."""
+    """Delete every version below `floor` (an anchor, or the start of the store's chain) but the LoRA
+    bases that versions from `floor` on apply to, and the objects no kept version needs: manifests
+    oldest first, then holder references, then objects, so that a reader never finds a manifest whose
+    objects are gone."""
     versions = stored_versions(store, run) if versions is None else versions
     report = GcReport()
-    report.kept_versions = [v for v in versions if v >= floor]
-    report.deleted_versions = [v for v in versions if v < floor]
+    chains = [v for v in versions if v >= floor]
+    # A LoRA run's adapter versions apply to a full-weights base published once, long before them: kept.
+    bases = {b for v in chains if (b := reader.manifest(v).base) is not None}
+    kept = set(chains) | (bases & set(versions))
+    report.kept_versions = sorted(kept)
+    report.deleted_versions = [v for v in versions if v not in kept]
     needed = {obj for v in report.kept_versions for obj in reader.manifest(v).objects}
     now = time.time()
     doomed = [i for i in store.scan(f"{run}/objects/")
@@ -77,12 +107,13 @@ def retire_below(store: ObjectStore, reader: Reader, run: str, floor: int, grace
     # Every holder reference below the floor, not only those of the manifests deleted now: a pass that
     # was killed after deleting manifests leaves their references for this one.
     for info in store.scan(f"{run}/holders/"):
-        if _holder_version(info.key, run) < floor:
+        held = _holder_version(info.key, run)
+        if held < floor and held not in bases:
             store.delete(info.key)
             crash_point("hub.gc.holder_deleted")
     for info in doomed:
         store.delete(info.key)
         crash_point("hub.gc.object_deleted")
-    log.info("hub.gc", store=store.name, floor=floor, deleted_versions=len(report.deleted_versions),
-             deleted_objects=len(doomed), freed_bytes=report.freed_bytes)
+    log.info("hub.gc", store=store.name, floor=floor, bases=sorted(bases),
+             deleted_versions=len(report.deleted_versions), deleted_objects=len(doomed), freed_bytes=report.freed_bytes)
     return report

@@ -12,10 +12,12 @@ engine a new version at any time (`stage_changes`: only the elements it changed,
 that `accepts_changes`); it is applied *between* decoding steps, so the per-token versions
 of a sample switch exactly at the step after which the weights changed (in-flight update; the KV
 cache of earlier tokens is kept, as PipelineRL does). Staged updates apply in the order given: a
-complete set of weights replaces whatever waits before it, changes and parts follow each other.
-`take(group_id)` withdraws an unfinished group and returns its samples as far as they got
-(token-level handover); `submit` with `resume=` continues them where they stopped, keeping finished
-samples as they are.
+complete set of weights replaces whatever waits before it, changes and parts follow each other. A
+LoRA run's versions are adapters on a base version: `stage_adapter` hands one over the same way (with
+its base's full weights when the engine does not hold that base yet), and an adapter of a base the
+engine does not hold is refused. `take(group_id)` withdraws an unfinished group and returns its
+samples as far as they got (token-level handover); `submit` with `resume=` continues them where they
+stopped, keeping finished samples as they are.
 
 Answers that other workers of the region gave (read from its `trajectories`,
 `rollout/region_history.py`) reach the engine through `observe_responses`: an engine with a response
@@ -33,10 +35,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fleetrl.broker import PartialSample, Sampling, floats, ids
 from fleetrl.config import EngineEmulation
+from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.sampling import sample_key
 
@@ -115,9 +118,11 @@ class Engine(ABC):
         self._touched: set[str] = set()
         self.tokens_sampled = 0
         """Tokens this engine sampled (resumed prefixes excluded): the work it did."""
-        self._staged: list[tuple[str, Mapping[str, Any], int]] = []
-        """Updates waiting for the next step, in order: (kind `all`/`part`/`changes`, tensors, version)."""
+        self._staged: list[_Staged] = []
+        """Updates waiting for the next step, in the order they apply."""
         self._staged_lock = threading.Lock()
+        self.base_version: int | None = None
+        """The version of full weights under the adapter this engine serves (None: no adapter)."""
         self.responses_observed = 0
         """Answers of other workers (`observe_responses`) recorded into the engine's history."""
         self.responses_dropped = 0
@@ -137,7 +142,7 @@ class Engine(ABC):
     def staged_version(self) -> int | None:
         """Newest version staged and not applied yet, if any."""
         with self._staged_lock:
-            return self._staged[-1][2] if self._staged else None
+            return self._staged[-1].version if self._staged else None
 
     def has_staged(self) -> bool:
         return self.staged_version is not None
@@ -174,9 +179,9 @@ class Engine(ABC):
         `complete` False: only the tensors the version changed (after what is staged already)."""
         with self._staged_lock:
             if complete:
-                self._staged = [("all", tensors, version)]
+                self._staged = [_Staged("all", tensors, version)]
             else:
-                self._staged.append(("part", tensors, version))
+                self._staged.append(_Staged("part", tensors, version))
 
     def stage_changes(self, changes: Mapping[str, TensorChanges], version: int) -> None:
         """Hand over the elements `version` changed from the version before it (staged or loaded); they
@@ -184,7 +189,25 @@ class Engine(ABC):
         if not self.accepts_changes:
             raise EngineError(f"{type(self).__name__} does not take sparse weight changes; stage tensors")
         with self._staged_lock:
-            self._staged.append(("changes", changes, version))
+            self._staged.append(_Staged("changes", changes, version))
+
+    def stage_adapter(self, adapter: LoraWeights, base: Mapping[str, Any] | None = None) -> None:
+        """Hand over a LoRA adapter version (any thread), applied before the next decoding step like
+        `stage_weights`. `base`: the full weights of version `adapter.base`, when the engine does not
+        hold that base yet. Refuses (EngineError) an adapter of another base than the one it holds."""
+        with self._staged_lock:
+            last = self._staged[-1] if self._staged else None
+            held = self.base_version if last is None else (last.adapter.base if last.adapter is not None else None)
+            if base is not None:
+                self._staged = [_Staged("adapter", base, adapter.version, adapter)]
+            elif held != adapter.base:
+                holding = "no base" if held is None else f"base version {held}"
+                raise EngineError(f"adapter version {adapter.version} applies to base version {adapter.base}; "
+                                  f"the engine holds {holding} and was given none")
+            elif last is not None and last.kind == "adapter":  # replaces an adapter not applied yet, keeping
+                self._staged[-1] = _Staged("adapter", last.tensors, adapter.version, adapter)  # its base
+            else:
+                self._staged.append(_Staged("adapter", None, adapter.version, adapter))
 
     def group_ids(self) -> list[str]:
         return list(self._groups)
@@ -251,6 +274,12 @@ class Engine(ABC):
         """Write a version's changed elements into the model (engines that `accepts_changes`)."""
         raise EngineError(f"{type(self).__name__} does not take sparse weight changes")
 
+    def _load_adapter(self, adapter: LoraWeights | None) -> None:
+        """Serve `adapter` from the next step on (None: the base alone); engines that serve LoRA
+        adapters override this."""
+        if adapter is not None:
+            raise EngineError(f"engine {type(self).__name__} cannot serve LoRA adapters")
+
     def _append(self, seq: SeqState, token: int, logprob: float) -> None:
         """Record one sampled token and decide whether the sample finished."""
         self.tokens_sampled += 1
@@ -272,14 +301,19 @@ class Engine(ABC):
     def _apply_staged(self) -> None:
         with self._staged_lock:
             staged, self._staged = self._staged, []
-        for kind, tensors, version in staged:
-            if kind == "all":
-                self._load_weights(tensors)
-            elif kind == "part":
-                self._load_part(tensors)
-            else:
-                self._load_changes(tensors)
-            self._version = version
+        for update in staged:
+            if update.kind == "part":
+                self._load_part(update.tensors)
+            elif update.kind == "changes":
+                self._load_changes(update.tensors)
+            elif update.tensors is not None:  # full weights: a version of its own, or an adapter's base
+                if self.base_version is not None:
+                    self._load_adapter(None)  # back to the weights as loaded, then the new ones over them
+                self._load_weights(update.tensors)
+                self.base_version = None if update.adapter is None else update.adapter.base
+            if update.adapter is not None:
+                self._load_adapter(update.adapter)
+            self._version = update.version
 
     def _collect_finished(self) -> list[FinishedGroup]:
         # Only groups with a sample that finished since the last step (or submitted finished) can be done.
@@ -321,6 +355,18 @@ class Engine(ABC):
         if tail < e.tail_p:
             return None
         return draw.randint(1, max(1, min(e.short_tokens, seq.sampling.max_new_tokens)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """An update handed over and not applied yet."""
+
+    kind: Literal["all", "part", "changes", "adapter"]
+    tensors: Any
+    """`all`/`part`: weights; `changes`: {name: TensorChanges}; `adapter`: its base's full weights, or None
+    to keep the weights held."""
+    version: int
+    adapter: LoraWeights | None = None
 
 
 def _restore(seq: SeqState, partial: PartialSample, engine: Engine) -> None:

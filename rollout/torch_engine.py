@@ -16,7 +16,8 @@ Weights come from the hub's materialized tensors (Hugging Face names, tied weigh
 `stage_weights`, cast into the engine's dtype, and are copied into the parameters' own storage (a
 captured graph stays valid); a version's sparse changes (`stage_changes`) are scattered into it on the
 device. The model itself is built from `ModelConfig` (a tiny Qwen2 from config, or any local Hugging
-Face checkpoint).
+Face checkpoint). A LoRA run's adapter versions come via `stage_adapter` and are served merged into
+the weights (in their storage: graphs stay valid) or beside them (`adapters.py`, `engine.lora_mode`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fleetrl.rollout._graphs import GraphMode
 from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._slots import SlotTable
 from fleetrl.rollout._static import POSITION_ONLY_ROPE, StaticStep
+from fleetrl.rollout.adapters import AdapterServer, LoraWeights, adapter_server
 from fleetrl.rollout.engine import Engine, SeqState, TensorChanges
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.history import ResponseHistory, ResponseInbox, prompt_key
@@ -57,6 +59,7 @@ class TorchEngine(Engine):
         refill_fraction: float = 0.125, emulate: EngineEmulation | None = None,
         speculative: SpeculativeConfig | None = None, length_aware: bool = True,
         static: bool | None = None, graphs: GraphMode | None = None, prefill_tokens: int = 8192,
+        lora_mode: str = "merged",
     ) -> None:
         cfg = model.config
         eos = eos_ids if eos_ids is not None else model_eos_ids(model)
@@ -102,6 +105,9 @@ class TorchEngine(Engine):
         self.speculator = Speculator(self.history, spec.max_draft_tokens) if spec.enabled else None
         self.length_aware = length_aware
         """Admit the waiting samples with the longest predicted completion first (else arrival order)."""
+        self.lora_mode = lora_mode
+        self._adapters: AdapterServer | None = None
+        """Serves a LoRA run's adapter versions, once one came (rollout/adapters.py)."""
 
     @classmethod
     def from_config(cls, model_config: Any, engine_config: Any, version: int = 0,
@@ -113,7 +119,7 @@ class TorchEngine(Engine):
                    dtype=engine_config.dtype, version=version, refill_fraction=engine_config.refill_fraction,
                    emulate=engine_config.emulate, speculative=engine_config.speculative,
                    length_aware=length_aware, static=engine_config.static_step, graphs=graphs,
-                   prefill_tokens=engine_config.prefill_tokens)
+                   prefill_tokens=engine_config.prefill_tokens, lora_mode=engine_config.lora_mode)
 
     def _use_static(self, static: bool | None) -> bool:
         """Whether to run the static step: as asked, else on CUDA wherever the model allows it."""
@@ -461,6 +467,27 @@ class TorchEngine(Engine):
             written.add(id(param))
         log.debug("engine.changes_loaded", tensors=len(written),
                   elements=sum(len(c.positions) for c in changes.values()))
+
+    def _load_adapter(self, adapter: LoraWeights | None) -> None:
+        if self._adapters is None:
+            if adapter is None:
+                return
+            self._adapters = adapter_server(self.model, self.lora_mode)
+        before = _hooked(self._adapters)
+        self._adapters.apply(adapter)
+        if self._static is not None and _hooked(self._adapters) != before:
+            # Unmerged adapters added or removed forward hooks (or new buffers), which a graph captured before
+            # did not record; a version on the same targets writes the buffers in place (merged ones write
+            # the weights): the graphs stay valid then.
+            self._static.graphs.clear()
+        log.debug("engine.adapter_loaded", version=None if adapter is None else adapter.version, mode=self.lora_mode)
+
+
+def _hooked(server: AdapterServer) -> list[tuple[str, int]]:
+    """What a captured graph of the model depends on besides its weights: unmerged adapters' hooked
+    modules and their buffers (merged adapters live in the weights' own storage)."""
+    buffers = getattr(server, "_buffers", {})
+    return sorted((name, id(a)) for name, (a, _b) in buffers.items())
 
 
 def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:

@@ -15,7 +15,12 @@ every worker reloads them in place through `collective_rpc` (`_vllm_worker.Fleet
 between two `step()` calls. Along a delta chain `WeightSync` stages only the tensors the chain changed
 (`complete=False`, `_load_part`): the file holds those alone, and the model's `load_weights` replaces
 exactly them (vLLM's parameters are fused and sharded under other names, so the positions of single
-changed elements cannot be scattered into them from here).
+changed elements cannot be scattered into them from here). LoRA adapters (a run with `model.lora`) go
+through vLLM's own LoRA support instead: the engine is built with `enable_lora`, each adapter version
+is written as a peft folder and loaded with `add_lora` as one `LoRARequest` (id = version + 1), and
+every request runs under the newest one. The switch holds between two steps as for full weights: the
+samples in flight are aborted and added again (prompt plus their tokens so far) under the new adapter,
+and the previous adapter is removed.
 
 Sampling randomness: vLLM's per-request `seed`, derived from the sample key and the position the
 request starts at; a resumed sample is deterministic under that seed but, unlike the torch engine,
@@ -28,15 +33,28 @@ see docs/rollout.md for exactly what was and was not exercised.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+from fleetrl.hub import save_peft_adapter
+from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.engine import Engine, SeqState
 from fleetrl.rollout.errors import EngineError
 
 _WORKER_EXTENSION = "fleetrl.rollout._vllm_worker.FleetrlWeightLoader"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts (`vllm.config.lora.MaxLoRARanks`)."""
+
+
+def max_lora_rank(r: int) -> int:
+    """The smallest rank vLLM can be configured with that holds adapters of rank `r`."""
+    for rank in _LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise EngineError(f"model.lora.r is {r}; vLLM serves adapters of rank {_LORA_RANKS[-1]} at most")
 
 
 class VllmEngine(Engine):
@@ -46,6 +64,8 @@ class VllmEngine(Engine):
         self._requests: dict[str, SeqState] = {}
         self._weights_dir = tempfile.mkdtemp(prefix="fleetrl-vllm-weights-",
                                              dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._lora: Any = None
+        """The `LoRARequest` of the adapter version requests run under (None: the base alone)."""
 
     @classmethod
     def from_config(cls, model_config: Any, engine_config: Any, version: int = 0) -> VllmEngine:
@@ -55,12 +75,15 @@ class VllmEngine(Engine):
             raise EngineError("engine kind 'vllm' needs the `gpu` extra (pip install 'fleetrl[gpu]')") from exc
         if model_config.path is None:
             raise EngineError("engine kind 'vllm' needs model.path (a local Hugging Face checkpoint)")
+        lora: dict[str, Any] = {}
+        if model_config.lora is not None:  # two adapters at a time: the one running and the one switched to
+            lora = {"enable_lora": True, "max_lora_rank": max_lora_rank(model_config.lora.r), "max_loras": 2}
         args = EngineArgs(
             model=model_config.path, dtype=engine_config.dtype, seed=0,
             gpu_memory_utilization=engine_config.gpu_memory_utilization,
             tensor_parallel_size=engine_config.tensor_parallel_size, max_num_seqs=engine_config.max_num_seqs,
             enforce_eager=engine_config.enforce_eager, logprobs_mode="processed_logprobs",
-            worker_extension_cls=_WORKER_EXTENSION,
+            worker_extension_cls=_WORKER_EXTENSION, **lora,
         )
         llm = LLMEngine.from_engine_args(args)
         hf = llm.model_config.hf_config
@@ -78,13 +101,16 @@ class VllmEngine(Engine):
 
         for seq in seqs:
             request_id = f"{seq.group_id}/{seq.index}/{seq.position}"
+            if self._lora is not None:  # a sample added again under a new adapter is a new request
+                request_id += f"/a{self._lora.lora_int_id}"
             params = SamplingParams(
                 n=1, temperature=seq.sampling.temperature, top_p=seq.sampling.top_p,
                 max_tokens=seq.sampling.max_new_tokens - len(seq.tokens), logprobs=0,
                 seed=(seq.key ^ seq.position) & 0x7FFFFFFF, stop_token_ids=sorted(self.eos_ids),
                 output_kind=RequestOutputKind.DELTA, detokenize=False,
             )
-            self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.tokens), params)
+            self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.tokens), params,
+                                 lora_request=self._lora)
             self._requests[request_id] = seq
 
     def _withdraw(self, seqs: list[SeqState]) -> None:
@@ -126,7 +152,25 @@ class VllmEngine(Engine):
         save_file(unique, path)
         self.llm.collective_rpc("fleetrl_load_weights", args=(path,))
 
-    def close(self) -> None:
-        import shutil
+    def _load_adapter(self, adapter: LoraWeights | None) -> None:
+        from vllm.lora.request import LoRARequest  # type: ignore[import-not-found, unused-ignore]
 
+        previous = self._lora
+        self._lora = None
+        if adapter is not None:
+            folder = os.path.join(self._weights_dir, f"adapter-{adapter.version}")
+            save_peft_adapter(folder, adapter.info, adapter.tensors)
+            self._lora = LoRARequest(f"fleetrl-v{adapter.version}", adapter.version + 1, folder)
+            if not self.llm.add_lora(self._lora):
+                raise EngineError(f"vLLM did not load adapter version {adapter.version} from {folder}")
+        # The samples in flight go on under the new adapter from the next step: added again with their
+        # tokens so far (vLLM's prefix cache keeps the recompute short).
+        running = [s for s in self._requests.values() if s.finish_reason is None]
+        self._withdraw(running)
+        self._enqueue(running)
+        if previous is not None:
+            self.llm.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
         shutil.rmtree(self._weights_dir, ignore_errors=True)

@@ -16,6 +16,10 @@ The store's `latest` is read only once at start and then every `rollout.weight_f
 (minutes) without an announcement: at 10,000 nodes a 0.2 s poll would be 50,000 requests a second.
 Nothing waits for a pull: generation goes on with the old weights meanwhile. A version that fails
 verification is logged and skipped, never loaded.
+
+A LoRA run's versions are adapters on a base version of full weights: the base is materialized once
+(when the engine does not hold it yet) and handed to the engine with the first adapter; after that
+only the adapter chain is read, updated in place as a full state would be.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import torch
 
 from fleetrl.hub import Hub, HubError
 from fleetrl.log import get_logger
+from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.engine import Engine, TensorChanges
+from fleetrl.rollout.errors import EngineError
 
 log = get_logger(__name__)
 _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights notices a stop
@@ -46,6 +52,10 @@ class WeightSync:
         self.announced: int | None = None
         """Newest version announced as held by the region store (None: nothing heard yet)."""
         self._state: dict[str, Any] | None = None
+        self.base: int | None = None
+        """The base version under the engine's adapter (a LoRA run), once one was staged."""
+        self._adapter: dict[str, Any] | None = None
+        self._adapter_version: int | None = None
         self._refused: set[int] = set()
         self._wake = asyncio.Event()
 
@@ -117,30 +127,49 @@ class WeightSync:
         if self.transfer_s:  # EMULATED: the version's copy into the region store over a WAN link
             await asyncio.sleep(self.transfer_s)
         try:
-            how = await asyncio.to_thread(self._pull, version)
-        except HubError as exc:
-            log.warning("weights.materialize_failed", version=version, error=str(exc), retriable=exc.retriable)
-            if not exc.retriable:
+            how, base = await asyncio.to_thread(self._pull, version)
+        except (HubError, EngineError) as exc:
+            retriable = isinstance(exc, HubError) and exc.retriable
+            log.warning("weights.materialize_failed", version=version, error=str(exc), retriable=retriable)
+            if not retriable:
                 self._refused.add(version)
             return False
-        log.info("weights.staged", version=version, previous=self.have, staged=how,
+        log.info("weights.staged", version=version, previous=self.have, staged=how, base=base,
                  seconds=round(time.monotonic() - started, 3))
         self.have = version
         return True
 
-    def _pull(self, version: int) -> str:
-        """Bring `_state` to `version` and stage it on the engine; returns what was staged: `changes`
-        (positions and values), `part` (the changed tensors) or `all`."""
+    def _pull(self, version: int) -> tuple[str, int | None]:
+        """Bring the engine to `version` (a thread); returns what was staged, `changes` (positions and
+        values), `part` (the changed tensors), `all` or `adapter`, and the version's base (None: full)."""
+        manifest = self.hub.manifest(version)
+        if manifest.adapter is not None:
+            return "adapter", self._pull_adapter(version, manifest.adapter.base)
+        self._adapter = self._adapter_version = self.base = None
         if self._state is not None and self.have is not None:
             positions = self.hub.changes(version, self._state, self.have)
             if positions is not None:
                 if self.engine.accepts_changes:  # gathered into new tensors: `_state` may change meanwhile
                     self.engine.stage_changes({n: TensorChanges(p, self._state[n].view(-1)[torch.from_numpy(p)])
                                                for n, p in positions.items()}, version)
-                    return "changes"
+                    return "changes", None
                 self.engine.stage_weights({n: self._state[n].clone() for n in positions}, version, complete=False)
-                return "part"
+                return "part", None
         self._state = self.hub.materialize(version, into=self._state, have_version=self.have)
         # The engine reads its own copy when it applies it: the next version updates `_state` in place.
         self.engine.stage_weights({k: v.clone() for k, v in self._state.items()}, version)
-        return "all"
+        return "all", None
+
+    def _pull_adapter(self, version: int, base: int) -> int:
+        """Hand the engine LoRA adapter `version`, with its base's full weights the first time."""
+        base_state = None
+        if self.base != base:  # once per base: the engine keeps it from then on
+            self._state = None
+            base_state = self.hub.materialize(base)
+        info, self._adapter = self.hub.materialize_adapter(version, base, into=self._adapter,
+                                                           have_version=self._adapter_version)
+        self._adapter_version = version
+        adapter = LoraWeights(version, info, {k: v.clone() for k, v in self._adapter.items()})
+        self.engine.stage_adapter(adapter, base=base_state)
+        self.base = base
+        return base

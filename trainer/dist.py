@@ -132,9 +132,29 @@ def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, c
     )
 
     opts = StateDictOptions(full_state_dict=ctx.distributed, cpu_offload=to_cpu or ctx.distributed)
-    msd = get_model_state_dict(model, options=opts)
+    msd = _trainable(model, get_model_state_dict(model, options=opts))
     osd = None if optimizer is None else get_optimizer_state_dict(model, optimizer, options=opts)
     return msd, osd
+
+
+def _trainable(model: torch.nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
+    """The state dict without frozen parameters, where the model has some (a LoRA policy's base): they
+    are no training state, and every start rebuilds them from the model's config."""
+    if _all_trainable(model):
+        return msd
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in msd.items() if k in trainable}
+
+
+def _options(model: torch.nn.Module, **kwargs: Any) -> Any:
+    """StateDictOptions that load a state dict without the frozen parameters `_trainable` left out."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=_all_trainable(model), **kwargs)
+
+
+def _all_trainable(model: torch.nn.Module) -> bool:
+    return all(p.requires_grad for p in model.parameters())
 
 
 def set_state(
@@ -145,13 +165,9 @@ def set_state(
 
     Ranks > 0 pass empty dicts (and `osd={}` when the leader loads an optimizer state, None when not).
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    opts = StateDictOptions(full_state_dict=ctx.distributed, broadcast_from_rank0=ctx.distributed)
+    opts = _options(model, full_state_dict=ctx.distributed, broadcast_from_rank0=ctx.distributed)
     set_model_state_dict(model, msd, options=opts)
     if optimizer is not None and osd is not None:
         set_optimizer_state_dict(model, optimizer, osd, options=opts)
@@ -167,7 +183,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     )
 
     opts = StateDictOptions(full_state_dict=False)
-    return {"model": get_model_state_dict(model, options=opts),
+    return {"model": _trainable(model, get_model_state_dict(model, options=opts)),
             "optimizer": get_optimizer_state_dict(model, optimizer, options=opts)}
 
 
@@ -184,16 +200,12 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: 
     """Read back what `save_shards` wrote: each rank loads its own shards (resharded by DCP if the
     world size changed). Collective under FSDP."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = _sharded_state(model, optimizer)
     with single_process_dcp():
         dcp.load(state, checkpoint_id=path)
-    opts = StateDictOptions(full_state_dict=False)
+    opts = _options(model, full_state_dict=False)
     set_model_state_dict(model, state["model"], options=opts)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
 

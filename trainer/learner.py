@@ -12,8 +12,9 @@ import copy
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,10 @@ import torch
 from fleetrl.config import AlgorithmConfig, LearnerEmulation, ModelConfig
 from fleetrl.hub import PublishedVersion, ShardPublisher
 from fleetrl.log import get_logger
+from fleetrl.trainer import lora
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
+from fleetrl.trainer.errors import TrainerError
 from fleetrl.trainer.logprobs import causal_lm_logprobs
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss
 from fleetrl.trainer.sharded_publish import publish_sharded
@@ -61,7 +64,8 @@ class StepStats:
 
 
 class Learner:
-    """Owns the model, its optimizer and (with `kl_coef > 0`) a frozen reference copy."""
+    """Owns the model, its optimizer and (with `kl_coef > 0`) a frozen reference copy; a LoRA policy
+    (`model.lora`) trains its adapter alone and takes its base, adapter off, as the reference."""
 
     def __init__(self, model_cfg: ModelConfig, algo: AlgorithmConfig, ctx: DistContext,
                  emulate: LearnerEmulation | None = None) -> None:
@@ -69,14 +73,22 @@ class Learner:
         self.emulate = emulate
         """Emulated step time (`trainer.emulate`, benchmarks on CPU): slept after each real step."""
         self.publish_dtype = _PUBLISH_DTYPES[model_cfg.publish_dtype]
+        self.lora = model_cfg.lora
+        """The adapter's config when the policy is a LoRA adapter on a frozen base (trainer/lora.py)."""
         model = model_cfg.build().float()
-        ref = copy.deepcopy(model).requires_grad_(False) if algo.kl_coef > 0 else None
+        if self.lora is not None:
+            if ctx.distributed:
+                raise TrainerError("model.lora: a LoRA policy trains in one process (FSDP of a peft model is "
+                                   "not supported yet); run the trainer without torchrun")
+            model = lora.wrap(model, self.lora)
+        ref = copy.deepcopy(model).requires_grad_(False) if algo.kl_coef > 0 and self.lora is None else None
         if algo.activation_checkpointing:
             _checkpoint_activations(model)
         self.model = ctx.shard(model)
         self.ref = ctx.shard(ref).eval() if ref is not None else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=algo.lr, betas=algo.betas,
+            weight_decay=algo.weight_decay,
         )
         self.clip = ClipConfig(algo.clip_low, algo.clip_high, algo.tis_cap)
         self._shard_publisher: ShardPublisher | None = None
@@ -107,6 +119,8 @@ class Learner:
         forward and backward run; that step's optimizer update waits for it (`fence`). Under FSDP the
         full state is gathered to rank 0's CPU first, a collective, so it is taken now."""
         self.ctx.command("state")
+        if self.lora is not None:  # the adapter alone: the base is published once (`base_state`)
+            return self._snapshots.begin(lora.adapter_state(self.model), self.publish_dtype)
         msd, _ = get_state(self.model, None, self.ctx, to_cpu=self.ctx.distributed)
         # Tied weights (lm_head = embeddings) are passed as they are: the hub stores them once.
         if self.ctx.distributed:
@@ -114,6 +128,13 @@ class Learner:
             done.set_result(self._snapshots.take(msd, self.publish_dtype))
             return done
         return self._snapshots.begin(msd, self.publish_dtype)
+
+    def base_state(self) -> dict[str, torch.Tensor]:
+        """A LoRA policy's frozen base in the publish dtype, under its Hugging Face names: the version
+        every adapter version applies to (a private copy)."""
+        if self.lora is None:
+            raise TrainerError("base_state: the policy has no adapter (model.lora is unset)")
+        return {name: t.detach().to(self.publish_dtype, copy=True) for name, t in lora.base_state(self.model).items()}
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """fp32 model and optimizer state, unsharded (rank 0)."""
@@ -256,9 +277,9 @@ class Learner:
             logp_old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
             tok_loss, st = ppo_tis_token_loss(logp, logp_old, mb.behaviour_logprobs, mb.advantages, self.clip)
             kl = torch.zeros_like(logp)
-            if self.ref is not None:
-                with torch.no_grad():
-                    logp_ref = self._logprobs(self.ref, mb)
+            if self.algo.kl_coef > 0:
+                with torch.no_grad(), self._reference() as ref:
+                    logp_ref = self._logprobs(ref, mb)
                 kl = kl_k3(logp, logp_ref)
                 tok_loss = tok_loss + self.algo.kl_coef * kl
         loss = aggregate(tok_loss, mb.loss_mask, self.algo.aggregation, total_tokens=total_tokens,
@@ -280,6 +301,15 @@ class Learner:
         """[B, T-1] logprobs of the targets at the scored positions (`loss_mask`), 0 elsewhere."""
         return causal_lm_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, mb.loss_mask > 0,
                                   self.algo.temperature, self.algo.logprob_chunk_tokens)
+
+    @contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The KL penalty's reference policy: the frozen copy, or a LoRA policy's base (adapter off)."""
+        if self.ref is not None:
+            yield self.ref
+            return
+        with lora.base_policy(self.model) as base:
+            yield base
 
     def _autocast(self) -> Any:
         # fp32 master weights; on CUDA the matmuls run in bf16, the loss maths in fp32.

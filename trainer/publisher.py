@@ -10,6 +10,10 @@ and are announced strictly in order: `submit` first waits for the previous one (
 wait of the next optimizer update for the cast, is the trainer's stall), and a publish that failed
 raises there, or in `flush`. A node that misses the message finds the same version through the
 store's `latest`.
+
+A LoRA policy's versions are its adapter alone: `ensure_base` first makes sure the home store holds
+its frozen base as a version of full weights (published once; found again on a restart), and every
+publish after that is an adapter on that base.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from typing import Protocol, TypeAlias
 import torch
 
 from fleetrl.broker import ControlPlaneError, PolicyAnnouncement
+from fleetrl.config import LoraAdapterConfig
 from fleetrl.crashpoints import crash_point
-from fleetrl.hub import Hub, PublishedVersion
+from fleetrl.hub import AdapterInfo, Hub, HubError, PublishedVersion
 from fleetrl.log import get_logger
 from fleetrl.trainer.metrics import TrainerMetrics
 
@@ -42,7 +47,38 @@ class WeightPublisher:
     def __init__(self, hub: Hub, announcer: Announcer | None, metrics: TrainerMetrics) -> None:
         self.hub, self.announcer, self.metrics = hub, announcer, metrics
         self.last: PublishedVersion | None = None
+        self.adapter: AdapterInfo | None = None
+        """Set by `ensure_base` for a LoRA policy: every version published is an adapter on that base."""
         self._pending: asyncio.Task[PublishedVersion] | None = None
+
+    async def ensure_base(self, base: Callable[[], Mapping[str, torch.Tensor]], cfg: LoraAdapterConfig) -> int:
+        """Make every later publish an adapter (per `cfg`) on a base version holding exactly `base()`:
+        the base of the store's newest version (or that version itself) when it is that, else `base()`
+        published now as the next version of full weights (not announced: engines load it with the
+        first adapter). Returns the base version."""
+        await self.flush()
+        state = await asyncio.to_thread(base)
+        found = await asyncio.to_thread(self._held_base, state)
+        if found is None:
+            pv = await asyncio.to_thread(self.hub.publish, state, owned=True)
+            found = pv.version
+            log.info("weights.base_published", version=found, bytes=pv.bytes_written, tensors=len(state))
+        else:
+            log.info("weights.base_found", version=found)
+        self.adapter = AdapterInfo(base=found, r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
+        return found
+
+    def _held_base(self, state: Mapping[str, torch.Tensor]) -> int | None:
+        newest = self.hub.newest()
+        if newest is None:
+            return None
+        candidate = self.hub.manifest(newest).base
+        candidate = newest if candidate is None else candidate
+        try:
+            return candidate if self.hub.holds(state, candidate) else None
+        except HubError as exc:  # gone (retention) or unreadable: publish the base again
+            log.warning("weights.base_unreadable", version=candidate, error=str(exc))
+            return None
 
     async def publish(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> PublishedVersion:
         """Publish a snapshot now (after any publish in flight) and announce; returns when both are done."""
@@ -87,7 +123,7 @@ class WeightPublisher:
             crash_point("trainer.step.snapshot_taken")
         t0 = time.monotonic()
         # The trainer's state dicts are snapshots (Learner.published_state): the hub may keep them.
-        pv = await asyncio.to_thread(self.hub.publish, state_dict, version=version, owned=True)
+        pv = await asyncio.to_thread(self.hub.publish, state_dict, version=version, owned=True, adapter=self.adapter)
         seconds = time.monotonic() - t0
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.publish_bytes.inc(pv.bytes_written)
@@ -122,7 +158,9 @@ class WeightPublisher:
         return self.hub.latest(), self.hub.newest()
 
     def holds(self, state_dict: Mapping[str, torch.Tensor], version: int) -> bool:
-        return self.hub.holds(state_dict, version)
+        """Whether `version` is exactly `state_dict` (for an adapter: on the same base)."""
+        base = None if self.adapter is None else self.adapter.base
+        return self.hub.manifest(version).base == base and self.hub.holds(state_dict, version)
 
     def adopt(self, version: int) -> None:
         """Make the store's `version` the last published (read back), so that it is announced again."""

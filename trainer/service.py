@@ -36,6 +36,10 @@ makes anything it already trained a duplicate. If the store's newest version is 
 checkpoint's (a version published after it from weights now lost, or the checkpoint's own version
 still in flight when the process died), the checkpoint's weights are published again as the next
 version, a delta against the store's newest.
+
+A LoRA policy (`model.lora`) publishes its frozen base once, as a version of full weights, before
+its first adapter version (`WeightPublisher.ensure_base`; a restart finds it again); every step's
+version is then the adapter alone.
 """
 
 from __future__ import annotations
@@ -146,6 +150,8 @@ class Trainer:
 
     async def _restore_or_start(self) -> None:
         ckpt = checkpoint.latest(self.config.trainer.checkpoint_dir, self.config.run)
+        if self.learner.lora is not None:  # the adapter's versions need their base in the store first
+            await self.publisher.ensure_base(self.learner.base_state, self.learner.lora)
         if ckpt is None:
             state = await asyncio.to_thread(self.learner.published_state)
             _, newest = await asyncio.to_thread(self.publisher.store_versions)

@@ -29,6 +29,7 @@ def build_model(config: ModelConfig) -> Any:
         num_key_value_heads=t.num_key_value_heads,
         max_position_embeddings=t.max_position_embeddings,
         tie_word_embeddings=t.tie_word_embeddings,
+        initializer_range=t.initializer_range,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

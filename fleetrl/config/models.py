@@ -48,8 +48,43 @@ class TinyModelConfig(Model):
     """Longest prompt + completion the model handles."""
     tie_word_embeddings: bool = True
     """Share input and output embeddings (stored once in the hub, as in HF checkpoints)."""
+    initializer_range: float = Field(0.02, gt=0, le=1)
+    """Standard deviation of the initial weights (Qwen2's default). A LoRA run trains adapters on a frozen
+    base: with the default, the frozen random head keeps every logit within about +-1.3, so no adapter can
+    make the policy confident; a wider range (0.1) stands in for a pretrained base's scale."""
     seed: int = 0
     """Seed of the initial weights: every process that builds the model gets the same ones."""
+
+
+class LoraAdapterConfig(Model):
+    """Train a low-rank adapter (LoRA, through peft) instead of every weight: the base stays frozen, the
+    optimizer holds state for the adapter alone, and every version the hub publishes after the base is
+    the adapter alone (docs/trainer.md, LoRA). Field names and defaults are peft's `LoraConfig`'s."""
+
+    r: int = Field(8, ge=1, le=4096)
+    """Rank of the adapter's matrices (A is r x in, B is out x r)."""
+    lora_alpha: int = Field(8, ge=1)
+    """Scale numerator: the adapter adds `lora_alpha / r * B @ A` to each target weight."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (engines never apply it)."""
+    target_modules: list[str] | str | None = None
+    """Modules that get an adapter: a list of names (a module matches when its name is one of them or
+    ends with `.` + one), `all-linear` (every linear layer but the output head), or a regular expression
+    matched against whole module names, as peft reads it. None: peft's default for the architecture
+    (`q_proj` and `v_proj` for Llama, Qwen2 and Mistral)."""
+    base_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the frozen base in the learner. `bfloat16` halves its memory; the adapter (and its
+    optimizer state) stays fp32."""
+    seed: int = 0
+    """Seed of the adapter's initial A matrices (B starts at zero, so the first version is the base's
+    policy): a restarted trainer builds the same initial adapter."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str | None) -> list[str] | str | None:
+        if isinstance(value, list) and not value:
+            raise ValueError("target_modules is an empty list; leave it out for peft's default, or name modules")
+        return value
 
 
 class ModelConfig(Model):
@@ -66,6 +101,9 @@ class ModelConfig(Model):
     tokenizer: str | None = None
     """`char` (the character tokenizer shipped in code) or a local tokenizer folder (relative to the config
     file). None: the tokenizer (and chat template) of `path`, or `char` for the tiny model."""
+    lora: LoraAdapterConfig | None = None
+    """Train a LoRA adapter on the frozen base instead of every weight (`{r, lora_alpha, lora_dropout,
+    target_modules}`, peft's names and defaults). None: full fine-tuning."""
 
     @property
     def tokenizer_source(self) -> str:
@@ -387,6 +425,10 @@ class TorchEngineConfig(Model):
     prefill_tokens: int = Field(8192, ge=16)
     """Most tokens (prompts padded to a power of two) one captured prefill pass of the static step holds; a
     step's admissions are split into as few passes as fit."""
+    lora_mode: Literal["merged", "unmerged"] = "merged"
+    """How a LoRA run's adapter versions are served (`model.lora`): `merged` writes W0 + scale * B @ A into
+    each target weight (no cost per step; keeps a copy of the targets' base weights), `unmerged` adds the
+    adapter's output beside each target (no copy; two thin matmuls per target per step)."""
 
 
 class VllmEngineConfig(Model):

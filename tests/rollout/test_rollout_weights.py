@@ -66,12 +66,13 @@ async def test_a_delta_reaches_the_torch_engine_as_positions_and_values(tmp_path
             hub.publish(s)
         sync = WeightSync(hub, engine, fallback_poll_s=60.0)
         assert await sync.refresh(0)
-        assert [kind for kind, _, _ in engine._staged] == ["all"]
+        assert [u.kind for u in engine._staged] == ["all"]
         engine.step()
         _assert_engine_holds(engine, states[0])
         storage = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
         assert await sync.refresh(1)
-        [(kind, changes, version)] = engine._staged
+        [update] = engine._staged
+        kind, changes, version = update.kind, update.tensors, update.version
         assert kind == "changes" and version == 1
         assert set(changes) == {name for name, t in states[1].items() if t.dim() == 2}
         for name, change in changes.items():
@@ -83,7 +84,7 @@ async def test_a_delta_reaches_the_torch_engine_as_positions_and_values(tmp_path
         for s in states[2:]:
             hub.publish(s)
         assert await sync.refresh(2) and await sync.refresh(3)  # two changes staged before the engine steps
-        assert [v for _, _, v in engine._staged] == [1, 2, 3]
+        assert [u.version for u in engine._staged] == [1, 2, 3]
         engine.step()
         assert engine.version == 3 and not engine._staged
         _assert_engine_holds(engine, states[3])
@@ -114,7 +115,7 @@ async def test_an_engine_that_cannot_scatter_gets_only_the_tensors_a_delta_chang
                 hub.publish(s)
             sync = WeightSync(hub, engine, fallback_poll_s=60.0)
             assert await sync.refresh(0) and await sync.refresh(1)
-            assert [kind for kind, _, _ in engine._staged] == ["all", "part"]
+            assert [u.kind for u in engine._staged] == ["all", "part"]
             engine._apply_staged()
         full, part = rpc.loaded
         assert set(part) == {name for name, t in full.items() if t.dim() == 2}

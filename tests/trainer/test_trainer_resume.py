@@ -24,7 +24,7 @@ import yaml
 from trainer_groups import HUB_KEY, answer_prompts
 
 from fleetrl.broker import ensure_topics
-from fleetrl.config import FleetConfig
+from fleetrl.config import FleetConfig, LoraAdapterConfig
 from fleetrl.hub import Hub
 from fleetrl.trainer.checkpoint import latest
 
@@ -69,9 +69,13 @@ async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signa
             await proc.wait()
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 async def test_sigkill_mid_step_then_restart_trains_every_group_once(
-        make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path) -> None:
+        make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path, lora: bool) -> None:
     config = make_fleet(max_staleness=1)
+    if lora:  # a LoRA policy: the checkpoints hold its adapter, the hub its base once
+        model = config.model.model_copy(update={"lora": LoraAdapterConfig(r=4, target_modules="all-linear")})
+        config = config.model_copy(update={"model": model})
     cfg = tmp_path / "fleet.yaml"
     cfg.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     await ensure_topics(config, REGION)
@@ -104,6 +108,11 @@ async def test_sigkill_mid_step_then_restart_trains_every_group_once(
     assert report["ok"] and not report["lost"] and not report["trained_twice"]
     assert report["trained"] == STEPS * config.algorithm.groups_per_step
     assert report["dispatched"] >= report["trained"]
+    if lora:  # three restarts found the base again: one version of full weights, every other an adapter on it
+        with Hub.from_config(config) as hub:
+            bases = [v for v in hub.versions() if hub.manifest(v).adapter is None]
+            assert bases == [0] and all(hub.manifest(v).base == 0 for v in hub.versions()[1:])
+            assert hub.latest() == hub.versions()[-1]
 
 
 async def test_daemon_under_torchrun_two_ranks(make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path) -> None:
