@@ -160,7 +160,10 @@ class Replicator:
     def _missing_base(self, start: int) -> list[int]:
         """[the base] when version `start` is a LoRA adapter on a base older than it that the region store
         lacks (a region joining mid-run starts from the adapter chain's anchor), else []."""
-        base = self._manifest_anywhere(start)[0].base
+        try:
+            base = self._manifest_anywhere(start)[0].base
+        except (StoreError, IntegrityError):
+            return []  # unreadable now: its copy says why (or restarts the chain when it is in no store)
         if base is None or base >= start or self.local.exists(mf.holder_key(self.run, base, self.region)):
             return []
         return [base]

@@ -179,8 +179,8 @@ def test_adapter_versions_replicate_once_per_region_and_a_late_region_fetches_th
             trainer.publish(state, adapter=info(base))
             adapters.append(state)
         newest_anchor = trainer.manifest(8).anchor
-    # More than an anchor interval behind, `near` jumps to the newest adapter anchor; it holds the base.
-    assert Replicator(config, "near", stores=near_view).replicate_once() == [newest_anchor, 8]
+    # More than an anchor interval behind, `near` copies every version in order (it never jumps past one).
+    assert Replicator(config, "near", stores=near_view).replicate_once() == [4, 5, 6, 7, 8]
     far_view = clients()
     # The adapter chain's newest anchor and what follows it, and first the base that chain applies to.
     assert Replicator(config, "far", stores=far_view).replicate_once() == [0, *range(newest_anchor, 9)]
@@ -189,5 +189,9 @@ def test_adapter_versions_replicate_once_per_region_and_a_late_region_fetches_th
         assert node.holders(0) == ["far"] and node.latest() == 8
         assert same_bits(node.materialize(0), tiny_state())
         assert same_bits(node.materialize_adapter(8, 0)[1], adapters[8])
+        check = node.verify_store()  # the base, then the chain from its anchor: whole, not a gap
+        assert check.ok and check.gaps == [] and check.versions == [0, *range(newest_anchor, 9)], check
+    again = Replicator(config, "far", stores=clients())
+    assert again.replicate_once() == [] and again._holes == []  # nor a hole to fill for the next replicator
     with Hub.from_config(config) as home:  # peer references name every holder, the base's too
         assert home.holders(0) == ["far", "home", "near"] and home.holders(8) == ["far", "home", "near"]
