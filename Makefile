@@ -7,6 +7,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The suite mostly waits (brokers, demo runs, restarts), so it runs its tests side by side: TEST_WORKERS
+# pytest-xdist workers, tests that share setup grouped on one worker (tests/README.md). TEST_WORKERS=0
+# runs it in one process, in file order.
+TEST_WORKERS ?= 4
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: install refresh test test-fast demo demo-hf demo-tools lint lint-infra bench clean
 
@@ -28,7 +33,7 @@ refresh: $(STAMP)
 		mv $(VENV)/.files.new $(VENV)/.files; }
 
 test: refresh
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: refresh
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -m "not slow and not e2e and not integration" $(PYTEST_ARGS)
