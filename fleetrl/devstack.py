@@ -65,9 +65,8 @@ class _PortBlocks:
     def take(self) -> int:
         with self._lock:
             for _ in range(4 * _BLOCK):
-                if self._next is None or self._next >= self._end:
-                    if not self._reserve_block():
-                        return _kernel_port()
+                if (self._next is None or self._next >= self._end) and not self._reserve_block():
+                    return _kernel_port()
                 assert self._next is not None
                 port, self._next = self._next, self._next + 1
                 if _bindable(port):

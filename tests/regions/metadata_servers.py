@@ -22,7 +22,6 @@ from __future__ import annotations
 import email.utils
 import json
 import secrets
-import socket
 import threading
 import time
 import urllib.parse
