@@ -12,7 +12,6 @@ from fleetrl.config import FleetConfig
 from fleetrl.hub import DirStore, Hub, Lease, LeaseLost, Replicator, open_store
 from fleetrl.hub.stores import ObjectStore
 
-
 LEASE_TTL_S = 3.0
 
 
