@@ -152,7 +152,9 @@ async def test_aws_token_renewed_after_401() -> None:
 
 async def test_aws_token_renewed_before_it_expires() -> None:
     with AwsImds() as imds:
-        watcher = AwsSpotWatcher(imds.url, poll_s=POLL_S, token_ttl_s=1)  # renewed after 0.5 s
+        # renewed after 2 s: a watcher stalled for under 2 s on busy cores still renews in time (with 1 s,
+        # renewed after 0.5 s, a stall of half a second read with an expired token)
+        watcher = AwsSpotWatcher(imds.url, poll_s=POLL_S, token_ttl_s=4)
         task = asyncio.create_task(watcher.wait())
         try:
             await until(lambda: imds.token_puts >= 3 or task.done(), "three tokens")
