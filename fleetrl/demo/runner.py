@@ -341,9 +341,9 @@ class Demo:
 
     def _end_when_done(self) -> None:
         """At the end of --duration, once every --fuzz-records record is dead-lettered, or once every fault
-        is recovered from (--until-faults): no more faults
-        nor hostile records, then (after a grace for the consumers to read what was sent, if any may be
-        unread) SIGTERM to the trainer, which drains, checkpoints and exits 0."""
+        is recovered from (--until-faults): no more faults nor hostile records, then (after a grace for
+        the consumers to read what was sent, where some may be unread) SIGTERM to the trainer, which
+        drains, checkpoints and exits 0."""
         assert self.trainer is not None
         now = time.monotonic()
         if self._terminate_at is None:
