@@ -101,7 +101,7 @@ def _add_hub(sub: Any) -> None:
     p = _cmd(hub, "ls", "fleetrl.hub.cli:ls", "list versions, their encodings, sizes and holders")
     p.add_argument("--store", default="home", help="store to list (default: %(default)s)")
     _json(p)
-    p = _cmd(hub, "export", "fleetrl.hub.cli:export", "write a version as a Hugging Face model folder")
+    p = _cmd(hub, "export", "fleetrl.export_cli:export", "write a version as a Hugging Face model folder")
     p.add_argument("--version", dest="hub_version", required=True, help="version number or 'latest'")
     p.add_argument("--out", required=True, help="the folder to write (must not exist)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: %(default)s)")

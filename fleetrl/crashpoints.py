@@ -86,6 +86,9 @@ POINTS: dict[str, Point] = {
         "replicator", "holder references of N in both stores, the region's `latest` still at N-1"),
     "hub.replicate.latest_moved": Point(
         "replicator", "the region's `latest` at N; its retained replica announcement still at N-1"),
+    "hub.replicate.backfilled": Point(
+        "replicator", "a catch-up of several versions stopped after N: versions up to N whole in the region "
+                      "store, its `latest` at N, N+1.. not copied yet"),
     "replicator.announced": Point(
         "replicator", "the region's replica announcement at N"),
     # the rollout worker: record produced -> offsets committed

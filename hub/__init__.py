@@ -17,7 +17,7 @@ from fleetrl.hub.errors import (
     StoreError,
     VersionConflict,
 )
-from fleetrl.hub.hub import Hub
+from fleetrl.hub.hub import Hub, StoreCheck
 from fleetrl.hub.lease import Lease
 from fleetrl.hub.manifest import Manifest, TensorEntry
 from fleetrl.hub.publisher import PublishedVersion
@@ -44,6 +44,7 @@ __all__ = [
     "ShardPublisher",
     "ShardReport",
     "SignatureError",
+    "StoreCheck",
     "StoreError",
     "TensorEntry",
     "VersionConflict",

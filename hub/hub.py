@@ -27,7 +27,7 @@ from fleetrl.hub.errors import HubError
 from fleetrl.hub.parent import newest
 from fleetrl.hub.publisher import PublishedVersion, Publisher, read_latest
 from fleetrl.hub.reader import Progress, Reader, Step, empty_words
-from fleetrl.hub.retention import GcReport, collect
+from fleetrl.hub.retention import GcReport, collect, stored_versions
 from fleetrl.hub.sharded import ShardPublisher
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
@@ -140,9 +140,7 @@ class Hub:
 
     def versions(self) -> list[int]:
         """Every version whose manifest is in this store, ascending."""
-        prefix = f"{self.run}/versions/"
-        return sorted(int(i.key[len(prefix):].split(".")[0]) for i in self.store.scan(prefix)
-                      if i.key.endswith(".json"))
+        return stored_versions(self.store, self.run)
 
     def manifest(self, version: int) -> mf.Manifest:
         return self.reader.manifest(version)
@@ -214,8 +212,9 @@ class Hub:
         """Check every version in this hub's store, oldest first: numbers gapless, `latest` naming the
         newest, and each version materialized along its chain with every tensor's sha256 checked
         against its signed manifest. Errors are collected (one per version), not raised."""
+        latest = self.latest()  # before the listing: a manifest is created before `latest` names it
         versions = self.versions()
-        check = StoreCheck(self.store.name, versions, self.latest())
+        check = StoreCheck(self.store.name, versions, latest)
         if versions:
             check.gaps = sorted(set(range(versions[0], versions[-1] + 1)) - set(versions))
         state: dict[str, torch.Tensor] | None = None
@@ -283,14 +282,22 @@ class StoreCheck:
     """Version -> why it does not verify."""
 
     @property
+    def ahead(self) -> list[int]:
+        """Versions whose manifest is written but that `latest` does not name yet: a publish or a copy
+        under way, or one whose process died there (its restart moves `latest`)."""
+        return [v for v in self.versions if self.latest is None or v > self.latest]
+
+    @property
     def ok(self) -> bool:
-        newest = self.versions[-1] if self.versions else None
-        return not self.gaps and not self.bad and self.latest == newest
+        """Whole: gapless, every version verified, and `latest` one of them (at any moment, also while a
+        version is being written: see `ahead`)."""
+        return not self.gaps and not self.bad and (self.latest in self.versions or self.latest is None)
 
     def as_dict(self) -> dict[str, Any]:
         return {"store": self.store, "ok": self.ok, "first": self.versions[0] if self.versions else None,
                 "newest": self.versions[-1] if self.versions else None, "latest": self.latest,
-                "versions": len(self.versions), "gaps": self.gaps, "bad": {str(k): v for k, v in self.bad.items()}}
+                "versions": len(self.versions), "ahead": self.ahead, "gaps": self.gaps,
+                "bad": {str(k): v for k, v in self.bad.items()}}
 
 
 def _matches(into: Mapping[str, Any], entries: Mapping[str, mf.TensorEntry]) -> bool:

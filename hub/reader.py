@@ -24,7 +24,7 @@ import numpy as np
 from fleetrl.hub import kernels
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.batching import RANGE_FRAMES, ranged_gets
-from fleetrl.hub.errors import CodecError, HubError, IntegrityError
+from fleetrl.hub.errors import CodecError, HubError, IntegrityError, ObjectNotFound
 from fleetrl.hub.parts import Decoded, apply_window, decode_part
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
@@ -105,7 +105,10 @@ class Reader:
             return None
         steps = []
         for v in range(have + 1, version + 1):
-            m = self.manifest(v)
+            try:
+                m = self.manifest(v)
+            except ObjectNotFound:
+                return None  # not in this store (retired, or a hole an older replicator left): from the anchor
             if m.parent != v - 1 or (m.is_anchor and any(
                     t.delta is None for t in m.tensors if t.encoding == "anchor")):
                 return None

@@ -42,6 +42,7 @@ from fleetrl.hub.lease import Lease
 from fleetrl.hub.metrics import ReplicatorMetrics
 from fleetrl.hub.publisher import read_latest
 from fleetrl.hub.rebuild import dense_objects, follows_chain
+from fleetrl.hub.retention import retire_below, stored_versions
 from fleetrl.hub.signing import Keys, load_keys
 from fleetrl.hub.stores import ObjectStore, open_store
 from fleetrl.hub.tensors import to_words
@@ -49,6 +50,9 @@ from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 Progress = Callable[[int], None]
+_ESTIMATE_MAX_VERSIONS = 48
+"""A catch-up's log estimates both routes' bytes from the manifests up to this many versions (the manifest
+cache holds 64, so the copy reads them again only past that)."""
 Holding = Callable[[int, str, int], None]
 """Told (version, manifest sha256, anchor) of the newest version the region store holds, after each pass
 of the lease holder: the region agent's daemon announces it on the control plane (the hub knows no MQTT)."""
@@ -109,21 +113,44 @@ class Replicator:
         self._owed_found = False
         """Whether this process has looked for references an earlier one still owed home (`_find_owed`)."""
         self._home_down = False
+        self._holes: list[int] | None = None
+        """Versions missing below the region's `latest` (None until this process has looked, once)."""
+        self._floor: int | None = None
+        """Where the region's chain starts again after versions were collected from every store."""
 
     # --- one pass ---------------------------------------------------------------------------
 
     def pending(self) -> list[int]:
-        """Versions to copy, oldest first: from the region's latest on, or from the newest anchor."""
+        """Versions to copy, oldest first: the holes an earlier replicator left below the region's
+        `latest` (found once per process), then every version after `latest` in order (or, into a
+        region store without `latest`, from its oldest version or else the newest anchor). Never a jump
+        past a version: a region keeps every version from where its chain starts, so each verifies."""
         newest = self.newest()
         if newest is None:
             return []
         have = read_latest(self.local, self.run)
-        if have is not None and have >= newest:
-            return []
-        start = (have + 1) if have is not None else newest
-        if have is None or newest - have > self.config.hub.anchor_interval:
-            start = self._manifest_anywhere(newest)[0].anchor
-        return list(range(start, newest + 1))
+        holes = self._holes_below(have)
+        if have is None:
+            held = stored_versions(self.local, self.run)
+            start = held[0] if held else self._manifest_anywhere(newest)[0].anchor
+        else:
+            start = have + 1
+        if self._floor is not None:
+            start = max(start, self._floor)
+        return holes + list(range(start, newest + 1))
+
+    def _holes_below(self, have: int | None) -> list[int]:
+        """Versions missing from the region store between its oldest and `latest` (an older replicator
+        jumped ahead after a partition): looked for at this process's first pass, then those of them
+        still unfilled."""
+        if self._holes is None:
+            held = stored_versions(self.local, self.run)
+            top = min(have, held[-1]) if have is not None and held else None
+            self._holes = sorted(set(range(held[0], top + 1)) - set(held)) if top is not None else []
+            if self._holes:
+                log.warning("replicator.holes_found", region=self.region, holes=_spans(self._holes),
+                            count=len(self._holes), hint="filling them, oldest first, before newer versions")
+        return list(self._holes)
 
     def newest(self) -> int | None:
         """The newest version known: the home store's `latest`, or what the announcements said,
@@ -157,19 +184,89 @@ class Replicator:
         done: list[int] = []
         self._find_owed()
         self._pay_home()
-        for version in self.pending():
+        todo = self.pending()
+        if len(todo) > 1:
+            self._log_route(todo)
+        for i, version in enumerate(todo):
             if stop is not None and stop.is_set():
                 break
             self._keep_lease()
             try:
                 self.copy_version(version)
             except ObjectNotFound as exc:
-                # Collected by gc at home before we got to it: skip ahead to what is still there.
-                log.warning("replicator.version_gone", version=version, region=self.region, error=str(exc))
-                continue
+                # In no store any more (gc at home ran while the region was away): the region's chain
+                # starts again at the oldest version home holds, and what is below it goes.
+                self._restart_chain(version, exc)
+                break
+            if self._holes and version in self._holes:
+                self._holes.remove(version)
             done.append(version)
+            if i + 1 < len(todo):
+                crash_point("hub.replicate.backfilled")
+        self._retire_below_floor()
         self._tell_holding()
         return done
+
+    def _log_route(self, todo: list[int]) -> None:
+        """Say how a catch-up of several versions goes, and why: in order, each version from its cheapest
+        holder. The bytes of the other route (the newest anchor whole, then what follows it) are logged
+        beside; it would leave the versions before that anchor out of the region store, whose every
+        version must verify, so it is never taken while those versions can still be copied."""
+        if len(todo) > _ESTIMATE_MAX_VERSIONS:  # a manifest read each: not worth it for a long catch-up
+            log.info("replicator.catch_up", region=self.region, versions=_spans(todo), count=len(todo),
+                     route="in_order")
+            return
+        try:
+            manifests = {v: self._manifest_anywhere(v)[0] for v in todo}
+        except (StoreError, IntegrityError) as exc:
+            log.info("replicator.catch_up", region=self.region, versions=_spans(todo), count=len(todo),
+                     route="in_order", estimate_error=str(exc))
+            return
+        in_order = sum(_wan_bytes(m, rebuilt=v > todo[0] or self._holds_here(v - 1)) for v, m in manifests.items())
+        anchor = manifests[todo[-1]].anchor
+        skipped = [v for v in todo if v < anchor]
+        jump = sum(_wan_bytes(m, rebuilt=v > anchor) for v, m in manifests.items() if v >= anchor)
+        log.info("replicator.catch_up", region=self.region, versions=_spans(todo), count=len(todo),
+                 route="in_order", bytes_in_order=in_order, bytes_from_anchor=jump if skipped else None,
+                 anchor=anchor, reason=(f"starting at anchor {anchor} would leave {_spans(skipped)} out of the "
+                                        "region store (each version there must verify)") if skipped
+                 else "no newer anchor to start from")
+
+    def _holds_here(self, version: int) -> bool:
+        try:
+            return self.local.exists(mf.version_key(self.run, version))
+        except StoreError:
+            return False
+
+    def _restart_chain(self, version: int, exc: ObjectNotFound) -> None:
+        """`version` is in no store (collected at home by `fleetrl hub gc`): start the region's chain at
+        the oldest version home still holds (an anchor: gc keeps whole chains); the versions below it
+        are retired from the region store once its `latest` reaches it, so that the store is gapless."""
+        newer = [v for v in stored_versions(self.home, self.run) if v > version]
+        if not newer:
+            log.warning("replicator.version_gone", version=version, region=self.region, error=str(exc))
+            return
+        self._floor = newer[0]
+        self._holes = [h for h in (self._holes or []) if h >= self._floor]
+        log.warning("replicator.chain_restarted", region=self.region, gone=version, floor=self._floor,
+                    reason=f"version {version} is in no store (collected by gc); the region's chain starts "
+                           f"again at {self._floor}, and its versions below that are retired")
+
+    def _retire_below_floor(self) -> None:
+        """Once the region's `latest` reached a restarted chain's floor, delete its versions below it."""
+        if self._floor is None or (read_latest(self.local, self.run) or -1) < self._floor:
+            return
+        report = retire_below(self.local, self._local_hub().reader, self.run, self._floor,
+                              self.config.hub.gc_grace_s)
+        for v in report.deleted_versions:  # peers must not look here for them any more
+            try:
+                self.home.delete(mf.holder_key(self.run, v, self.region))
+            except StoreError as exc:
+                self._home_answered(exc)
+                break
+        log.info("replicator.retired", region=self.region, floor=self._floor,
+                 versions=_spans(report.deleted_versions))
+        self._floor = None
 
     def _tell_holding(self) -> None:
         """Pass the region store's `latest` pointer to `on_holding` (which publishes only changes)."""
@@ -433,3 +530,21 @@ class Replicator:
             self._renewed = time.monotonic()
             return True
         return False
+
+
+def _wan_bytes(manifest: mf.Manifest, *, rebuilt: bool) -> int:
+    """Bytes a copy of `manifest`'s version crosses between stores: its delta objects alone for an anchor
+    rebuilt in the region from the version before (`rebuilt`, see rebuild.py), else all its objects."""
+    objects = manifest.delta_objects() if rebuilt and follows_chain(manifest) else set(manifest.objects)
+    return sum(manifest.objects[o] for o in objects)
+
+
+def _spans(versions: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3,7": version lists in logs stay one short field."""
+    out: list[list[int]] = []
+    for v in sorted(versions):
+        if out and out[-1][1] == v - 1:
+            out[-1][1] = v
+        else:
+            out.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)

@@ -38,15 +38,29 @@ def _holder_version(key: str, run: str) -> int:
 def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_s: float,
             *, dry_run: bool = False) -> GcReport:
     """Apply the retention window to `store`; with `dry_run`, only report what would go."""
-    prefix = f"{run}/versions/"
-    versions = sorted(int(i.key[len(prefix):].split(".")[0]) for i in store.scan(prefix) if i.key.endswith(".json"))
-    report = GcReport()
+    versions = stored_versions(store, run)
     if not versions:
-        return report
+        return GcReport()
     latest = read_latest(store, run)
     newest = max(versions[-1], latest if latest is not None else -1)
     window = [v for v in versions if v > newest - retention]
     floor = min([reader.manifest(v).anchor for v in window] + [newest])
+    return retire_below(store, reader, run, floor, grace_s, versions=versions, dry_run=dry_run)
+
+
+def stored_versions(store: ObjectStore, run: str) -> list[int]:
+    """The versions whose manifest `store` holds, oldest first."""
+    prefix = f"{run}/versions/"
+    return sorted(int(i.key[len(prefix):].split(".")[0]) for i in store.scan(prefix) if i.key.endswith(".json"))
+
+
+def retire_below(store: ObjectStore, reader: Reader, run: str, floor: int, grace_s: float, *,
+                 versions: list[int] | None = None, dry_run: bool = False) -> GcReport:
+    """Delete every version below `floor` (an anchor, or the start of the store's chain) and the
+    objects no version from `floor` on needs: manifests oldest first, then holder references, then
+    objects, so that a reader never finds a manifest whose objects are gone."""
+    versions = stored_versions(store, run) if versions is None else versions
+    report = GcReport()
     report.kept_versions = [v for v in versions if v >= floor]
     report.deleted_versions = [v for v in versions if v < floor]
     needed = {obj for v in report.kept_versions for obj in reader.manifest(v).objects}
@@ -69,6 +83,6 @@ def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_
     for info in doomed:
         store.delete(info.key)
         crash_point("hub.gc.object_deleted")
-    log.info("hub.gc", store=store.name, deleted_versions=len(report.deleted_versions),
+    log.info("hub.gc", store=store.name, floor=floor, deleted_versions=len(report.deleted_versions),
              deleted_objects=len(doomed), freed_bytes=report.freed_bytes)
     return report

@@ -161,3 +161,5 @@ class RelayHub:
             self._call(run())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()

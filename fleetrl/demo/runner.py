@@ -509,11 +509,12 @@ class Demo:
 
     def _summary(self, audit: dict[str, Any], wall_s: float, dead: dict[str, Any],
                  fuzz: dict[str, Any], stores: list[dict[str, Any]]) -> dict[str, Any]:
-        from fleetrl.demo.summary import summarize
+        from fleetrl.demo.summary import export_command, summarize
 
         return summarize(self.progress, audit, wall_s, self.pids(), self.exit_codes, self.workdir,
                          faults=self.faults.faults, dead_letters=dead, fuzz=fuzz, out=self.out,
-                         plan=dataclasses.asdict(self.plan), stores=stores)
+                         plan=dataclasses.asdict(self.plan), stores=stores,
+                         export=export_command(self.config_path, stores, self.config.hub.home_store.scheme == "s3"))
 
     def _write_artefacts(self, summary: dict[str, Any]) -> None:
         from fleetrl.demo.plot import plot_run

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import pathlib
 import statistics
+import sys
 from typing import Any
 
 from rich.table import Table
@@ -33,7 +34,7 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
               exit_codes: dict[str, int | None], workdir: pathlib.Path, *, faults: list[Any] | None = None,
               dead_letters: dict[str, Any] | None = None, fuzz: dict[str, Any] | None = None,
               out: pathlib.Path | None = None, plan: dict[str, Any] | None = None,
-              stores: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              stores: list[dict[str, Any]] | None = None, export: str | None = None) -> dict[str, Any]:
     anchors = [b for v, (b, anchor) in p.published.items() if v == anchor]
     deltas = [b for v, (b, anchor) in p.published.items() if v != anchor]
     dead = dead_letters or {}
@@ -76,13 +77,30 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
         "still_running": sorted(name for name, pid in pids.items() if _alive(pid)),
         "workdir": str(workdir),
         "out": str(out or workdir),
+        "export_command": export,
     }
+
+
+def export_command(config_path: pathlib.Path, stores: list[dict[str, Any]], home_in_s3: bool) -> str | None:
+    """The `fleetrl hub export` command that writes this run's newest version as a Hugging Face folder:
+    with the run's own config (its stores and public key), which a user's config does not name. None
+    when the home store lived in the demo's S3 server (`--partition`, `--durable`), stopped at the end."""
+    home = next((x for x in stores if x["store"] == "home"), None)
+    if home is None or home["latest"] is None or home_in_s3:
+        return None
+    program = pathlib.Path(sys.argv[0])
+    fleetrl = os.path.relpath(program) if program.name == "fleetrl" and program.is_absolute() \
+        and not os.path.relpath(program).startswith("..") else "fleetrl"
+    run_config = os.path.relpath(config_path) if not os.path.relpath(config_path).startswith("..") else str(config_path)
+    version = home["latest"]
+    return f"{fleetrl} hub export --config {run_config} --version {version} --out model-v{version}"
 
 
 def _stores_ok(stores: list[dict[str, Any]]) -> bool:
     """Every store verified (gapless, `latest` the newest, each version's hashes) and every region's
     replica at the home store's newest version (the replicas caught up)."""
-    return bool(stores) and all(s["ok"] for s in stores) and len({s["latest"] for s in stores}) == 1
+    return bool(stores) and all(s["ok"] and s["newest"] == s["latest"] for s in stores) \
+        and len({s["latest"] for s in stores}) == 1
 
 
 def render(s: dict[str, Any]) -> Table:
@@ -108,7 +126,9 @@ def render(s: dict[str, Any]) -> Table:
     table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
     table.add_row("stores", ("every version verified; " if s["stores_ok"] else "FAILED: ") + "; ".join(
         f"{x['store']} {x['first']}..{x['newest']} latest {x['latest']}"
-        + ("" if x["ok"] else f" (gaps {x['gaps'][:5]}, bad {list(x['bad'])[:5]})") for x in s["stores"]))
+        + ("" if x["ok"] else f" (gaps {x['gaps'][:5]}, bad {list(x['bad'])[:5]})")
+        + ("" if x["newest"] == x["latest"] else f" (latest not at the newest: {x.get('ahead', [])[:5]} ahead)")
+        for x in s["stores"]))
     if s["faults"]:
         kinds: dict[str, int] = {}
         for f in s["faults"]:
@@ -126,6 +146,8 @@ def render(s: dict[str, Any]) -> Table:
                                + ("all stopped" if not running else f"STILL RUNNING: {', '.join(running)}")
                                + f"; {codes}")
     table.add_row("files", f"{s['workdir']} (logs/); {s['out']} (summary.json, metrics.jsonl, reward.png)")
+    if s.get("export_command"):
+        table.add_row("export", f"the trained model as a Hugging Face folder: {s['export_command']}")
     return table
 
 

@@ -53,7 +53,9 @@ TRAINER = [
     "trainer.publish.announced@3", "trainer.dispatch.prompt_produced@9", "trainer.dispatch.ledger_updated@9",
 ]
 REPLICATOR = [
-    "hub.replicate.objects_copied@2", "hub.replicate.manifest_copied@2", "hub.replicate.holder_written@2",
+    # a restart waits out its dead predecessor's lease while versions accumulate: its catch-up is several
+    "hub.replicate.objects_copied@2", "hub.replicate.backfilled", "hub.replicate.manifest_copied@2",
+    "hub.replicate.holder_written@2",
     "hub.replicate.home_holder_written@2", "hub.replicate.latest_moved@2", "replicator.announced@2",
 ]
 WORKER = ["rollout.group.produced@2", "rollout.offsets.committed@3", "rollout.partial.produced"]

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,3 +81,51 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def hub_env() -> dict[str, str]:
     return {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY}
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class ReplicatorDaemon:
+    """One `fleetrl replicator --region R` process, its JSON log in `log_file`; stopped (or killed) by the
+    test that started it, by its pid."""
+
+    def __init__(self, config_file: pathlib.Path, region: str, log_file: pathlib.Path,
+                 env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY, "OMP_NUM_THREADS": "1", **(env or {})}
+        self.log_file = log_file
+        self._out = open(log_file, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetrl.cli", "replicator", "--config", str(config_file), "--region", region,
+             "--log-json"], env=env, stdout=subprocess.DEVNULL, stderr=self._out)
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        """The JSON events logged so far (only those called `name`, when given)."""
+        lines = self.log_file.read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.startswith("{")]
+        return [e for e in events if name is None or e.get("event") == name]
+
+    def kill(self) -> None:
+        """SIGKILL: what a preempted or crashed node's replicator gets (its lease is left to expire)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._out.close()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(timeout=10)
+        self._out.close()
+        return code

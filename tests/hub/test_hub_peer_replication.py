@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
 import torch
 import yaml
-from hub_helpers import HUB_KEY
+from hub_helpers import ReplicatorDaemon as Daemon
+from hub_helpers import wait_for
 
 from fleetrl import devstack
 from fleetrl.broker import ControlPlane, PolicyAnnouncement
@@ -73,42 +69,6 @@ def fleet_file(tmp_path: pathlib.Path, run_id: str, servers: dict[str, devstack.
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-class Daemon:
-    """One `fleetrl replicator --region R` process (stopped by the test that started it, by pid)."""
-
-    def __init__(self, config_file: pathlib.Path, region: str, log_file: pathlib.Path) -> None:
-        env = {**os.environ, "FLEETRL_HUB_KEY": HUB_KEY, "OMP_NUM_THREADS": "1"}
-        self.log_file = log_file
-        self._out = open(log_file, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetrl.cli", "replicator", "--config", str(config_file), "--region", region,
-             "--log-json"], env=env, stdout=subprocess.DEVNULL, stderr=self._out)
-
-    def events(self) -> list[dict[str, Any]]:
-        lines = self.log_file.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait(timeout=10)
-        self._out.close()
-        return code
 
 
 def tiny_versions(config: FleetConfig, n: int) -> list[dict[str, torch.Tensor]]:
