@@ -202,6 +202,8 @@ class Chaos:
         self.crash_dir = pathlib.Path(demo.workdir) / "crashes"
         self.crashes: dict[str, int] = {}
         """Marker (`<kind>/<index>-<point>`) of each crash point fired -> the pid it killed."""
+        self.killed_training: set[str] = set()
+        """Kinds killed once the fleet had trained a step (mid-flight, not during the fleet's start)."""
 
     def _fault(self, kind: str, target: str, detail: str = "") -> None:
         self.on_fault(self.log.add(kind, target, detail))
@@ -227,9 +229,10 @@ class Chaos:
 
     def all_happened(self) -> bool:
         """Every fault the plan asks for has happened (`--until-faults`): each kind of `kill_only`
-        killed, each partition healed, a node preempted and its agent gone, every crash point fired."""
+        killed while the fleet trained (after its first step: a kill during the fleet's start proves
+        little), each partition healed, a node preempted and its agent gone, every crash point fired."""
         p, faults = self.plan, self.log.faults
-        if p.kill_every_s and not set(p.kill_only) <= {_kind(f.target) for f in faults if f.kind == "kill"}:
+        if p.kill_every_s and not set(p.kill_only) <= self.killed_training:
             return False
         if p.preempt_every_s and (not self.leaving or any(c.returncode() is None for c in self.demo.children
                                                           if c.name in self.leaving)):
@@ -308,6 +311,8 @@ class Chaos:
         except ProcessLookupError:
             return
         self._fault("kill", name, f"pid {pid}")
+        if self.demo.progress.last_step_at is not None:
+            self.killed_training.add(_kind(name))
         if child is not None:
             self.restarts[name] = (time.monotonic() + RESTART_S, child)
         else:  # a worker: its agent's supervisor restarts it; it recovers from now on
