@@ -96,12 +96,13 @@ class _PortBlocks:
 
 
 def _unreserved_range() -> tuple[int, int]:
-    """Ports below the kernel's ephemeral range and above the well-known ones: [10000, ephemeral low)."""
+    """Ports below the kernel's ephemeral range, above the fixed ones people run servers on (the demo's
+    18830/19092/19093, Kafka's 9092, MQTT's 1883): [20000, ephemeral low)."""
     try:
         ephemeral_low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768  # Linux's default; elsewhere IANA's starts at 49152
-    return 10000, min(ephemeral_low, 49152)
+    return 20000, min(ephemeral_low, 49152)
 
 
 def _bindable(port: int) -> bool:
