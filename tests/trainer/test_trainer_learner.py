@@ -85,7 +85,7 @@ def test_the_next_step_waits_for_a_snapshot_still_being_cast_before_it_changes_t
     ring.fence = fence  # type: ignore[method-assign]
     snapshot = learner.begin_published_state()
     learner.train_step(build_step_batch([group], "grpo", 0))
-    assert learner.snapshot_wait_s >= 0.3  # the update waited for the cast
+    assert learner.snapshot_wait_s > 0.1  # the update waited for the cast (about 0.3 s: the timer starts first)
     got = snapshot.result(timeout=30)
     assert all(torch.equal(got[k].view(torch.int16), before[k].view(torch.int16)) for k in before)
     after = learner.model.state_dict()
