@@ -81,11 +81,11 @@ def s3_bucket(s3_endpoint: str) -> str:
 # -- running side by side (pytest-xdist) ---------------------------------------------------------------
 
 SHARED_PER_PROCESS = {"tansu", "tansu_bootstrap", "mqtt_server", "moto_server", "s3_endpoint",
-                      "tmp_path_factory", "terraform", "plugin_dir", "tf_copy", "qwen2_folder", "llama_folder",
-                      "worker_id", "testrun_uid"}
-"""Fixtures wider than a test that each xdist worker may build for itself: a server per worker, cheap
-folders. Any other module-, class- or session-scoped fixture is setup its tests share (a demo run
-the module's tests read, a PKI, a terraform apply): its tests go to one worker (below)."""
+                      "terraform", "plugin_dir", "tf_copy", "qwen2_folder", "llama_folder"}
+"""The suite's fixtures wider than a test that each xdist worker may build for itself: a server per
+worker, cheap folders. Any other module-, class- or session-scoped fixture of the suite is setup its
+tests share (a demo run the module's tests read, a PKI, a terraform apply): its tests go to one worker
+(below). Plugins' fixtures (pytest's, pytest-asyncio's) are not the suite's and group nothing."""
 
 
 def _shared_setup(item: pytest.Item) -> str | None:
@@ -98,7 +98,15 @@ def _shared_setup(item: pytest.Item) -> str | None:
     if not shared:
         return None
     scope = info.name2fixturedefs[shared[0]][-1].scope
-    return f"{item.nodeid.split('::')[0]}" if scope in ("module", "class") else f"session-{shared[0]}"
+    return item.nodeid.split("::")[0] if scope in ("module", "class") else f"session-{shared[0]}"
+
+
+def _unit_of(item: pytest.Item) -> str:
+    """What xdist hands a worker at once: the test's group, or the test alone."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid
+    return f"@{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}"
 
 
 def _weight(item: pytest.Item) -> int:
@@ -117,13 +125,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("xdist_group") is None and (group := _shared_setup(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    def scope(item: pytest.Item) -> str:
-        mark = item.get_closest_marker("xdist_group")
-        return f"@{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}" if mark else item.nodeid
-
     heaviest: dict[str, int] = {}
     for item in items:
-        heaviest[scope(item)] = max(heaviest.get(scope(item), 0), _weight(item))
+        unit = _unit_of(item)
+        heaviest[unit] = max(heaviest.get(unit, 0), _weight(item))
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-heaviest[scope(item)], order[id(item)]))
+    items.sort(key=lambda item: (-heaviest[_unit_of(item)], order[id(item)]))
 
