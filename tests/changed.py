@@ -42,7 +42,7 @@ def changed_files(base: str) -> list[str]:
     return sorted(set(git("diff", "--name-only", merge_base) + git("ls-files", "--others", "--exclude-standard")))
 
 
-def test_paths(files: list[str]) -> list[str]:
+def covering_paths(files: list[str]) -> list[str]:
     paths: set[str] = set()
     for f in files:
         path = ROOT / f
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     except (subprocess.CalledProcessError, IndexError) as exc:
         print(f"tests/changed.py: cannot diff against {base!r} ({exc}); pass a git ref", file=sys.stderr)
         return 2
-    print(" ".join(test_paths(files)))
+    print(" ".join(covering_paths(files)))
     return 0
 
 
