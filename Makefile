@@ -7,8 +7,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The suite mostly waits (brokers, demo runs, restarts), so it runs its tests side by side: TEST_WORKERS
+# pytest-xdist workers, tests that share setup grouped on one worker (tests/README.md). TEST_WORKERS=0
+# runs it in one process, in file order.
+TEST_WORKERS ?= 4
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: install refresh test test-fast demo demo-hf demo-tools lint lint-infra bench clean
+.PHONY: install refresh test test-fast test-changed test-profile demo demo-hf demo-tools lint lint-infra bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
@@ -28,10 +33,32 @@ refresh: $(STAMP)
 		mv $(VENV)/.files.new $(VENV)/.files; }
 
 test: refresh
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: refresh
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -m "not slow and not e2e and not integration" $(PYTEST_ARGS)
+
+# The inner loop: the tests of what differs from BASE (tests/changed.py), the slow ones left out unless
+# CHANGED_MARKS is emptied (make test-changed CHANGED_MARKS=).
+BASE ?= main
+CHANGED_MARKS ?= not slow
+test-changed: refresh
+	@paths="$$($(PY) tests/changed.py $(BASE))" || exit 2; \
+	if [ -z "$$paths" ]; then echo "no tests cover what differs from $(BASE)"; exit 0; fi; \
+	echo "pytest $$paths"; \
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(XDIST) $(if $(CHANGED_MARKS),-m "$(CHANGED_MARKS)") $$paths $(PYTEST_ARGS); \
+	rc=$$?; [ $$rc -eq 5 ] && echo "(none of them outside CHANGED_MARKS)" && rc=0; exit $$rc
+
+# `make test` with the per-file profile of tests/suite_profile.py: the table, the load, and the ids.
+PROFILE_DIR ?= .suite-profile
+test-profile: refresh
+	rm -rf $(PROFILE_DIR) && mkdir -p $(PROFILE_DIR)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest --collect-only -q | grep '::' > $(PROFILE_DIR)/ids.txt
+	@start=$$(date +%s); \
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 SUITE_PROFILE_DIR=$(PROFILE_DIR) PYTHONPATH=tests $(VENV)/bin/pytest \
+		-p suite_profile $(XDIST) --junitxml=$(PROFILE_DIR)/junit.xml $(PYTEST_ARGS); rc=$$?; \
+	echo "rc=$$rc wall=$$(( $$(date +%s) - start )) s"; \
+	$(PY) tests/suite_profile.py table $(PROFILE_DIR) --load "$$(cut -d' ' -f1-3 /proc/loadavg)"; exit $$rc
 
 demo: refresh
 	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.demo.yaml

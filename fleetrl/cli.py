@@ -206,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
                                              "store) from START s for SECONDS s; repeatable")
     chaos.add_argument("--fuzz-rate", type=float, default=0.0, metavar="R",
                        help="fraction of hostile records in prompts and trajectories, from a fuzzing producer")
+    chaos.add_argument("--fuzz-records", type=int, default=None, metavar="N",
+                       help="send exactly N hostile records (at --fuzz-rate among the valid ones, else all at "
+                            "once) and end the run once every one is dead-lettered, however long that takes")
+    chaos.add_argument("--until-faults", action="store_true",
+                       help="end the run (the trainer drains) once every fault asked for has happened and been "
+                            "recovered from: each --kill-only kind killed, each partition healed, a node preempted, "
+                            "every crash point fired")
     chaos.add_argument("--durable", action="store_true",
                        help="regions' tansu keep their log in S3 (a moto server), surviving a broker kill")
     chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and the fuzzer")

@@ -9,6 +9,7 @@ the process it started and stops it by its PID, with bounded waits.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pathlib
 import shutil
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,11 +30,100 @@ class DevStackError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
+    """A TCP port on 127.0.0.1 that is free now and that no other process using this function gets.
+
+    A port the kernel picks (bind to 0, close) is free only until someone else asks: with tests
+    running side by side (pytest-xdist workers, other checkouts on the same machine) two processes
+    can be handed the same one between its probe and its server's bind, and a client socket's
+    ephemeral port can take it too. So ports come from below the kernel's ephemeral range, in blocks
+    that one process holds (an `flock` on `<tmp>/fleetrl-ports/<first>.lock`, released when the
+    process exits), each port handed out at most once per process, and each probed free before it
+    is handed out. A server restarted on its port (a test of a broker's restart) keeps it: no other
+    process can be given it meanwhile. Where the ephemeral range leaves no room, the kernel picks.
+    """
+    return _PORTS.take()
+
+
+_BLOCK = 64
+"""Ports a process takes at a time (one lock file, one open descriptor, for 64 ports)."""
+
+
+class _PortBlocks:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[int] = []
+        """Descriptors of the lock files of the blocks this process holds (kept open: the lock)."""
+        self._next: int | None = None
+        self._end = 0
+
+    def forget(self) -> None:
+        """In a forked child: the blocks are the parent's (the child's copies of the descriptors stay
+        open and harmless); the child reserves its own when it needs a port."""
+        self._lock = threading.Lock()
+        self._held, self._next, self._end = [], None, 0
+
+    def take(self) -> int:
+        with self._lock:
+            for _ in range(4 * _BLOCK):
+                if (self._next is None or self._next >= self._end) and not self._reserve_block():
+                    return _kernel_port()
+                assert self._next is not None
+                port, self._next = self._next, self._next + 1
+                if _bindable(port):
+                    return port
+            return _kernel_port()  # a block full of other programs' listeners: leave the range alone
+
+    def _reserve_block(self) -> bool:
+        low, high = _unreserved_range()
+        blocks = (high - low) // _BLOCK
+        if blocks <= 0:
+            return False
+        folder = pathlib.Path(tempfile.gettempdir()) / "fleetrl-ports"
+        folder.mkdir(mode=0o777, exist_ok=True)
+        first = (os.getpid() * 7919) % blocks  # processes start their search apart
+        for i in range(blocks):
+            start = low + ((first + i) % blocks) * _BLOCK
+            fd = os.open(folder / f"{start}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            self._held.append(fd)
+            self._next, self._end = start, start + _BLOCK
+            return True
+        return False
+
+
+def _unreserved_range() -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range, above the fixed ones people run servers on (the demo's
+    18830/19092/19093, Kafka's 9092, MQTT's 1883): [20000, ephemeral low)."""
+    try:
+        ephemeral_low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default; elsewhere IANA's starts at 49152
+    return 20000, min(ephemeral_low, 49152)
+
+
+def _bindable(port: int) -> bool:
+    """Nothing listens on the port and no connection of it lingers (no SO_REUSEADDR: strict)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _kernel_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+_PORTS = _PortBlocks()
+os.register_at_fork(after_in_child=_PORTS.forget)
 
 
 def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen[Any] | None = None) -> None:

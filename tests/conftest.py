@@ -1,8 +1,13 @@
 """Shared fixtures: real servers on free loopback ports, stopped by the fixture that started them.
 
-Servers are module-scoped where tests only use them (each test takes a fresh run id, so topics and
-MQTT paths never collide); tests that kill or restart a server build their own with the factories
-in `fleetrl.devstack`.
+`tansu`, `mqtt_server` and `moto_server` are shared by every test of a pytest process (one per
+xdist worker): tests only use them, each with names of its own (`run_id` for topics, groups and
+MQTT paths, `s3_bucket` for buckets), so they never see each other's records. Tests that kill,
+restart, cut or reconfigure a server (TLS, authentication, durable storage) start their own with
+the factories in `fleetrl.devstack`.
+
+How the suite runs side by side (`make test`: pytest-xdist, `--dist loadgroup`) is in
+tests/README.md; the grouping and ordering rules are the hooks at the end of this file.
 """
 
 from __future__ import annotations
@@ -29,33 +34,36 @@ def run_id() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tansu() -> Iterator[devstack.ServerProcess]:
-    """A tansu broker (memory storage); `.port` is its Kafka port on 127.0.0.1."""
+    """A tansu broker (memory storage) shared by this process's tests; `.port` is its Kafka port on
+    127.0.0.1. Use it with names of your own (`run_id`); never stop or restart it."""
     with devstack.tansu() as server:
         yield server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tansu_bootstrap(tansu: devstack.ServerProcess) -> str:
     return f"127.0.0.1:{tansu.port}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mqtt_server() -> Iterator[devstack.ServerProcess]:
-    """An MQTT broker: mosquitto where installed, else amqtt."""
+    """An MQTT broker shared by this process's tests (mosquitto where installed, else amqtt): topics
+    under `fleetrl/<run_id>/` only; never stop or restart it."""
     with devstack.mqtt_broker() as server:
         yield server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def moto_server() -> Iterator[devstack.ServerProcess]:
-    """moto's S3 server mode; `.port` on 127.0.0.1, reached over real HTTP with boto3."""
+    """moto's S3 server mode shared by this process's tests; `.port` on 127.0.0.1, reached over real
+    HTTP with boto3. Use a bucket of your own (`s3_bucket`)."""
     with devstack.moto_s3() as server:
         yield server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3_endpoint(moto_server: devstack.ServerProcess) -> str:
     return f"http://127.0.0.1:{moto_server.port}"
 
@@ -68,3 +76,59 @@ def s3_bucket(s3_endpoint: str) -> str:
     name = f"b-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+# -- running side by side (pytest-xdist) ---------------------------------------------------------------
+
+SHARED_PER_PROCESS = {"tansu", "tansu_bootstrap", "mqtt_server", "moto_server", "s3_endpoint",
+                      "terraform", "plugin_dir", "tf_copy", "qwen2_folder", "llama_folder"}
+"""The suite's fixtures wider than a test that each xdist worker may build for itself: a server per
+worker, cheap folders. Any other module-, class- or session-scoped fixture of the suite is setup its
+tests share (a demo run the module's tests read, a PKI, a terraform apply): its tests go to one worker
+(below). Plugins' fixtures (pytest's, pytest-asyncio's) are not the suite's and group nothing."""
+
+
+def _shared_setup(item: pytest.Item) -> str | None:
+    """The group of a test that shares wider-than-a-test setup with others (None: it shares none)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    shared = sorted(name for name, defs in info.name2fixturedefs.items()  # the suite's own (a plugin's: baseid "")
+                    if name not in SHARED_PER_PROCESS and defs and defs[-1].scope != "function" and defs[-1].baseid)
+    if not shared:
+        return None
+    scope = info.name2fixturedefs[shared[0]][-1].scope
+    return item.nodeid.split("::")[0] if scope in ("module", "class") else f"session-{shared[0]}"
+
+
+def _unit_of(item: pytest.Item) -> str:
+    """What xdist hands a worker at once: the test's group, or the test alone."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid
+    return f"@{mark.args[0] if mark.args else mark.kwargs.get('name', 'default')}"
+
+
+def _weight(item: pytest.Item) -> int:
+    """How early a test should start: the long demo runs first, so that the short tests fill the
+    workers around them instead of leaving one worker alone with a long run at the end."""
+    marks = {m.name for m in item.iter_markers()}
+    return 3 * ("e2e" in marks) + 2 * ("slow" in marks) + ("integration" in marks)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist (`-n`): group the tests that share setup (an explicit `xdist_group` mark wins), and
+    start the heaviest groups first. Without xdist nothing changes: the order stays the file order."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None and (group := _shared_setup(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    heaviest: dict[str, int] = {}
+    for item in items:
+        unit = _unit_of(item)
+        heaviest[unit] = max(heaviest.get(unit, 0), _weight(item))
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-heaviest[_unit_of(item)], order[id(item)]))
+

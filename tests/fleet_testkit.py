@@ -45,9 +45,14 @@ async def produce_prompts(config: FleetConfig, region: str, records: list[Prompt
 
 
 async def read_stream(config: FleetConfig, region: str, stream: Stream, n: int, timeout_s: float,
-                      group: str | None = None) -> list[Delivery]:
+                      group: str | None = None, distinct: bool = False) -> list[Delivery]:
     """Read `n` records of a stream with a fresh consumer group (bounded wait), and whatever follows
-    within half a second: anything beyond n would be a duplicate the test must see."""
+    within half a second: anything beyond n would be a duplicate the test must see.
+
+    `distinct`: `n` records of different keys. A redone group may legitimately arrive twice (at least
+    once delivery: a worker killed between its produce and its commit), and counting that duplicate
+    toward `n` would stop the read before the last distinct record, which then had only the last half
+    second to arrive."""
     limits = RecordLimits.from_config(config)
     async with Producer(config, region, "test-reader-dl") as dl, Consumer(
         config, region, [stream], group or f"{trainer_group(config.run)}-{stream}", limits, dl, "test-reader",
@@ -55,7 +60,7 @@ async def read_stream(config: FleetConfig, region: str, stream: Stream, n: int, 
         got: list[Delivery] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while len(got) < n and loop.time() < deadline:
+        while len({d.key for d in got} if distinct else got) < n and loop.time() < deadline:
             got += await consumer.poll(max_records=100, timeout_s=0.3)
         got += await consumer.poll(max_records=100, timeout_s=0.5)
         return got

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
 
 import pytest
 
@@ -60,3 +61,18 @@ def test_start_failure_names_the_server() -> None:
     server = devstack.ServerProcess("nothing", ["false"], devstack.free_port())
     with pytest.raises(devstack.DevStackError, match="nothing"):
         server.start(ready_timeout_s=2)
+
+
+def test_free_ports_of_processes_side_by_side_never_overlap() -> None:
+    """Each process (an xdist worker, a demo) draws from blocks only it holds, below the kernel's
+    ephemeral range: three processes asking at once are never handed the same port."""
+    import subprocess
+    import sys
+
+    draw = "from fleetrl import devstack; print(*(devstack.free_port() for _ in range(100)))"
+    procs = [subprocess.Popen([sys.executable, "-c", draw], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    drawn = [set(map(int, p.communicate(timeout=60)[0].split())) for p in procs]
+    assert all(len(ports) == 100 for ports in drawn)
+    assert not (drawn[0] & drawn[1]) and not (drawn[0] & drawn[2]) and not (drawn[1] & drawn[2])
+    ephemeral_low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(20000 <= port < ephemeral_low for ports in drawn for port in ports)

@@ -12,6 +12,10 @@
                             START s for S s, through the relays of `fleetrl.demo.relay`
     --fuzz-rate R           a fraction R of the records in prompts and trajectories are hostile,
                             from the fuzzing producer (`fleetrl.demo.fuzz`)
+    --fuzz-records N        exactly N hostile records (paced by --fuzz-rate when given); the run ends
+                            once every one of them is dead-lettered
+    --until-faults          end the run (the trainer drains) once every fault asked for has happened and
+                            been recovered from (`Chaos.done`), instead of after --steps or --duration
     --crash-at P[,P...]     named crash points (`fleetrl.crashpoints`): the trainer, the replicators and
                             the rollout workers each get their kind's points, in order, and SIGKILL
                             themselves exactly there; the demo restarts the trainer and replicators
@@ -83,17 +87,24 @@ class FaultPlan:
     preempt_every_s: float | None = None
     partitions: tuple[Partition, ...] = ()
     fuzz_rate: float = 0.0
+    fuzz_records: int = 0
+    """A fixed number of hostile records (0: as many as `fuzz_rate` asks during the first third of the run)."""
     durable: bool = False
     seed: int = 0
     kill_only: tuple[str, ...] = KILL_KINDS
     crash_at: tuple[str, ...] = ()
     """Crash points (`point[@N]`), in order; each process kind runs those it reaches."""
+    until_faults: bool = False
+    """End the run once every fault asked for has happened and been recovered from."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FaultPlan:
         rate = float(getattr(args, "fuzz_rate", 0.0) or 0.0)
         if not 0.0 <= rate < 1.0:
             raise DemoError(f"--fuzz-rate {rate}: must be in [0, 1) (the fraction of hostile records)")
+        records = getattr(args, "fuzz_records", None)
+        if records is not None and records <= 0:
+            raise DemoError(f"--fuzz-records {records}: must be > 0 (the number of hostile records to send)")
         for name in ("kill_every", "preempt_every"):
             value = getattr(args, name, None)
             if value is not None and value <= 0:
@@ -114,13 +125,22 @@ class FaultPlan:
         if outside:
             raise DemoError(f"--crash-at: {outside} are not reached by a demo process (the gc points are reached "
                             f"by `fleetrl hub gc`)")
-        return cls(getattr(args, "kill_every", None), getattr(args, "preempt_every", None),
-                   tuple(getattr(args, "partition", None) or ()), rate, bool(getattr(args, "durable", False)),
-                   int(getattr(args, "seed", 0) or 0), only, crash_at)
+        until = bool(getattr(args, "until_faults", False))
+        plan = cls(getattr(args, "kill_every", None), getattr(args, "preempt_every", None),
+                   tuple(getattr(args, "partition", None) or ()), rate, int(records or 0),
+                   bool(getattr(args, "durable", False)), int(getattr(args, "seed", 0) or 0), only, crash_at, until)
+        if until and not (plan.kill_every_s or plan.preempt_every_s or plan.partitions or plan.crash_at):
+            raise DemoError("--until-faults: no fault to wait for; add --kill-every, --preempt-every, --partition "
+                            "or --crash-at")
+        return plan
 
     @property
     def active(self) -> bool:
-        return bool(self.kill_every_s or self.preempt_every_s or self.partitions or self.fuzz_rate or self.crash_at)
+        return bool(self.kill_every_s or self.preempt_every_s or self.partitions or self.fuzzing or self.crash_at)
+
+    @property
+    def fuzzing(self) -> bool:
+        return bool(self.fuzz_rate or self.fuzz_records)
 
     def crash_env(self, kind: str, directory: pathlib.Path) -> dict[str, str]:
         """The crash-point switch for the processes of `kind` (trainer, replicator, worker): its
@@ -182,6 +202,8 @@ class Chaos:
         self.crash_dir = pathlib.Path(demo.workdir) / "crashes"
         self.crashes: dict[str, int] = {}
         """Marker (`<kind>/<index>-<point>`) of each crash point fired -> the pid it killed."""
+        self.killed_training: set[str] = set()
+        """Kinds killed once the fleet had trained a step (mid-flight, not during the fleet's start)."""
 
     def _fault(self, kind: str, target: str, detail: str = "") -> None:
         self.on_fault(self.log.add(kind, target, detail))
@@ -204,6 +226,32 @@ class Chaos:
         if self.next_preempt is not None and now >= self.next_preempt:
             self.next_preempt = now + (self.plan.preempt_every_s or 0)
             self._preempt_one()
+
+    def all_happened(self) -> bool:
+        """Every fault the plan asks for has happened (`--until-faults`): each kind of `kill_only`
+        killed while the fleet trained (after its first step: a kill during the fleet's start proves
+        little), each partition healed, a node preempted and its agent gone, every crash point fired."""
+        p, faults = self.plan, self.log.faults
+        if p.kill_every_s and not set(p.kill_only) <= self.killed_training:
+            return False
+        if p.preempt_every_s and (not self.leaving or any(c.returncode() is None for c in self.demo.children
+                                                          if c.name in self.leaving)):
+            return False
+        if not {x.region for x in p.partitions} <= {f.target for f in faults if f.kind == "heal"}:
+            return False
+        if p.crash_at:
+            self._look_for_crashes()
+            return len(self.crashes) >= len(p.crash_at)
+        return True
+
+    def recovered(self) -> bool:
+        """Stopped, nothing down or cut, and the trainer finished a step after the last restart or heal."""
+        if not self.stopped or self.restarts or self.cut:
+            return False
+        last = max([*self.restarted_at.values(), *(self.log.started + f.t for f in self.log.faults
+                                                    if f.kind == "heal")], default=0.0)
+        step_at = self.demo.progress.last_step_at
+        return step_at is not None and step_at > last
 
     def stop(self) -> None:
         """No new faults (the trainer is done); heal what is cut and restart what is down."""
@@ -263,6 +311,8 @@ class Chaos:
         except ProcessLookupError:
             return
         self._fault("kill", name, f"pid {pid}")
+        if self.demo.progress.last_step_at is not None:
+            self.killed_training.add(_kind(name))
         if child is not None:
             self.restarts[name] = (time.monotonic() + RESTART_S, child)
         else:  # a worker: its agent's supervisor restarts it; it recovers from now on

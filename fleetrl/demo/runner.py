@@ -66,6 +66,7 @@ _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach t
 _SERVER_READY_S = 20.0
 _FUZZ_DRAIN_S = 30.0  # after the fuzzer's last batch, how long its records may take to be dead-lettered
 _DURATION_GRACE_S = 10.0  # after --duration: hostile records already sent are read before the trainer stops
+_TALLY_EVERY_S = 2.0  # --fuzz-records: how often the dead-letter topics are read while the last ones are read
 _S3_KEYS = {"AWS_ACCESS_KEY_ID": "fleetrl", "AWS_SECRET_ACCESS_KEY": "fleetrl", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -115,6 +116,9 @@ class Demo:
         """Agent child name -> (region, node)."""
         self.fuzzer: Child | None = None
         self.fuzz_ordered = 0
+        self.fuzz_sent = 0
+        self._fuzz_log: LogTail | None = None
+        self._next_tally = 0.0
         self.moto_port: int | None = None
         self.fuzz_stopped = False
         self._terminate_at: float | None = None
@@ -211,10 +215,11 @@ class Demo:
         for r in c.regions:
             for n in r.nodes:
                 self.start_agent(r.name, n.name)
-        if self.plan.fuzz_rate:
+        if self.plan.fuzzing:
             argv = [sys.executable, "-m", "fleetrl.demo.fuzz", "--config", str(self.config_path),
                     "--seed", str(self.plan.seed)]
             self.fuzzer = self._spawn(Child("fuzzer", argv, logs / "fuzzer.log", env, 15.0, stdin_pipe=True))
+            self._fuzz_log = LogTail(self.fuzzer.log_path)
 
     def start_agent(self, region: str, node: str) -> Child:
         """One agent (a node) of `region`, with its own notice file (the preemption notice source)."""
@@ -317,7 +322,7 @@ class Demo:
                 self._read_logs(live)
                 if self.progress.step >= self.steps and not self.chaos.stopped:
                     self.chaos.stop()  # the last step is done: let the trainer drain and exit in peace
-                self._end_of_duration()
+                self._end_when_done()
                 self.chaos.tick()
                 self._order_fuzz()
                 rc = self.trainer.returncode()
@@ -334,37 +339,69 @@ class Demo:
                                     f"see the logs in {self.workdir / 'logs'}")
                 time.sleep(_POLL_S)
 
-    def _end_of_duration(self) -> None:
-        """--duration: no more faults nor hostile records, then (after a grace for the consumers to
-        read what was sent) SIGTERM to the trainer, which drains, checkpoints and exits 0."""
-        duration = getattr(self.args, "duration", None)
-        now = time.monotonic()
-        if duration is None or now - self.faults.started < duration:
-            return
+    def _end_when_done(self) -> None:
+        """At the end of --duration, once every --fuzz-records record is dead-lettered, or once every fault
+        is recovered from (--until-faults): no more faults nor hostile records, then (after a grace for
+        the consumers to read what was sent, where some may be unread) SIGTERM to the trainer, which
+        drains, checkpoints and exits 0."""
         assert self.trainer is not None
+        now = time.monotonic()
         if self._terminate_at is None:
+            grace = self._run_over(now)
+            if grace is None:
+                return
             if not self.chaos.stopped:
                 self.chaos.stop()  # heals and restarts what is down, the trainer included
             self.fuzz_stopped = True
-            self._terminate_at = now + _DURATION_GRACE_S
+            self._terminate_at = now + grace
         elif now >= self._terminate_at and self.trainer.returncode() is None:
             self.trainer.terminate()
             self._terminate_at = float("inf")
 
+    def _run_over(self, now: float) -> float | None:
+        """Whether the run has done what it was asked to (None: not yet); then the consumers' grace."""
+        duration = getattr(self.args, "duration", None)
+        if duration is not None and now - self.faults.started >= duration:
+            return _DURATION_GRACE_S
+        if self.plan.fuzz_records and self._fuzz_read(now):
+            return 0.0  # every hostile record is read: nothing is left for a grace
+        if self.plan.until_faults:
+            if not self.chaos.stopped and self.chaos.all_happened():
+                self.chaos.stop()  # no new faults: a step after the last recovery ends the run
+            if self.chaos.recovered():
+                return _DURATION_GRACE_S if self.plan.fuzzing else 0.0
+        return None
+
+    def _fuzz_read(self, now: float) -> bool:
+        """--fuzz-records: the fuzzer sent them all and each is in a dead-letter topic (the topics are
+        read every `_TALLY_EVERY_S`, and only once all are sent)."""
+        if self._fuzz_log is not None:
+            for event in self._fuzz_log.events():
+                if event.get("event") == "fuzz.sent":
+                    self.fuzz_sent = int(event["total"])
+        if self.fuzz_sent < self.plan.fuzz_records or now < self._next_tally:
+            return False
+        self._next_tally = now + _TALLY_EVERY_S
+        return bool(asyncio.run(self.dead_letters.update())["fuzz"] >= self.plan.fuzz_records)
+
     def _order_fuzz(self) -> None:
         """Keep the fuzzer at `fuzz_rate` of the records in prompts and trajectories (two valid records,
-        a prompt and its group, per finished group). It stops a third of the way through the run, so
-        that the consumers still read (and dead-letter) all it sent: a worker reads prompts only into a
-        free slot, and near the end its slots hold groups waiting for a version the trainer will not
+        a prompt and its group, per finished group).
+
+        With --fuzz-records N it orders N in all (at once without a rate), and the run lasts until they
+        are all dead-lettered (`_end_when_done`). Without, it stops a third of the way through the run,
+        so that the consumers still read (and dead-letter) all it sent: a worker reads prompts only into
+        a free slot, and near the end its slots hold groups waiting for a version the trainer will not
         publish; the trainer reads a hostile trajectory only on its way to a group it still needs, and
         with half the run left a big last batch could still sit behind the last one it needed."""
-        if self.fuzzer is None or self.fuzzer.proc is None or self.fuzzer.proc.stdin is None:
+        if self.fuzzer is None or self.fuzzer.proc is None or self.fuzzer.proc.stdin is None or self.fuzz_stopped:
             return
-        if self.progress.step >= max(1, self.steps // 3) or self.fuzz_stopped:
+        records, rate = self.plan.fuzz_records, self.plan.fuzz_rate
+        if not records and self.progress.step >= max(1, self.steps // 3):
             return
         valid = 2 * sum(r.groups_done for r in self.progress.regions.values())
-        rate = self.plan.fuzz_rate
-        due = int(valid * rate / (1.0 - rate)) - self.fuzz_ordered
+        paced = int(valid * rate / (1.0 - rate)) if rate else records
+        due = (min(paced, records) if records else paced) - self.fuzz_ordered
         if due > 0:
             try:
                 self.fuzzer.proc.stdin.write(f"{due}\n".encode())

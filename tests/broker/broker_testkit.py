@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fleetrl.broker import GroupRecord, PromptRecord, Sample, Sampling, floats, ids
+from fleetrl.broker import ControlCommand, GroupRecord, PromptRecord, Sample, Sampling, floats, ids
 from fleetrl.config import FleetConfig, parse_config
 
 VOCAB = 128
@@ -83,3 +83,33 @@ async def wait_for(predicate: Callable[[], Any], timeout_s: float, step_s: float
             return True
         await asyncio.sleep(step_s)
     return bool(predicate())
+
+
+PROBE = "probe: the subscription is in place"
+"""The reason of the commands `commands_listening` sends until one arrives (`next_command` skips them)."""
+
+
+async def commands_listening(commands: Any, operator: Any, region: str, timeout_s: float = 30.0) -> None:
+    """Return once `commands` (a `ControlPlane.commands(region)` iterator) hears commands: `operator`
+    sends probes until one arrives. Commands are not retained, so one sent before the subscription is in
+    place is lost; waiting for a probe instead of a fixed sleep keeps that from deciding a test."""
+    pending = asyncio.ensure_future(anext(commands))
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                await operator.send_control(region, ControlCommand(cmd="resume", reason=PROBE))
+                done, _ = await asyncio.wait({pending}, timeout=0.5)
+                if done:
+                    assert pending.result().reason == PROBE, pending.result()
+                    return
+    finally:
+        pending.cancel()
+
+
+async def next_command(commands: Any, timeout_s: float = 10.0) -> Any:
+    """The next command that is not a probe of `commands_listening` (a late one may still arrive)."""
+    async with asyncio.timeout(timeout_s):
+        async for command in commands:
+            if command.reason != PROBE:
+                return command
+    raise AssertionError("the command stream ended")

@@ -10,7 +10,16 @@ import pathlib
 from typing import Any
 
 import pytest
-from broker_testkit import fleet_yaml, make_config, make_group, make_prompt, poll_until, write_config
+from broker_testkit import (
+    commands_listening,
+    fleet_yaml,
+    make_config,
+    make_group,
+    make_prompt,
+    next_command,
+    poll_until,
+    write_config,
+)
 
 from fleetrl import devstack
 from fleetrl.broker import (
@@ -214,15 +223,14 @@ def test_control_drain_reaches_the_regions_nodes(
     path = write_config(data, tmp_path / "fleet.yaml")
 
     async def listen_while_sending() -> Any:
-        async with ControlPlane(make_config(data), f"{run_id}-node") as cp:
+        async with ControlPlane(make_config(data), f"{run_id}-node") as cp, \
+                ControlPlane(make_config(data), f"{run_id}-prober") as prober:
             commands = cp.commands("r1")
-            first = asyncio.ensure_future(commands.__anext__())
-            await asyncio.sleep(0.3)  # subscribed before the operator sends
+            await commands_listening(commands, prober, "r1")  # subscribed before the operator sends
             run = await asyncio.to_thread(Run, "control", "drain", "--config", str(path), "--region", "r1",
                                           "--reason", "maintenance")
             assert run.code == 0, run.err
-            async with asyncio.timeout(10):
-                return await first
+            return await next_command(commands)
 
     command = asyncio.run(listen_while_sending())
     assert (command.cmd, command.reason) == ("drain", "maintenance")

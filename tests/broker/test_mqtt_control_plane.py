@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from broker_testkit import fleet_yaml, make_config, wait_for, write_config
+from broker_testkit import commands_listening, fleet_yaml, make_config, next_command, wait_for, write_config
 
 from fleetrl import devstack
 from fleetrl.broker import ControlCommand, ControlPlane, ControlPlaneError, Heartbeat, PolicyAnnouncement
@@ -84,14 +84,13 @@ async def test_commands_reach_the_region_and_bad_payloads_are_ignored(
     async with ControlPlane(config, f"{run_id}-node", watch_nodes=False) as node, \
             ControlPlane(config, f"{run_id}-operator") as operator:
         commands = node.commands("r1")
-        first = asyncio.ensure_future(anext(commands))
-        await asyncio.sleep(0.3)  # the subscription is in place before the command is sent
+        await commands_listening(commands, operator, "r1")  # the subscription is in place
         # Garbage on the policy topic and a malformed command are logged and skipped.
         async with aiomqtt.Client("127.0.0.1", mqtt_server.port) as raw:
             await raw.publish(policy_topic(run_id), b"{not json", qos=1)
             await raw.publish(f"fleetrl/{run_id}/control/r1", b'{"cmd": "explode"}', qos=1)
         await operator.send_control("r1", ControlCommand(cmd="drain", reason="maintenance"))
-        got = await asyncio.wait_for(first, 10)
+        got = await next_command(commands)
         await operator.announce_policy(_policy(1))
         assert (await node.wait_for_policy(1, timeout_s=10)).version == 1
         await commands.aclose()

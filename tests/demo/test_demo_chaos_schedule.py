@@ -117,3 +117,27 @@ def test_kinds_take_turns_and_a_trainer_is_spared_until_it_checkpoints(fleet: Fl
     chaos._kill_one()
     chaos._kill_one()
     assert kills() == ["trainer", "agent", "replicator", "agent", "replicator", "trainer"]
+
+
+def test_until_faults_ends_at_the_first_step_after_every_kind_was_killed_and_came_back(
+        fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    """`--until-faults`: while a kind asked for is still unkilled mid-flight (after the fleet's first
+    step) the run goes on; once each was, chaos stops injecting and the run may end, but only after a
+    step of the trainer that follows the last restart (a step before it proves nothing about the
+    recovery)."""
+    fleet.start("trainer")
+    plan = FaultPlan(kill_every_s=1.0, kill_only=("trainer", "agent"), until_faults=True)
+    chaos = Chaos(plan, fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
+    chaos._kill_one()  # the trainer, before the fleet's first step: it does not count
+    chaos._restart_due(time.monotonic() + 5)
+    fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    chaos.restarted_at.clear()  # its recovery time passed
+    chaos._kill_one()  # an agent, mid-flight
+    assert not chaos.all_happened()
+    chaos._kill_one()  # the trainer, mid-flight
+    assert chaos.all_happened() and not chaos.recovered()  # not stopped yet, both still down
+    chaos.stop()  # what the runner does once all happened: restarts what is down at once
+    assert {f.target.split("-")[0] for f in chaos.log.faults if f.kind == "restart"} == {"trainer", "agent"}
+    assert not chaos.recovered()  # the only step came before the restarts
+    fleet.progress.feed({"event": "step.done", "step": 2, "version": 2, "reward_mean": 0.1})
+    assert chaos.recovered()

@@ -82,21 +82,24 @@ def kill_leftovers(work: pathlib.Path) -> None:
 
 
 UNBOUNDED_STEPS = 1_000_000
-"""`--steps` of a run bounded by `--duration` instead: more than any such run reaches."""
+"""`--steps` of a run bounded by `--duration` (or by its work, `--fuzz-records`) instead: more than any
+such run reaches."""
 
 
-def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int = STEPS,
+def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int | None = STEPS,
              timeout_s: float = DEMO_TIMEOUT_S, duration_s: float | None = None) -> dict[str, Any]:
     """Run the demo to its end (bounded); returns summary.json after asserting exit 0.
 
     With `duration_s` the run lasts that long (`--duration`: faults all along, then the trainer is
     stopped and drains) instead of `steps` steps, however fast the fleet trains: a test whose faults
-    must land while the fleet trains cannot be outrun by a faster pipeline. Its step count is then
-    `summary["steps"]`."""
+    must land while the fleet trains cannot be outrun by a faster pipeline. With `steps=None` the run
+    ends when its chaos options say it has done its work (`--fuzz-records`). Either way its step count
+    is then `summary["steps"]`."""
     env = _env()
     out_dir = work.parent / "out"
-    bound = ["--steps", str(steps)] if duration_s is None else ["--steps", str(UNBOUNDED_STEPS),
-                                                                "--duration", str(duration_s)]
+    bound = ["--steps", str(steps if steps is not None and duration_s is None else UNBOUNDED_STEPS)]
+    if duration_s is not None:
+        bound += ["--duration", str(duration_s)]
     proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
                              str(work), "--out", str(out_dir), *bound, *chaos],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -115,7 +118,7 @@ def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int =
     summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
     assert (out_dir / "reward.png").stat().st_size > 10_000
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    done = steps if duration_s is None else summary["steps"]
+    done = steps if steps is not None and duration_s is None else summary["steps"]
     assert [r["step"] for r in rows] == list(range(1, done + 1))
     summary["_output"], summary["_rows"] = out, rows
     return summary

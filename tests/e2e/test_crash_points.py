@@ -1,15 +1,21 @@
 """Every crash window of the critical sequences, hit on purpose (`fleetrl.crashpoints`, docs/crashpoints.md).
 
 A random SIGKILL rarely lands in a window a few milliseconds wide; these tests land in each one.
-One demo run (real tansu, MQTT, directory stores, trainer, replicators, agents and their workers)
-arms a sequence of named crash points per process kind, the single sweep then the double one: the
-trainer, the replicators and the rollout workers each SIGKILL themselves at their next point, and are
-restarted as systemd would (the trainer and replicators by the demo, a worker by its agent's
-supervisor). The kinds run their sequences at
-the same time, so one set of servers serves every point. Then, per point: it fired, the process came
-back, and the run went on after it; and for the run: every step done, the audit ok (0 lost, 0 trained
-twice), every version in every store verified, gapless and in order, and every replica at the last
-version (`fleetrl hub verify --all`, which the demo runs).
+Two demo runs side by side (each with its own tansu, MQTT, directory stores, trainer, replicators,
+agents and their workers) arm a sequence of named crash points per process kind: the first run the
+single sweep, the second the double one: the trainer, the replicators and the rollout workers each
+SIGKILL themselves at their next point, and are restarted as systemd would (the trainer and
+replicators by the demo, a worker by its agent's supervisor). The kinds run their sequences at the
+same time, so one set of servers serves every point of a run. Then, per point: it fired, the process
+came back, and the run went on after it; and for each run: every step done, the audit ok (0 lost, 0
+trained twice), every version in every store verified, gapless and in order, and every replica at
+the last version (`fleetrl hub verify --all`, which the demo runs).
+
+How long: a run lasts as long as its trainer's sequence. Each trainer point costs a restart (a new
+process imports torch, resumes from its checkpoint and rejoins its groups: 10-15 s on 2 cores) and the
+passes up to its `@N`; the replicators' and workers' points fire meanwhile. One run of all 16 trainer
+points took 5.5 minutes with its last steps done within seconds of the last crash; split 8 and 8 over
+two runs at once, the sweep takes about half that.
 
 The double sweep crashes a restart again while it recovers (the same point, or the next one). The
 retention pass (`fleetrl hub gc`) is a command, not a daemon: its points are crashed and rerun here
@@ -23,6 +29,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import demo_testkit
@@ -62,6 +69,10 @@ DOUBLE_REPLICATOR = ["hub.replicate.manifest_copied@2", "hub.replicate.manifest_
                      "hub.replicate.holder_written@2", "hub.replicate.home_holder_written"]
 DOUBLE_WORKER = ["rollout.group.produced@2", "rollout.group.produced", "rollout.offsets.committed"]
 STEPS = 32
+SWEEPS = {  # the trainer's 16 points, 8 per run, are the critical path of each
+    "single": {"trainer": TRAINER[:8], "replicator": REPLICATOR, "worker": WORKER},
+    "double": {"trainer": TRAINER[8:] + DOUBLE_TRAINER, "replicator": DOUBLE_REPLICATOR, "worker": DOUBLE_WORKER},
+}
 SWEEP_TIMEOUT_S = 900
 # The sweep's demo run is the first test's setup: its bound, not the suite's 300 s per test.
 pytestmark.append(pytest.mark.timeout(SWEEP_TIMEOUT_S + 120))
@@ -112,28 +123,41 @@ def _assert_recovered(summary: dict[str, Any], workdir: pathlib.Path, sequences:
     assert "VersionConflict" not in (workdir / "logs" / "trainer.log").read_text()
 
 
-SEQUENCES = {"trainer": TRAINER + DOUBLE_TRAINER, "replicator": REPLICATOR + DOUBLE_REPLICATOR,
-             "worker": WORKER + DOUBLE_WORKER}
+Sweep = dict[str, tuple[dict[str, Any], pathlib.Path]]
+"""Run name (`SWEEPS`) -> (its summary, its work directory)."""
 
 
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], pathlib.Path]:
-    """One demo run (one set of servers) that crashes at every trainer, replicator and worker point,
-    then at each pair of the double sweep, in order per kind."""
-    tmp = tmp_path_factory.mktemp("sweep")
+def _sweep_run(tmp: pathlib.Path, sequences: dict[str, list[str]]) -> tuple[dict[str, Any], pathlib.Path]:
     work = tmp / "work"
     try:
-        points = ",".join(e for seq in SEQUENCES.values() for e in seq)
+        points = ",".join(e for seq in sequences.values() for e in seq)
         summary = run_demo(_sweep_config(tmp), work, "--crash-at", points, steps=STEPS, timeout_s=SWEEP_TIMEOUT_S)
     finally:
         demo_testkit.kill_leftovers(work)
     return summary, work
 
 
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Sweep:
+    """Two demo runs at once (a set of servers each): one crashes at every replicator and worker point
+    and the first half of the trainer's, the other at the rest of the trainer's and then at each pair of
+    the double sweep, in order per kind."""
+    with ThreadPoolExecutor(len(SWEEPS)) as pool:
+        runs = {name: pool.submit(_sweep_run, tmp_path_factory.mktemp(f"sweep-{name}"), sequences)
+                for name, sequences in SWEEPS.items()}
+        return {name: run.result() for name, run in runs.items()}
+
+
+def _run_of(sweep: Sweep, point: str) -> tuple[dict[str, Any], pathlib.Path]:
+    """The run whose first crash at `point` is its single-sweep crash (the double run also repeats some)."""
+    name = next(n for n, seqs in SWEEPS.items() if any(e.partition("@")[0] == point for seq in seqs.values()
+                                                        for e in seq))
+    return sweep[name]
+
+
 @pytest.mark.parametrize("point", [p.partition("@")[0] for p in TRAINER + REPLICATOR + WORKER])
-def test_a_crash_at_the_point_is_recovered_by_a_restart(sweep: tuple[dict[str, Any], pathlib.Path],
-                                                        point: str) -> None:
-    summary, work = sweep
+def test_a_crash_at_the_point_is_recovered_by_a_restart(sweep: Sweep, point: str) -> None:
+    summary, work = _run_of(sweep, point)
     crash = [f for f in _crashes(summary) if f["target"] == point]
     assert crash, (point, _crashes(summary))
     crash = crash[:1]  # its single-sweep crash (the double sweep comes after, in the same run)
@@ -148,16 +172,15 @@ def test_a_crash_at_the_point_is_recovered_by_a_restart(sweep: tuple[dict[str, A
     assert later, f"no step after the crash at {point}"
 
 
-def test_the_sweep_run_ends_whole(sweep: tuple[dict[str, Any], pathlib.Path]) -> None:
-    summary, work = sweep
-    _assert_recovered(summary, work, SEQUENCES)
+def test_the_sweep_run_ends_whole(sweep: Sweep) -> None:
+    for name, (summary, work) in sweep.items():
+        _assert_recovered(summary, work, SWEEPS[name])
 
 
-def test_a_restart_that_crashes_again_while_it_recovers_also_recovers(
-        sweep: tuple[dict[str, Any], pathlib.Path]) -> None:
+def test_a_restart_that_crashes_again_while_it_recovers_also_recovers(sweep: Sweep) -> None:
     """Each pair of the double sweep: the second crash came from the restarted process (another pid)
     at its first pass there, i.e. while it recovered; the run still ended whole (above)."""
-    summary, _ = sweep
+    summary, _ = sweep["double"]
     for kind, points in (("trainer", DOUBLE_TRAINER), ("replicator", DOUBLE_REPLICATOR)):
         fired = [f for f in _crashes(summary) if f["detail"].startswith(f"{kind} ")][-len(points):]
         assert [f["target"] for f in fired] == [p.partition("@")[0] for p in points]

@@ -12,16 +12,19 @@ from fleetrl.config import FleetConfig
 from fleetrl.hub import DirStore, Hub, Lease, LeaseLost, Replicator, open_store
 from fleetrl.hub.stores import ObjectStore
 
+LEASE_TTL_S = 3.0
+
 
 def test_lease_one_holder_renewal_expiry_steal_and_release(tmp_path: pathlib.Path) -> None:
     store = DirStore("r", tmp_path)
-    a = Lease(store, "run", "replicator", ttl_s=0.4, holder="a")
-    b = Lease(store, "run", "replicator", ttl_s=0.4, holder="b")
+    # a's lease must outlive every step up to the sleep however busy the machine (0.4 s did not always)
+    a = Lease(store, "run", "replicator", ttl_s=LEASE_TTL_S, holder="a")
+    b = Lease(store, "run", "replicator", ttl_s=LEASE_TTL_S, holder="b")
     assert a.acquire() and a.held
     assert not b.acquire() and not b.held
     a.renew()
     assert store.scan("run/lease/") and len(store.scan("run/lease/")) <= 2  # old generations cleaned
-    time.sleep(0.5)  # a died without renewing: its record expires
+    time.sleep(LEASE_TTL_S + 0.1)  # a died without renewing: its record expires
     assert not a.held
     assert b.acquire() and b.held
     current = b.current()

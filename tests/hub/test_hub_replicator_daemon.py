@@ -19,6 +19,7 @@ from fleetrl.config import load_config
 from fleetrl.hub import Hub, Lease
 
 pytestmark = pytest.mark.integration
+LEASE_TTL_S = 4.0
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -34,7 +35,8 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 def config_file(tmp_path: pathlib.Path, run_id: str) -> pathlib.Path:
     doc = {
         "run": run_id,
-        "hub": {"home_store": str(tmp_path / "home"), "anchor_interval": 4, "lease_ttl_s": 1.5,
+        # a lease long enough that a holder stalled on busy cores still renews it in time (1.5 s was not)
+        "hub": {"home_store": str(tmp_path / "home"), "anchor_interval": 4, "lease_ttl_s": LEASE_TTL_S,
                 "poll_interval_s": 0.1, "threads": 1},
         "regions": [{"name": "west", "kafka": "127.0.0.1:9", "store": str(tmp_path / "west"),
                      "link_costs": {"home": 1}}],
@@ -64,7 +66,7 @@ def test_one_daemon_holds_the_lease_and_the_other_takes_over_after_a_kill(
     config = load_config(config_file)
     hub = Hub.from_config(config)
     region = Hub.from_config(config, store="west")
-    lease = Lease(region.store, config.run, "replicator", ttl_s=1.5, holder="observer")
+    lease = Lease(region.store, config.run, "replicator", ttl_s=LEASE_TTL_S, holder="observer")
     state = tiny_state()
     hub.publish(state)
     wait_for(lambda: region.latest() == 0, 30, "the first version to reach the region")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import email.utils
 import json
 import secrets
-import socket
 import threading
 import time
 import urllib.parse
@@ -32,14 +31,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, ClassVar, Self
 
+from fleetrl import devstack
+
 Answer = tuple[int, dict[str, str], bytes]
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on (now): a closed endpoint, or one to start a server on later."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nobody listens on (now): a closed endpoint, or one to start a server on later
+    (the dev stack's race-free pick: no other test process is handed it meanwhile)."""
+    return devstack.free_port()
 
 
 def _text(status: int, text: str, **headers: str) -> Answer:

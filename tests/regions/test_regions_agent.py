@@ -114,7 +114,7 @@ async def test_two_workers_a_killed_one_is_restarted_and_its_groups_redone_and_s
 
         publish_tiny(config, seed=1)
         await announce(config, cp, 1)
-        done = await read_stream(config, REGION, "trajectories", len(sent), timeout_s=120)
+        done = await read_stream(config, REGION, "trajectories", len(sent), timeout_s=120, distinct=True)
         got = {d.record.group_id for d in done if isinstance(d.record, GroupRecord)}
         assert got == set(sent)  # nothing lost: the killed worker's groups were redone
 

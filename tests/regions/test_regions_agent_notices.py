@@ -114,7 +114,7 @@ async def test_cloud_notice_hands_over_goes_offline_and_exits_0_inside_the_windo
     if source != "aws":
         return  # what follows a notice is the same code for every source: one finishing run proves it (20 s)
     await _finish_elsewhere(config, len(handed), timeout_s=120)
-    out = [d.record for d in await read_stream(config, REGION, "trajectories", 4, timeout_s=20)]
+    out = [d.record for d in await read_stream(config, REGION, "trajectories", 4, timeout_s=20, distinct=True)]
     final = {g.group_id: g for g in out if isinstance(g, GroupRecord)}
     assert sorted(final) == sorted(r.group_id for r in sent)  # none lost
     for p in handed:

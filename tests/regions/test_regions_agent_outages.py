@@ -69,7 +69,8 @@ def _store_requests(port: int) -> dict[str, float]:
 
 
 async def _groups(config: Any, n: int, timeout_s: float) -> set[str]:
-    got = await read_stream(config, REGION, "trajectories", n, timeout_s=timeout_s, group=f"{config.run}-count")
+    got = await read_stream(config, REGION, "trajectories", n, timeout_s=timeout_s, group=f"{config.run}-count",
+                            distinct=True)
     return {d.record.group_id for d in got if isinstance(d.record, GroupRecord)}
 
 

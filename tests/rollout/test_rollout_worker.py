@@ -250,14 +250,21 @@ async def test_deadline_and_min_version_hand_groups_back_as_partials(
         np.testing.assert_array_equal(after.completion_ids[: len(before.completion_ids)], before.completion_ids)
 
 
+WAIT_S = 10.0
+
+
 async def test_prompts_sent_ahead_wait_beside_the_decoding_slots_while_versions_keep_coming(
     run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path
 ) -> None:
     """Two prompts ask for version 2 (sent ahead by the trainer) while version 0 is the newest. They wait
     here without taking the worker's 2 decoding slots from two prompts of version 0; and because
-    versions keep landing (1 after 2.5 s, 2 after 5 s), they are not handed back at
-    `min_version_wait_s` (4 s) after their receipt: that clock restarts with each new version."""
-    data = fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", max_groups_in_flight=2, min_version_wait_s=4.0)
+    versions keep landing (1 halfway through `min_version_wait_s`, 2 just after it), they are not
+    handed back `min_version_wait_s` after their receipt: that clock restarts with each new version.
+
+    The times are on the worker's own clock (its prompts' receipt), and leave the worker half the wait
+    (5 s) to take each version: a busy machine's slower test loop does not change the verdict."""
+    data = fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", max_groups_in_flight=2,
+                      min_version_wait_s=WAIT_S)
     data["kafka"]["partitions"]["prompts"] = 1  # the worker reads them in the order sent: ahead first
     config = make_config(data)
     publish_tiny(config)
@@ -277,10 +284,11 @@ async def test_prompts_sent_ahead_wait_beside_the_decoding_slots_while_versions_
             await asyncio.sleep(0.02)
         assert worker.groups_done == 2 and {j.group_id for j in worker._waiting} == ahead_ids, \
             "the version-0 prompts were held back behind the ones sent ahead"
-        admitted = loop.time()
-        await asyncio.sleep(2.5)
+        # the hand-back clock of the waiting prompts started here (time.monotonic, the worker's clock)
+        clock = min(max(j.received_mono, worker._have_since) for j in worker._waiting)
+        await asyncio.sleep(max(0.0, clock + WAIT_S / 2 - time.monotonic()))
         assert await asyncio.to_thread(publish_tiny, config, 1) == 1
-        await asyncio.sleep(admitted + 5.0 - loop.time())
+        await asyncio.sleep(max(0.0, clock + WAIT_S + 0.5 - time.monotonic()))  # past the first deadline
         assert await asyncio.to_thread(publish_tiny, config, 2) == 2
         deadline = loop.time() + 30
         while worker.groups_done < 4 and loop.time() < deadline and not task.done():

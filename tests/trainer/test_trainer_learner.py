@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -67,16 +67,25 @@ def test_the_next_step_waits_for_a_snapshot_still_being_cast_before_it_changes_t
     group = _behaviour_group(learner.model)
     before = {k: v.detach().to(torch.bfloat16) for k, v in learner.model.state_dict().items()}
     ring = learner._snapshots
-    real_take = ring.take
+    real_take, real_fence = ring.take, ring.fence
+    cast_may_finish = threading.Event()
 
     def slow_take(state, dtype):  # type: ignore[no-untyped-def]
-        time.sleep(1.0)  # a cast slower than the tiny model's forward and backward
+        # A cast slower than the forward and backward, however fast or slow the machine: it finishes
+        # only once the update has been waiting on it for 0.3 s (30 s: the update never waited).
+        cast_may_finish.wait(timeout=30)
         return real_take(state, dtype)
 
+    def fence() -> float:
+        if ring._pending is not None and not ring._pending.done():  # the update reached the cast
+            threading.Timer(0.3, cast_may_finish.set).start()
+        return real_fence()
+
     ring.take = slow_take  # type: ignore[method-assign]
+    ring.fence = fence  # type: ignore[method-assign]
     snapshot = learner.begin_published_state()
     learner.train_step(build_step_batch([group], "grpo", 0))
-    assert learner.snapshot_wait_s > 0.1  # the update waited for the cast
+    assert learner.snapshot_wait_s > 0.1  # the update waited for the cast (about 0.3 s: the timer starts first)
     got = snapshot.result(timeout=30)
     assert all(torch.equal(got[k].view(torch.int16), before[k].view(torch.int16)) for k in before)
     after = learner.model.state_dict()

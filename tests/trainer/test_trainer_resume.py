@@ -39,7 +39,7 @@ def _env() -> dict[str, str]:
 
 
 async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signals | None,
-                         timeout_s: float = 90.0, skip: int = 0, launcher: tuple[str, ...] = (),
+                         timeout_s: float = 180.0, skip: int = 0, launcher: tuple[str, ...] = (),
                          env: dict[str, str] | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Run the daemon; on the `skip+1`-th log `event`, send `sig`. Returns (exit code, events)."""
     command = [*launcher, "-m", "fleetrl.cli"] if launcher else FLEETRL

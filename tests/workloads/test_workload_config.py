@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import socket
 from typing import Any
 
 import pytest
 import yaml
 
+from fleetrl import devstack
 from fleetrl.cli import main
 
 HERE = pathlib.Path(__file__).parent
@@ -40,12 +40,6 @@ def _check(path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> tuple[int,
     rc = main(["config", "check", str(path)])
     err = capsys.readouterr().err.strip()
     return rc, err
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_good_workload_passes(tmp_path: pathlib.Path, qwen2_folder: pathlib.Path,
@@ -80,7 +74,7 @@ def test_bad_workload_is_one_line_naming_the_field(tmp_path: pathlib.Path, qwen2
     elif case == "callable":
         path = _config(tmp_path, None, reward={"functions": [{"fn": "reward_fns:NOT_CALLABLE"}], **fns})
     elif case == "url":
-        path = _config(tmp_path, None, reward={"url": f"http://127.0.0.1:{_free_port()}/score"})
+        path = _config(tmp_path, None, reward={"url": f"http://127.0.0.1:{devstack.free_port()}/score"})
     elif case == "column":
         path = _config(tmp_path, qwen2_folder, dataset={"path": rows, "task": "reverse",
                                                         "columns": {"reference": "answer"}})
