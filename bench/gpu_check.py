@@ -47,7 +47,7 @@ import torch
 from fleetrl.broker import GroupRecord, Sample, Sampling, floats, ids
 from fleetrl.config import AlgorithmConfig, FleetConfig, ModelConfig, SpeculativeConfig
 from fleetrl.config.models import TinyModelConfig
-from fleetrl.hub import Hub
+from fleetrl.hub import Hub, kernels
 from fleetrl.rollout.engine import GroupRequest, TensorChanges
 from fleetrl.rollout.sampling import device_keys, device_uniforms, hash_keys, hashed_uniforms
 from fleetrl.rollout.torch_engine import TorchEngine
@@ -314,8 +314,10 @@ def part_learner(s: Setup) -> str:
     built = time.perf_counter() - t
     groups, tokens = _learner_batch(s, s.shape.vocab_size)
     res = [f"{tokens} tokens/step, learner built in {built:.0f} s"]
-    for name, chunk, ckpt in (("whole logits", 0, False), ("chunked", 1024, False), ("chunked+ckpt", 1024, True)):
-        learner.algo = learner.algo.model_copy(update={"logprob_chunk_tokens": chunk})
+    variants = (("whole logits", 0, 64, False), ("chunked", 1024, 64, False), ("chunked mb16", 1024, 16, False),
+                ("chunked mb8", 1024, 8, False), ("chunked+ckpt", 1024, 64, True))
+    for name, chunk, micro, ckpt in variants:
+        learner.algo = learner.algo.model_copy(update={"logprob_chunk_tokens": chunk, "micro_batch_samples": micro})
         if ckpt:
             _checkpoint_activations(learner.model)
         if s.device == "cuda":
@@ -337,13 +339,17 @@ def part_learner(s: Setup) -> str:
         ms_1k = min(times) * 1e3 / tokens * 1000
         res.append(f"{name}: {min(times) * 1e3:.0f} ms/step = {ms_1k:.1f} ms per 1k tok, peak {peak:.1f} GiB, "
                    f"loss {stats.loss:.5f}")
-        key = {"whole logits": "learner_full", "chunked": "learner_chunked", "chunked+ckpt": "learner_ckpt"}[name]
+        key = {"whole logits": "learner_full", "chunked": "learner_chunked", "chunked mb16": "learner_mb16",
+               "chunked mb8": "learner_mb8", "chunked+ckpt": "learner_ckpt"}[name]
         RESULT[f"{key}_ms_per_1k_tok"], RESULT[f"{key}_peak_gib"] = round(ms_1k, 2), round(peak, 2)
-    # The learner that fits (the default chunks, and checkpointing where it keeps within 16 GiB).
-    best = "learner_chunked" if RESULT.get("learner_chunked_peak_gib", 99) <= 16 else "learner_ckpt"
-    if f"{best}_ms_per_1k_tok" in RESULT:
+    # The learner that fits: the fastest one-micro-batch variant within 16 GiB. Smaller micro-batches are
+    # measured for the record only (they hide the logits; the step is one micro-batch of 64).
+    fits = [k for k in ("learner_full", "learner_chunked", "learner_ckpt") if RESULT.get(f"{k}_peak_gib", 99) <= 16]
+    if fits:
+        best = min(fits, key=lambda k: RESULT[f"{k}_ms_per_1k_tok"])
         RESULT["learner_ms_per_1k_tok"] = RESULT[f"{best}_ms_per_1k_tok"]
         RESULT["learner_peak_gib"] = RESULT[f"{best}_peak_gib"]
+        RESULT["learner_fits"] = best[len("learner_"):]
     return "; ".join(res)
 
 
@@ -377,6 +383,10 @@ def part_weights(s: Setup) -> str:
             engine.stage_weights({k: v.clone() for k, v in state.items()}, 0)
             engine.step()
             reader.manifest(1)  # the manifest is read (and its signature checked) before the clocks start
+            # A node compiles the delta kernels while it loads its first version (WeightSync.load_first).
+            t = time.perf_counter()
+            kernels.warm_up()
+            res.append(f"kernels warmed up in {time.perf_counter() - t:.1f} s (compile or disk cache)")
             s.sync()
             # The new path: apply the delta to the host state in place, hand over positions and values.
             t = time.perf_counter()

@@ -78,7 +78,9 @@ class DecodePass:
         q = query.reshape(rows, kv, (heads // kv) * length, dim)
         out = F.scaled_dot_product_attention(q, layer.keys[:rows, :, : self.width],
                                              layer.values[:rows, :, : self.width], attn_mask=self.mask, scale=scaling)
-        return out.view(rows, heads, length, dim).transpose(1, 2)
+        # reshape, not view: CUDA's memory-efficient kernel (fp32 with a mask) returns its output laid out
+        # [rows, tokens, heads, dim], which no view regroups (seen on an H200; bf16's kernel did not).
+        return out.reshape(rows, heads, length, dim).transpose(1, 2)
 
 
 @dataclass(slots=True)

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from fleetrl.hub import Hub, HubError
+from fleetrl.hub import Hub, HubError, kernels
 from fleetrl.log import get_logger
 from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.engine import Engine, TensorChanges
@@ -41,6 +42,16 @@ from fleetrl.rollout.errors import EngineError
 log = get_logger(__name__)
 _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights notices a stop
 _RETRY_S = 5.0  # retry of a pull that failed on a transient store error
+
+
+def _warm_kernels() -> None:
+    started = time.monotonic()
+    try:
+        kernels.warm_up()
+    except Exception as exc:  # the first delta compiles them instead; nothing is lost
+        log.warning("weights.kernels_warm_up_failed", error=repr(exc))
+        return
+    log.info("weights.kernels_ready", seconds=round(time.monotonic() - started, 3))
 
 
 class WeightSync:
@@ -68,7 +79,9 @@ class WeightSync:
 
     async def load_first(self, stopped: Callable[[], bool]) -> bool:
         """Load the newest version, waiting for one to be announced (or found by the fallback poll);
-        False if `stopped()` turns true first."""
+        False if `stopped()` turns true first. The hub's delta kernels compile meanwhile, in a thread: the
+        first load is an anchor, and the first delta after it would otherwise wait seconds for them."""
+        threading.Thread(target=_warm_kernels, name="hub-kernels-warm-up", daemon=True).start()
         target = await self._target(read_latest=True)
         next_poll = time.monotonic() + self.fallback_poll_s
         while not stopped():

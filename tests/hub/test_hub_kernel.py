@@ -178,3 +178,35 @@ def test_a_step_of_many_tensors_and_word_widths_is_exact_in_place(dir_config: Ca
                                       for h in heads)
         into = {k: v.clone() for k, v in old.items()}
         assert same_bits(hub.materialize(1, into=into, have_version=0), new)
+
+
+def test_warm_up_compiles_every_signature_a_real_update_uses(dir_config: Callable[..., FleetConfig]) -> None:
+    """A node warms the kernels while it loads its first version, so its first delta does not pay the
+    compile (seconds): after `warm_up`, an in-place update of bf16 and fp32 tensors, a failed one
+    (undo) and the publisher's digests add no signature to any compiled function."""
+    kernels.warm_up()
+    compiled = {f: set(getattr(kernels, f).signatures) for f in ("_walk_parts", "_digest")}
+    assert all(compiled.values())
+    g = torch.Generator().manual_seed(9)
+    old = {"w": torch.randn(50_000, generator=g).to(torch.bfloat16), "f": torch.randn(20_000, generator=g)}
+    new = {}
+    for name, t in old.items():  # +1 ulp at 3 % of the elements: what the kernel's parts carry
+        bits = t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).clone()
+        bits[torch.rand(bits.shape, generator=g) < 0.03] += 1
+        new[name] = bits.view(t.dtype)
+    with Hub.from_config(dir_config()) as hub:
+        hub.publish(old)
+        hub.publish(new)
+        into = {k: v.clone() for k, v in old.items()}
+        assert hub.changes(1, into, 0) is not None
+        assert same_bits(into, new)
+        for t in hub.manifest(1).tensors:  # the undo path: a part whose digest does not match
+            r = t.parts[0]
+            head, data = streams_of(hub.store.get(mf.object_key(hub.run, r.object), r.offset, r.offset + r.length))
+            target = np.zeros(r.stop, dtype=kernels.WORDS[0] if t.dtype == "bfloat16" else kernels.WORDS[1])
+            batch = kernels.Batch()
+            batch.add(target, r.start, r.stop, head[5], data, [len(d) for d in data])
+            batch.apply()
+            batch.undo()
+            assert not target.any()
+    assert {f: set(getattr(kernels, f).signatures) for f in compiled} == compiled
