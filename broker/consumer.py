@@ -71,6 +71,8 @@ class Delivery:
     record: Record
     headers: dict[str, bytes]
     stream: Stream
+    size: int = 0
+    """Bytes of the record's value as it crossed the wire (uncompressed): what its link carried."""
 
     @property
     def tp(self) -> TP:
@@ -290,7 +292,8 @@ class Consumer:
     def _delivery(self, m: ConsumerRecord[Any, Any], record: Record) -> Delivery:
         return Delivery(topic=m.topic, partition=m.partition, offset=m.offset,
                         key=m.key.decode(errors="replace") if m.key is not None else None,
-                        record=record, headers=dict(m.headers or ()), stream=self._stream_of[m.topic])
+                        record=record, headers=dict(m.headers or ()), stream=self._stream_of[m.topic],
+                        size=len(m.value) if m.value is not None else 0)
 
     async def _dead_letter_one(self, m: ConsumerRecord[Any, Any], error: RecordError) -> None:
         """Its offset is handled once the dead letter is acknowledged (the producer batches them)."""
