@@ -103,6 +103,8 @@ class Heartbeat(_Payload):
     tokens_sampled: int = Field(0, ge=0)
     """Tokens the node's engines sampled since its agent started: what its time bought, whether or not the
     tokens reach training (the trainer counts the difference as preemption waste)."""
+    started_at: float | None = None
+    """When the node's agent started (its clock): the trainer counts a node it first hears of from then."""
     ts: float = Field(default_factory=time.time)
 
     @property

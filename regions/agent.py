@@ -38,6 +38,7 @@ import contextlib
 import json
 import pathlib
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -85,6 +86,7 @@ class RegionAgent:
         self._running: dict[int, asyncio.Task[None]] = {}
         self.metrics = AgentMetrics()
         self.metrics_port: int | None = None
+        self.started_at = time.time()
         self.capacity: Capacity = config.region(region).node_capacity(node)
         """On-demand or spot (`cloud_notices.node_capacity`): the heartbeat says it, the trainer prices by it."""
 
@@ -244,6 +246,7 @@ class RegionAgent:
         versions = [e.version for e in engines if e.version is not None]
         return Heartbeat(state=self.state, left=self.state == "offline", version=min(versions) if versions else None,
                          capacity=self.capacity, tokens_sampled=sum(e.tokens_sampled for e in engines),
+                         started_at=self.started_at,
                          tokens_per_s=round(sum(e.tokens_per_s for e in engines), 2) if self.state == "up" else 0.0,
                          busy_tokens_per_s=round(sum(e.busy_tokens_per_s for e in engines), 2)
                          if self.state == "up" else 0.0,

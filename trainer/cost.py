@@ -2,8 +2,9 @@
 
 Every node's agent sends a retained heartbeat every `mqtt.heartbeat_interval_s` and on every change
 (DESIGN.md §4): its state, its capacity type (`on_demand` or `spot`), whether an engine serves, and
-the tokens its engines sampled. Between two heartbeats of one node the node existed, so that time is
-paid: `CostMeter.observe` adds `ts - previous ts` (the node's own clock, so other machines' clocks do
+the tokens its engines sampled since its agent started (`started_at`). A node first heard of while it
+runs is paid from that start (as loading: its serving time is counted from heartbeats on); between two
+heartbeats of one node the node existed, so that time is paid: `CostMeter.observe` adds `ts - previous ts` (the node's own clock, so other machines' clocks do
 not matter) to the node-seconds of its (region, capacity) when the earlier heartbeat was not
 `offline`, and to its serving node-seconds when an engine was up then. Node-seconds times the pool's
 price (`prices.PriceBook`) are dollars. A node that goes silent accrues nothing until it speaks again,
@@ -96,8 +97,11 @@ class CostMeter:
         known = self.nodes.get((region, node))
         now = _Node(capacity, hb.ts, hb.state, hb.serving, hb.tokens_sampled)
         if known is None:
-            self.nodes[(region, node)] = now  # a baseline: what came before is not ours to count
-            return
+            self.nodes[(region, node)] = now
+            if hb.state != "offline" and hb.started_at is not None and hb.started_at <= hb.ts:
+                # First heard of while it runs: paid since its agent started (loading, as far as we know).
+                self._accrue((region, capacity), hb.ts - hb.started_at, False, hb.tokens_sampled)
+            return  # else a baseline (an old agent, or one gone before we heard it): not ours to count
         if hb.ts == known.ts and hb.state == known.state:
             return
         self.nodes[(region, node)] = now
@@ -235,6 +239,7 @@ class CostMeter:
         return {"cost_usd_total": round(self.usd(now), 6),
                 **{f"cost_usd_{c}": round(v, 6) for c, v in by_capacity.items()},
                 "node_s_total": round(sum(p.node_s for p in self.pools.values()), 1),
+                "serving_s_total": round(sum(p.serving_s for p in self.pools.values()), 1),
                 "tokens_sampled_total": sum(p.tokens_sampled for p in self.pools.values()),
                 "groups_resent_total": sum(self.groups_resent.values()),
                 "tokens_regenerated_total": sum(self.tokens_regenerated.values())}

@@ -71,6 +71,21 @@ def test_node_seconds_between_heartbeats_are_priced_per_pool() -> None:
     assert meter.pools[("east", "on_demand")].node_s == 20.0
 
 
+def test_a_node_first_heard_of_while_it_runs_is_paid_from_its_agents_start() -> None:
+    # The trainer may miss a node's first beats (it reads the retained one between steps): its agent's
+    # `started_at` says when the node's time began; an `offline` heard first is a baseline (a node of an
+    # earlier life, already counted or never ours).
+    meter, _ = _meter(_config(east={"capacity": "spot", "price": 3.6}))
+    late = _beat(130.0, tokens=90).model_copy(update={"started_at": 100.0})
+    meter.observe("east", "i-1", late)
+    gone = _beat(500.0, "offline", tokens=700).model_copy(update={"started_at": 0.0})
+    meter.observe("east", "i-0", gone)
+    spot = meter.pools[("east", "spot")]
+    assert (spot.node_s, spot.serving_s, spot.tokens_sampled) == (30.0, 0.0, 90)
+    meter.observe("east", "i-1", _beat(140.0, tokens=120).model_copy(update={"started_at": 100.0}))
+    assert (spot.node_s, spot.serving_s, spot.tokens_sampled) == (40.0, 10.0, 120)
+
+
 def test_a_region_without_pools_prices_its_nodes_by_its_capacity_and_unpriced_costs_nothing() -> None:
     config = _config(west={"capacity": "spot", "price": 0.72}, free={})
     meter, _ = _meter(config)
