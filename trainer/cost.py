@@ -2,14 +2,15 @@
 
 Every node's agent sends a retained heartbeat every `mqtt.heartbeat_interval_s` and on every change
 (DESIGN.md §4): its state, its capacity type (`on_demand` or `spot`), whether an engine serves, and
-the tokens its engines sampled since its agent started (`started_at`). A node first heard of while it
-runs is paid from that start (as loading: its serving time is counted from heartbeats on); between two
-heartbeats of one node the node existed, so that time is paid: `CostMeter.observe` adds `ts - previous ts` (the node's own clock, so other machines' clocks do
-not matter) to the node-seconds of its (region, capacity) when the earlier heartbeat was not
-`offline`, and to its serving node-seconds when an engine was up then. Node-seconds times the pool's
-price (`prices.PriceBook`) are dollars. A node that goes silent accrues nothing until it speaks again,
-and then its whole gap (it was running, and billed, all along); a replacement node that takes an old
-node's name starts anew after the old one's `offline` (the time between is not counted: no agent ran).
+the tokens its engines sampled since its agent started (`started_at`). A node first heard of while
+it runs is paid from that start (as loading: its serving time is counted from heartbeats on);
+between two heartbeats of one node the node existed, so that time is paid: `CostMeter.observe` adds
+`ts - previous ts` (the node's own clock, so other machines' clocks do not matter) to the node-
+seconds of its (region, capacity) when the earlier heartbeat was not `offline`, and to its serving
+node-seconds when an engine was up then. Node-seconds times the pool's price (`prices.PriceBook`)
+are dollars. A node that goes silent accrues nothing until it speaks again, and then its whole gap
+(it was running, and billed, all along); a replacement node that takes an old node's name starts
+anew after the old one's `offline` (the time between is not counted: no agent ran).
 
 What the money bought is counted where it was paid for:
 
