@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
-from pipeline import FLEETRL, Fleet, Run, RunResult, events, fleet_config
+from pipeline import FLEETRL, Fleet, Run, RunResult, _ts, events, fleet_config
 
 from fleetrl import devstack
 from fleetrl.demo.books import run_audit
@@ -68,6 +68,11 @@ class CostPlan:
     """On-demand nodes of the hybrid fleet (region r0); the rest of the budget buys spot nodes (r1)."""
     spot_preempt_every_s: float = 60.0
     """A spot node's life: it is preempted this long after it started (0: never)."""
+    warm_s: float = 60.0
+    """The measured window opens at the first step this long after the trainer started (both fleets)."""
+    rebalance_lead_s: float = 0.0
+    """The replacement starts this long before the notice (EC2's rebalance recommendation, which capacity
+    rebalancing acts on, may come before the interruption notice); 0: at the notice."""
 
     @property
     def spot_nodes(self) -> int:
@@ -81,11 +86,13 @@ class CostPlan:
         return self.base_nodes * self.price + self.spot_nodes * (1.0 - self.discount) * self.price
 
 
-COST_FLEET = Fleet(slowdowns=(0.3, 0.3), tail_p=0.15, short_tokens=4, max_new_tokens=32, groups_per_step=8,
-                   n_samples=4, max_staleness=2, steps=10, preempt_every_s=0.0, link_delay_s=0.05)
+COST_FLEET = Fleet(slowdowns=(0.3, 0.3), tail_p=0.15, short_tokens=4, max_new_tokens=16, groups_per_step=8,
+                   n_samples=4, max_staleness=4, steps=10, preempt_every_s=0.0, link_delay_s=0.05)
 """Both regions the same GPUs (0.3 s a decoding step, EMULATED); 8 groups x 4 samples a step, so the
-admission window, (1 + 2 + 1 ahead) x 8 = 32 groups, covers every node's 4 groups in flight and the
-fleets are rollout-bound (the trainer trains faster than either fleet generates)."""
+admission window, (1 + 4 + 1 ahead) x 8 = 48 groups, covers every node's 4 groups in flight and the
+fleets are rollout-bound (the trainer trains faster than either fleet generates). A long sample (16
+tokens, 4.8 s) stays within the staleness bound at the hybrid's step rate (with 32 tokens and
+max_staleness 2 the on-demand fleet already dropped a tenth of its groups stale)."""
 GROUPS_IN_FLIGHT = 4
 MAX_BATCH = 16
 
@@ -129,7 +136,18 @@ class CostRun(Run):
         self.spot_due: dict[str, float] = {}
         """Live spot node -> when it is preempted (monotonic)."""
         self.leaving: list[subprocess.Popen[bytes]] = []
+        self.replaced: set[str] = set()
+        """Spot nodes whose replacement has started."""
+        self.started_at = time.time()
+        self.warm_s = plan.warm_s
+        """Seconds from the start before the measured window may open (the same for both fleets)."""
         self._spot_made = 0
+
+    def warm_steps(self, done: list[float]) -> int:
+        """The window opens at the first step `warm_s` after the trainer started (and after the pipeline
+        warm-up steps): the first spot nodes all start at once, a transient the steady state has not."""
+        late = [i + 1 for i, t in enumerate(done) if t >= self.started_at + self.warm_s]
+        return max(self.fleet.warm_steps, late[0] if late else len(done))
 
     def _layout(self) -> list[tuple[str, str, str]]:
         """(region, node, capacity) of the fleet's first nodes."""
@@ -148,6 +166,9 @@ class CostRun(Run):
         spot_price = round((1.0 - self.plan.discount) * self.plan.price, 6)
         for region in config["regions"]:
             region["engine"]["max_batch"] = MAX_BATCH
+            # Each worker reading its whole region's trajectories is N^2 work on one machine's 2 cores,
+            # which a region of real nodes spreads over N hosts: off in both fleets.
+            region["engine"]["speculative"] = {"region_history": False}
             region["nodes"] = [{"name": n} for r, n, _ in layout if r == region["name"]]
             if region["name"] == "r1" and self.kind == "hybrid":
                 region.update(capacity="spot", price=spot_price)
@@ -172,6 +193,7 @@ class CostRun(Run):
         from fleetrl.demo.view import LogTail
         self._trainer_tail = LogTail(self.trainer_log)
         self.trainer = self._spawn(["trainer", "--config", str(self.config_path)], self.trainer_log)
+        self.started_at = time.time()
         now = time.monotonic()
         for region, node, capacity in self._layout():
             self._start_agent(region, node)
@@ -180,9 +202,16 @@ class CostRun(Run):
                 self._spot_made += 1
 
     def _preempt_due(self) -> None:
-        """A notice to each spot node whose life is over; its replacement starts at once (a new name)."""
+        """A notice to each spot node whose life is over; its replacement (a new name) starts at the
+        notice, or `rebalance_lead_s` before it."""
         now = time.monotonic()
         for node, due in list(self.spot_due.items()):
+            if node not in self.replaced and now >= due - self.plan.rebalance_lead_s:
+                self._spot_made += 1
+                fresh = f"{node.split('-')[0]}-{self._spot_made}"
+                self._start_agent("r1", fresh)
+                self.spot_due[fresh] = now + self.plan.spot_preempt_every_s
+                self.replaced.add(node)
             if now < due:
                 continue
             del self.spot_due[node]
@@ -190,11 +219,6 @@ class CostRun(Run):
             notice.write_text("bench/pipeline.py --cost: spot interruption\n")
             self.preempted_at.append(time.time())
             self.leaving.append(self.agents.pop(("r1", node)))
-            slot = node.split("-")[0]
-            self._spot_made += 1
-            fresh = f"{slot}-{self._spot_made}"
-            self._start_agent("r1", fresh)
-            self.spot_due[fresh] = now + self.plan.spot_preempt_every_s
 
     def wait_trainer(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -225,7 +249,7 @@ class CostRun(Run):
     def cost_result(self, audit: dict[str, Any]) -> CostResult:
         run = self.result()
         steps = [e for e in events(self.trainer_log) if e["event"] == "step.done"]
-        first, last = steps[self.fleet.warm_steps - 1], steps[-1]
+        first, last = steps[self.warm_steps([_ts(e) for e in steps]) - 1], steps[-1]
 
         def grew(key: str) -> float:
             return float(last.get(key) or 0.0) - float(first.get(key) or 0.0)
@@ -331,23 +355,27 @@ def describe(fleet: Fleet, plan: CostPlan) -> str:
             f"on-demand (r0) + {plan.spot_nodes} spot (r1) at {plan.discount:.0%} off = "
             f"${plan.usd_per_hour('hybrid'):.2f}/h; a spot node preempted "
             + (f"{plan.spot_preempt_every_s:g} s after it starts (notice file -> handover -> offline; the "
-               "replacement starts at the notice)" if plan.spot_preempt_every_s else "never")
+               "replacement starts " + (f"{plan.rebalance_lead_s:g} s before the notice" if plan.rebalance_lead_s
+                                        else "at the notice") + ")" if plan.spot_preempt_every_s else "never")
             + f". EMULATED: GPU speed ({fleet.slowdowns[0]:g} s sleep per decoding step of the real torch engine), "
             f"completion lengths ({fleet.tail_p:.0%} of prompts run to {fleet.max_new_tokens} tokens, the rest stop "
             f"within {fleet.short_tokens}), link delay {fleet.link_delay_s:g} s each way, prices (data). "
             f"{fleet.groups_per_step} groups x {fleet.n_samples} samples a step, async max_staleness "
             f"{fleet.max_staleness}, {GROUPS_IN_FLIGHT} groups in flight per worker; each run measured over "
-            f"{fleet.window_s:g} s after {fleet.warm_steps} warm-up steps (at least {fleet.steps} steps).")
+            f"{fleet.window_s:g} s from its first step {plan.warm_s:g} s after the start "
+            f"(and after {fleet.warm_steps} warm-up steps), at least {fleet.steps} steps.")
 
 
 def main(args: Any) -> None:
     """`bench/pipeline.py --cost` (its arguments)."""
+    life = args.spot_preempt_every
     plan = CostPlan(price=args.price, discount=args.discount, od_nodes=args.od_nodes, base_nodes=args.base_nodes,
-                    spot_preempt_every_s=args.spot_preempt_every)
+                    spot_preempt_every_s=life, rebalance_lead_s=args.rebalance_lead,
+                    warm_s=20.0 if args.quick else max(life, 30.0))
     if plan.spot_nodes < 1:
         raise SystemExit(f"the budget of {plan.od_nodes - plan.base_nodes} on-demand node(s) buys no spot node at "
                          f"{plan.discount:.0%} off: raise --od-nodes or --discount")
-    window = 30.0 if args.quick else 3 * (plan.spot_preempt_every_s or 60.0)
+    window = 25.0 if args.quick else 3 * (plan.spot_preempt_every_s or 60.0)
     fleet = replace(COST_FLEET, steps=args.steps or (8 if args.quick else 20), window_s=window)
     print(describe(fleet, plan), flush=True)
     timeout_s = 300.0 + 2 * window

@@ -364,10 +364,15 @@ class Run:
         log = self.logs / f"agent-{key[0]}-{key[1]}-{self.generation[key]}.log"
         return log.exists() and '"worker.started"' in log.read_text(errors="replace")
 
+    def warm_steps(self, done: list[float]) -> int:
+        """Steps before the measured window (`done`: each step's end, wall clock)."""
+        return self.fleet.warm_steps
+
     def _window_long_enough(self) -> bool:
         self._steps_done += [_ts(e) for e in self._trainer_tail.events() if e.get("event") == "step.done"]
-        warm, done = self.fleet.warm_steps, self._steps_done
-        return len(done) >= self.fleet.steps and done[-1] - done[warm - 1] >= self.fleet.window_s
+        done = self._steps_done
+        warm = self.warm_steps(done)
+        return len(done) >= max(self.fleet.steps, warm + 1) and done[-1] - done[warm - 1] >= self.fleet.window_s
 
     def wait_trainer(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -411,7 +416,7 @@ class Run:
         """The run's figures over the window from the end of its warm-up steps to the end of its last."""
         trainer = events(self.trainer_log)
         steps = [e for e in trainer if e["event"] == "step.done"]
-        warm = self.fleet.warm_steps
+        warm = self.warm_steps([_ts(e) for e in steps])
         if len(steps) <= warm:
             raise RuntimeError(f"{self.mode} run trained {len(steps)} step(s), not more than the {warm} "
                                f"warm-up steps; see {self.trainer_log}")
@@ -607,6 +612,9 @@ def main() -> None:
     cost.add_argument("--base-nodes", type=int, default=1,
                       help="on-demand nodes of the hybrid; the rest of the budget buys spot nodes (default 1)")
     cost.add_argument("--price", type=float, default=2.0, help="on-demand dollars per node-hour (default 2.0)")
+    cost.add_argument("--rebalance-lead", type=float, default=0.0,
+                      help="start a spot node's replacement this many seconds before its notice (EC2 capacity "
+                           "rebalancing on a rebalance recommendation; default 0: at the notice)")
     args = parser.parse_args()
     # A hang-up or TERM ends the bench through its `finally`s, so every process it started is stopped.
     for sig in (signal.SIGTERM, signal.SIGHUP):

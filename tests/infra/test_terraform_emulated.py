@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 from tf_support import Terraform, copy_tree
 
 from fleetrl import devstack
@@ -58,6 +59,11 @@ MOTO_OMISSIONS = {
     ("aws_vpc_security_group_ingress_rule", "description"):
         "moto returns no description for a rule that references a security group",
 }
+
+
+# region_a's nodes as a mixed-instances group (docs/cost.md): one on-demand node, spot above it.
+MIXED = {"on_demand_base_capacity": 1, "on_demand_percentage_above_base_capacity": 0,
+         "spot_allocation_strategy": "capacity-optimized", "spot_max_price": "2.5", "on_demand_price": 3.4}
 
 
 def _provider_override(endpoint: str) -> dict[str, Any]:
@@ -97,7 +103,7 @@ def _tfvars(net: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "name": name, "aws_region": ALIASES[alias], "vpc_id": net[alias]["vpc_id"],
             "subnet_ids": net[alias]["subnet_ids"], "cidr": CIDRS[alias], "link_costs": {"home": 2, peer: 8},
             "node": {"ami_id": net[alias]["ami_id"], "instance_types": ["g6e.xlarge", "g5.2xlarge"],
-                     "max_size": 2, "desired_capacity": 1},
+                     "max_size": 2, "desired_capacity": 1, **(MIXED if alias == "region_a" else {})},
             "kafka": {"mode": "external", "bootstrap": f"redpanda-0.{name}.internal:9092",
                       "security_protocol": "PLAINTEXT", "external_cidrs": [CIDRS[alias]]},
         }
@@ -210,6 +216,19 @@ def _asg_instances(endpoint: str) -> dict[str, int]:
     return counts
 
 
+def _mixed_policies(endpoint: str) -> dict[str, dict[str, Any]]:
+    """Each auto-scaling group's MixedInstancesPolicy as moto's DescribeAutoScalingGroups returns it."""
+    import boto3
+
+    out = {}
+    for region in (ALIASES["region_a"], ALIASES["region_b"]):
+        asg = boto3.client("autoscaling", endpoint_url=endpoint, region_name=region,
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
+        for g in asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
+            out[region] = g.get("MixedInstancesPolicy", {})
+    return out
+
+
 def _count(pattern: str, text: str) -> int:
     found = re.search(pattern, text)
     assert found, text[-3000:]
@@ -257,12 +276,26 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
                      "aws_secretsmanager_secret_version", "aws_ebs_volume", "aws_iam_role"}
     # Each region's group launched its node from the launch template (desired_capacity 1).
     assert _asg_instances(moto_endpoint) == {ALIASES["region_a"]: 1, ALIASES["region_b"]: 1}
+    # moto accepts the mixed-instances policy and echoes it: region_a's on-demand base and spot above it.
+    policies = _mixed_policies(moto_endpoint)
+    mixed, spot = policies[ALIASES["region_a"]], policies[ALIASES["region_b"]]
+    print("mixed-instances policies as moto returns them:", json.dumps(policies, default=str))
+    assert mixed["InstancesDistribution"] == {
+        "OnDemandBaseCapacity": 1, "OnDemandPercentageAboveBaseCapacity": 0,
+        "SpotAllocationStrategy": "capacity-optimized", "SpotMaxPrice": "2.5",
+        **{k: v for k, v in mixed["InstancesDistribution"].items() if k == "OnDemandAllocationStrategy"}}
+    assert [o["InstanceType"] for o in mixed["LaunchTemplate"]["Overrides"]] == ["g6e.xlarge", "g5.2xlarge"]
+    assert spot["InstancesDistribution"]["OnDemandBaseCapacity"] == 0
+    assert spot["InstancesDistribution"]["SpotAllocationStrategy"] == "price-capacity-optimized"
 
     fleet_yaml = tmp_path / "fleet.yaml"
     fleet_yaml.write_text(terraform.run("output", "-raw", "fleet_yaml", cwd=env_dir, env=env).stdout)
     check = subprocess.run([sys.executable, "-m", "fleetrl.cli", "config", "check", str(fleet_yaml)],
                            capture_output=True, text=True, timeout=60, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
+    rendered = yaml.safe_load(fleet_yaml.read_text())["regions"]
+    assert rendered[0]["pools"][0] == {"capacity": "on_demand", "price": 3.4}
+    assert rendered[0]["pools"][1]["price"]["source"] == "aws" and rendered[1]["capacity"] == "spot"
 
     tf("plan", "-var-file=emulated.tfvars.json", "-out=second.tfplan")
     plan = json.loads(terraform.run("show", "-json", "second.tfplan", cwd=env_dir, env=env).stdout)
