@@ -163,11 +163,11 @@ def _cost_line(c: dict[str, Any]) -> str:
     split = ", ".join(f"{k.replace('_', '-')} ${v:.4f}" for k, v in c["usd_by_capacity"].items() if v)
     per = c["usd_per_1000_groups_by_capacity"]
     per_split = ", ".join(f"{k.replace('_', '-')} ${v:.4f}" for k, v in per.items() if v)
-    waste = "-" if c["waste_share"] is None else f"{c['waste_share']:.1%}"
+    waste = ("no sampled tokens reported yet" if c["waste_share"] is None else
+             f"{c['waste_share']:.1%} of the {c['tokens_sampled']} tokens sampled never trained")
     return (f"${c['usd']:.4f} ({split or 'nothing priced ran'}); per 1,000 trained groups "
-            f"${_fmt(c['usd_per_1000_groups'])} ({per_split or '-'}); waste: {waste} of the {c['tokens_sampled']} "
-            f"tokens sampled never trained, {c['groups_resent']} groups re-sent, {c['tokens_regenerated']} tokens "
-            f"regenerated (known)")
+            f"${_fmt(c['usd_per_1000_groups'])} ({per_split or '-'}); waste: {waste}, {c['groups_resent']} groups "
+            f"re-sent, {c['tokens_regenerated']} tokens regenerated (known)")
 
 
 def _fmt(x: float | None) -> str:
