@@ -603,8 +603,8 @@ def main() -> None:
                                              "at the same dollars per hour (bench/cost_fleet.py, docs/cost.md)")
     cost.add_argument("--cost", action="store_true", help="run the cost comparison instead of sync vs async")
     cost.add_argument("--cost-grid", action="store_true",
-                      help="with --cost, a table first: cost_efficiency over spot discount x spot node life "
-                           "(3 x 3 cells, one seed each)")
+                      help="with --cost, instead of the seeds: a table of cost_efficiency over spot discount x "
+                           "spot node life (3 x 3 cells, one seed each; the on-demand run once)")
     cost.add_argument("--discount", type=float, default=0.65, help="spot's discount off on-demand (default 0.65)")
     cost.add_argument("--spot-preempt-every", type=float, default=60.0,
                       help="seconds a spot node lives before its preemption notice (0: never; default 60)")
