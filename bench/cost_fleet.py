@@ -3,7 +3,8 @@
 RLBoost's comparison (harvesting preemptible capacity for rollout: 28-49 % better cost efficiency
 than on-demand only) on the real code path. Both fleets run the whole system as processes, as
 `bench/pipeline.py` does (one tansu broker per region, MQTT, the trainer, one region agent per node
-supervising its rollout worker), in `algorithm.mode: async`, with prices in their fleet.yaml:
+supervising its rollout worker), in `algorithm.mode: async`, with prices in their fleet.yaml, and
+they run at the same time, each on its own brokers, so both meet the same machine load:
 
 * on demand: `--od-nodes` nodes at `--price` dollars a node-hour: `--base-nodes` in region r0, the
   rest in r1;
@@ -35,6 +36,7 @@ engine), completion lengths (a long tail by prompt), the link delay home <-> reg
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
@@ -86,13 +88,13 @@ class CostPlan:
         return self.base_nodes * self.price + self.spot_nodes * (1.0 - self.discount) * self.price
 
 
-COST_FLEET = Fleet(slowdowns=(0.3, 0.3), tail_p=0.15, short_tokens=4, max_new_tokens=16, groups_per_step=8,
-                   n_samples=4, max_staleness=4, steps=10, preempt_every_s=0.0, link_delay_s=0.05)
-"""Both regions the same GPUs (0.3 s a decoding step, EMULATED); 8 groups x 4 samples a step, so the
-admission window, (1 + 4 + 1 ahead) x 8 = 48 groups, covers every node's 4 groups in flight and the
-fleets are rollout-bound (the trainer trains faster than either fleet generates). A long sample (16
-tokens, 4.8 s) stays within the staleness bound at the hybrid's step rate (with 32 tokens and
-max_staleness 2 the on-demand fleet already dropped a tenth of its groups stale)."""
+COST_FLEET = Fleet(slowdowns=(0.8, 0.8), tail_p=0.15, short_tokens=4, max_new_tokens=8, groups_per_step=8,
+                   n_samples=4, max_staleness=6, steps=10, preempt_every_s=0.0, link_delay_s=0.05)
+"""Both regions the same GPUs: 0.8 s a decoding step (EMULATED), so a node is bound by that sleep and
+not by the CPU its tiny model needs on 2 shared cores (at 0.3 s the same three nodes ran 7.5 or 11.6
+groups/s as the machine's load moved). 8 groups x 4 samples a step; the admission window, (1 + 6 + 1
+ahead) x 8 = 64 groups, covers every node's 4 groups in flight, and a long group (8 tokens, 6.4 s)
+comes back within the staleness bound at the hybrid's step rate."""
 GROUPS_IN_FLIGHT = 4
 MAX_BATCH = 16
 
@@ -139,6 +141,7 @@ class CostRun(Run):
         self.replaced: set[str] = set()
         """Spot nodes whose replacement has started."""
         self.started_at = time.time()
+        self._stopping = False
         self.warm_s = plan.warm_s
         """Seconds from the start before the measured window may open (the same for both fleets)."""
         self._spot_made = 0
@@ -220,27 +223,26 @@ class CostRun(Run):
             self.preempted_at.append(time.time())
             self.leaving.append(self.agents.pop(("r1", node)))
 
-    def wait_trainer(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        stopping = False
-        while self.trainer.poll() is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.kind} run did not finish within {timeout_s:.0f} s; see {self.trainer_log}")
-            for key, proc in list(self.agents.items()):
-                if proc.poll() not in (None, 0):
-                    raise RuntimeError(f"agent {key} died with {proc.returncode}; see {self.logs}")
-            for proc in list(self.leaving):
-                if proc.poll() is not None:
-                    if proc.returncode != 0:
-                        raise RuntimeError(f"a preempted agent exited {proc.returncode}; see {self.logs}")
-                    self.leaving.remove(proc)
-            self._preempt_due()
-            if self.fleet.window_s and self._window_long_enough() and not stopping:
-                stopping = True  # the trainer drains (publish, checkpoint) and exits 0
-                self.trainer.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-        if self.trainer.returncode != 0:
-            raise RuntimeError(f"trainer exited {self.trainer.returncode}; see {self.trainer_log}")
+    def tick(self) -> bool:
+        """One round of watching the run: preempt what is due, stop the trainer once the window is long
+        enough; False once the trainer has exited (0), an error if anything died."""
+        if self.trainer.poll() is not None:
+            if self.trainer.returncode != 0:
+                raise RuntimeError(f"{self.kind} trainer exited {self.trainer.returncode}; see {self.trainer_log}")
+            return False
+        for key, proc in list(self.agents.items()):
+            if proc.poll() not in (None, 0):
+                raise RuntimeError(f"{self.kind} agent {key} died with {proc.returncode}; see {self.logs}")
+        for proc in list(self.leaving):
+            if proc.poll() is not None:
+                if proc.returncode != 0:
+                    raise RuntimeError(f"a preempted {self.kind} agent exited {proc.returncode}; see {self.logs}")
+                self.leaving.remove(proc)
+        self._preempt_due()
+        if self.fleet.window_s and not self._stopping and self._window_long_enough():
+            self._stopping = True  # the trainer drains (publish, checkpoint) and exits 0
+            self.trainer.send_signal(signal.SIGTERM)
+        return True
 
     def stop(self) -> None:
         self.agents.update({("gone", str(i)): p for i, p in enumerate(self.leaving)})
@@ -263,21 +265,34 @@ class CostRun(Run):
             audit_ok=bool(audit.get("ok")), audit=audit)
 
 
-def run_fleet(fleet: Fleet, plan: CostPlan, kind: str, seed: int, timeout_s: float) -> CostResult:
+def run_pair(fleet: Fleet, plan: CostPlan, seed: int, timeout_s: float) -> tuple[CostResult, CostResult]:
+    """The on-demand and the hybrid fleet at the same time, each on its own brokers: both meet the same
+    machine load (2 shared cores: a run after the other met another load and another throughput), and
+    their ratio is measured in one run. Each ends with `fleetrl audit` while its brokers run."""
     keep = os.environ.get("FLEETRL_BENCH_KEEP")
-    with tempfile.TemporaryDirectory(prefix=f"fleetrl-cost-{kind}-", dir=keep) as tmp:
-        root = pathlib.Path(tmp)
-        if keep:
-            root = pathlib.Path(keep) / f"cost-{kind}-{seed}-{int(time.time())}"
-        run = CostRun(fleet, plan, kind, seed, root)
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for kind in ("on_demand", "hybrid"):
+            root = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"fleetrl-cost-{kind}-",
+                                                                                dir=keep)))
+            if keep:
+                root = pathlib.Path(keep) / f"cost-{kind}-{seed}-{int(time.time())}"
+            runs.append(CostRun(fleet, plan, kind, seed, root))
         try:
-            run.start()
-            run.wait_trainer(timeout_s)
-            # The trainer drained and checkpointed: prove the books while the brokers still run.
-            audit = run_audit(run.config_path, root, {**os.environ, "OMP_NUM_THREADS": "1"})
+            for run in runs:
+                run.start()
+            deadline = time.monotonic() + timeout_s
+            while [run.tick() for run in runs] != [False, False]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the runs did not finish within {timeout_s:.0f} s; see {runs[0].root.parent}")
+                time.sleep(0.2)
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            audits = [run_audit(run.config_path, run.root, env) for run in runs]
         finally:
-            run.stop()
-        return run.cost_result(audit)
+            for run in runs:
+                run.stop()
+        od, hybrid = (run.cost_result(audit) for run, audit in zip(runs, audits, strict=True))
+        return od, hybrid
 
 
 def show(r: CostResult, plan: CostPlan) -> None:
@@ -295,20 +310,16 @@ def show(r: CostResult, plan: CostPlan) -> None:
           flush=True)
 
 
-def compare(fleet: Fleet, plan: CostPlan, seeds: int, timeout_s: float,
-            od_cache: dict[int, CostResult] | None = None) -> dict[str, float]:
-    """Both fleets per seed (the on-demand run taken from `od_cache` where a grid already ran it)."""
+def compare(fleet: Fleet, plan: CostPlan, seeds: int, timeout_s: float) -> dict[str, float]:
+    """Both fleets per seed, side by side in one run."""
     pairs: list[tuple[CostResult, CostResult]] = []
     for seed in range(seeds):
-        print(f"seed {seed}:", flush=True)
-        od = od_cache.get(seed) if od_cache is not None else None
-        if od is None:
-            od = run_fleet(fleet, plan, "on_demand", seed, timeout_s)
-            if od_cache is not None:
-                od_cache[seed] = od
+        print(f"seed {seed} ({_load()}):", flush=True)
+        od, hybrid = run_pair(fleet, plan, seed, timeout_s)
         show(od, plan)
-        hybrid = run_fleet(fleet, plan, "hybrid", seed, timeout_s)
         show(hybrid, plan)
+        print(f"  cost_efficiency {hybrid.groups_per_usd / od.groups_per_usd:.3f}, throughput ratio "
+              f"{hybrid.run.groups_per_s / od.run.groups_per_s:.3f} (load after: {_load()})", flush=True)
         pairs.append((od, hybrid))
     eff = [h.groups_per_usd / o.groups_per_usd for o, h in pairs]
     equal = [min(o.run.steps, h.run.steps) for o, h in pairs]
@@ -331,27 +342,30 @@ def compare(fleet: Fleet, plan: CostPlan, seeds: int, timeout_s: float,
 
 
 def grid(fleet: Fleet, plan: CostPlan, timeout_s: float) -> dict[str, float]:
-    """A markdown table of cost_efficiency: spot discount x a spot node's life (one seed per cell; the
-    on-demand run is the same for every cell and runs once). Each cell measures over 1.5 lives (at least
-    120 s; `--quick`: the fleet's window) after the same warm-up."""
+    """A markdown table of cost_efficiency: spot discount x a spot node's life (one seed per cell, both
+    fleets in one run). Each cell measures over 1.5 lives (at least 120 s; `--quick`: the fleet's window)
+    after the same warm-up."""
     discounts, lives = (0.3, 0.5, 0.65), (0.0, 180.0, 60.0)
     print("| spot discount \\ spot node preempted | " + " | ".join(
         f"every {s:g} s" if s else "never" for s in lives) + " |")
     print("|---|---|---|---|", flush=True)
-    od: dict[int, CostResult] = {}
     found: dict[str, float] = {}
     for discount in discounts:
         cells = []
         for life in lives:
             cell = replace(plan, discount=discount, spot_preempt_every_s=life)
             window = fleet.window_s if fleet.window_s < 60 else max(120.0, 1.5 * life)
-            out = compare(replace(fleet, window_s=window), cell, 1, timeout_s + 2 * window, od_cache=od)
+            out = compare(replace(fleet, window_s=window), cell, 1, timeout_s + 2 * window)
             cells.append(f"{out['cost_efficiency']:.2f} ({cell.spot_nodes} spot; waste {out['waste_share']:.2f}, "
                          f"paid idle {out['paid_idle_share']:.2f}{'' if out['audit_ok'] else '; AUDIT FAILED'})")
             found[f"cost_efficiency_d{discount * 100:.0f}_life{life:g}"] = out["cost_efficiency"]
             found["audit_ok"] = min(found.get("audit_ok", 1.0), out["audit_ok"])
         print(f"| {discount:.0%} | " + " | ".join(cells) + " |", flush=True)
     return found
+
+
+def _load() -> str:
+    return "load " + " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
 
 
 def describe(fleet: Fleet, plan: CostPlan) -> str:
