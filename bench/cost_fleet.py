@@ -19,8 +19,11 @@ they run at the same time, each on its own brokers, so both meet the same machin
 
 The dollars are the trainer's own measure (`trainer/cost.py`): node-seconds between each node's
 heartbeats times its pool's price, read from `step.done`'s `cost_usd_*` totals over the measured
-window (from the end of the warm-up steps to the end of the last). Each run ends with `fleetrl audit`
-(every dispatched group trained once, stale, dead-lettered or still in flight).
+window (from the first step `warm_s` after the start, past the first spot nodes' common start, to the
+end of the last). Each run ends with `fleetrl audit` (every dispatched group trained once, stale,
+dead-lettered or still in flight). `--rebalance-lead S` starts each replacement S seconds before its
+notice instead (a rebalance recommendation before the interruption). `--cost-grid` measures a table
+of discount x spot life instead of the seeds.
 
     cost_efficiency             hybrid groups trained per dollar / on-demand groups per dollar
     throughput_ratio_equal_budget  hybrid groups/s / on-demand groups/s (hybrid budget <= on-demand's)
