@@ -167,6 +167,10 @@ class CostRun(Run):
     def _config(self, ports: dict[str, int]) -> dict[str, Any]:
         config = fleet_config(self.fleet, "async", self.seed, self.root, ports)
         config["kafka"]["partitions"] = {"prompts": 16, "partials": 16, "trajectories": 16, "dead_letter": 1}
+        # The default heartbeat (5 s), not the pipeline bench's 1 s: on 2 loaded cores 1-s beats came late
+        # enough for the trainer to find the spot region silent and re-send its groups, and amqtt fired
+        # last wills for agents that were alive.
+        config["mqtt"]["heartbeat_interval_s"] = 5
         config["rollout"]["max_groups_in_flight"] = GROUPS_IN_FLIGHT
         layout = self._layout()
         spot_price = round((1.0 - self.plan.discount) * self.plan.price, 6)

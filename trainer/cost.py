@@ -9,8 +9,10 @@ between two heartbeats of one node the node existed, so that time is paid: `Cost
 seconds of its (region, capacity) when the earlier heartbeat was not `offline`, and to its serving
 node-seconds when an engine was up then. Node-seconds times the pool's price (`prices.PriceBook`)
 are dollars. A node that goes silent accrues nothing until it speaks again, and then its whole gap
-(it was running, and billed, all along); a replacement node that takes an old node's name starts
-anew after the old one's `offline` (the time between is not counted: no agent ran).
+(it was running, and billed, all along). An `offline` with `left` (the agent's farewell) is paid up to
+it; a last will (`offline` without `left`: its `ts` is when the agent connected) pays nothing, and if
+the same agent (`started_at`) speaks again the whole gap is paid, while a new agent under the old
+name is paid from its own start.
 
 What the money bought is counted where it was paid for:
 
@@ -52,10 +54,14 @@ _PRUNE_OFFLINE_S = 3600.0  # a node offline this long is forgotten (its heartbea
 class _Node:
     capacity: Capacity
     ts: float
-    """The node's clock at its last heartbeat seen."""
+    """The node's clock at its last heartbeat that counted (a last will's does not: see `observe`)."""
     state: str
     serving: bool
     tokens: int
+    started_at: float | None = None
+    """Its agent's start: an agent that comes back after a last will is the same one if it matches."""
+    gone: bool = False
+    """An `offline` was heard: its own farewell (`left`, paid to then), or a last will."""
 
 
 @dataclass(slots=True)
@@ -90,27 +96,44 @@ class CostMeter:
     # -- time paid, from heartbeats -------------------------------------------------------------
 
     def observe(self, region: str, node: str, hb: Heartbeat) -> None:
-        """A node's heartbeat (the same one seen again changes nothing)."""
+        """A node's heartbeat (the same one seen again changes nothing).
+
+        An `offline` with `left` is the agent's farewell: paid up to it. An `offline` without it is a
+        last will, whose `ts` is when the agent connected: the node may have died any time since its
+        last beat, or only lost its MQTT connection (a busy broker, a partition). Nothing is paid for
+        it; if the same agent (`started_at`) speaks again, it ran all along and the whole gap is paid,
+        and a new agent under the name is paid from its own start."""
         r = self._defaults.get(region)
         if r is None:
             return
-        capacity: Capacity = hb.capacity or r.node_capacity(node)
         known = self.nodes.get((region, node))
-        now = _Node(capacity, hb.ts, hb.state, hb.serving, hb.tokens_sampled)
-        if known is None:
-            self.nodes[(region, node)] = now
-            if hb.state != "offline" and hb.started_at is not None and hb.started_at <= hb.ts:
-                # First heard of while it runs: paid since its agent started (loading, as far as we know).
-                self._accrue((region, capacity), hb.ts - hb.started_at, False, hb.tokens_sampled)
-            return  # else a baseline (an old agent, or one gone before we heard it): not ours to count
-        if hb.ts == known.ts and hb.state == known.state:
+        now = _Node(hb.capacity or r.node_capacity(node), hb.ts, hb.state, hb.serving, hb.tokens_sampled,
+                    hb.started_at, gone=hb.state == "offline")
+        if known is not None and hb.ts == known.ts and hb.state == known.state:
+            return
+        if hb.state == "offline":
+            if known is not None and not known.gone and hb.left:
+                self._since(region, known, hb.ts, hb.tokens_sampled)
+            if known is None or hb.left:
+                self.nodes[(region, node)] = now
+            elif not known.gone:
+                known.gone = True  # a last will: keep the last beat, in case the same agent comes back
             return
         self.nodes[(region, node)] = now
-        tokens = hb.tokens_sampled - known.tokens if hb.tokens_sampled >= known.tokens else hb.tokens_sampled
-        if known.state == "offline":
-            tokens = hb.tokens_sampled  # a new agent under the old name: its count starts at 0
-        self._accrue((region, known.capacity), max(0.0, hb.ts - known.ts) if known.state != "offline" else 0.0,
-                     known.serving, tokens)
+        same = known is not None and (not known.gone or (hb.started_at is not None
+                                                         and hb.started_at == known.started_at))
+        if known is not None and same:
+            self._since(region, known, hb.ts, hb.tokens_sampled)
+        elif hb.started_at is not None and hb.started_at <= hb.ts:
+            # First heard of while it runs (or a new agent under an old name): paid since its agent
+            # started, as loading as far as we know; its tokens count from its start.
+            self._accrue((region, now.capacity), hb.ts - hb.started_at, False, hb.tokens_sampled)
+        # else a baseline (an agent that does not say when it started): what came before is not ours
+
+    def _since(self, region: str, known: _Node, ts: float, tokens: int) -> None:
+        """Pay the time from `known`'s beat to `ts` at its capacity, with the tokens sampled meanwhile."""
+        grew = tokens - known.tokens if tokens >= known.tokens else tokens  # (fewer: a restarted agent)
+        self._accrue((region, known.capacity), max(0.0, ts - known.ts), known.serving, grew)
 
     def _accrue(self, pool: Pool, seconds: float, serving: bool, tokens: int) -> None:
         p = self.pools[pool]
@@ -128,7 +151,7 @@ class CostMeter:
         """Nodes paid now per pool: not offline, heard from within two heartbeat intervals."""
         out: dict[Pool, int] = defaultdict(int)
         for (region, _), n in self.nodes.items():
-            if n.state != "offline" and now - n.ts <= self.max_gap_s:
+            if not n.gone and now - n.ts <= self.max_gap_s:
                 out[(region, n.capacity)] += 1
         return out
 
@@ -141,7 +164,7 @@ class CostMeter:
 
     def prune(self, now: float) -> None:
         for key, n in list(self.nodes.items()):
-            if n.state == "offline" and now - n.ts > _PRUNE_OFFLINE_S:
+            if n.gone and now - n.ts > _PRUNE_OFFLINE_S:
                 del self.nodes[key]
 
     # -- what it bought, and what was lost ---------------------------------------------------
@@ -223,7 +246,7 @@ class CostMeter:
         if now is not None:
             for (region, _), n in self.nodes.items():
                 gap = min(now - n.ts, self.max_gap_s)  # a silent node: at most two intervals, until it speaks
-                if n.state != "offline" and gap > 0:
+                if not n.gone and gap > 0:
                     pool = (region, n.capacity)
                     out[pool] = out.get(pool, 0.0) + gap * self.prices.usd_per_node_hour(*pool) / 3600.0
         return out
@@ -249,8 +272,8 @@ class CostMeter:
 
     def state(self) -> dict[str, Any]:
         return {
-            "nodes": [[r, n, x.capacity, x.ts, x.state, x.serving, x.tokens]
-                      for (r, n), x in self.nodes.items() if x.state != "offline"],
+            "nodes": [[r, n, x.capacity, x.ts, x.state, x.serving, x.tokens, x.started_at]
+                      for (r, n), x in self.nodes.items() if not x.gone],
             "pools": [[r, c, p.node_s, p.serving_s, p.usd, p.tokens_sampled] for (r, c), p in self.pools.items()],
             "regions": {name: [self.transfer_usd.get(name, 0.0), self.transfer_bytes.get(name, 0),
                                self.trained_groups.get(name, 0), self.trained_tokens.get(name, 0),
@@ -260,8 +283,9 @@ class CostMeter:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take up the totals of a checkpoint (one written before cost was measured has none)."""
-        for r, n, capacity, ts, st, serving, tokens in state.get("nodes", []):
-            self.nodes[(r, n)] = _Node(capacity, float(ts), st, bool(serving), int(tokens))
+        for r, n, capacity, ts, st, serving, tokens, *started in state.get("nodes", []):
+            self.nodes[(r, n)] = _Node(capacity, float(ts), st, bool(serving), int(tokens),
+                                       float(started[0]) if started and started[0] is not None else None)
         for r, c, node_s, serving_s, usd, tokens in state.get("pools", []):
             self.pools[(r, c)] = PoolCost(float(node_s), float(serving_s), float(usd), int(tokens))
         for name, row in state.get("regions", {}).items():

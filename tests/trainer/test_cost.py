@@ -26,10 +26,11 @@ def _config(**regions: dict[str, Any]) -> FleetConfig:
     })
 
 
-def _beat(ts: float, state: str = "up", tokens: int = 0, *, serving: bool = True,
-          capacity: str | None = None) -> Heartbeat:
+def _beat(ts: float, state: str = "up", tokens: int = 0, *, serving: bool = True, capacity: str | None = None,
+          started_at: float | None = None, left: bool = False) -> Heartbeat:
     engines = [EngineStatus(index=0, state="up" if serving else "starting", tokens_sampled=tokens)]
-    return Heartbeat(state=state, ts=ts, engines=engines, tokens_sampled=tokens, capacity=capacity)  # type: ignore[arg-type]
+    return Heartbeat(state=state, ts=ts, engines=engines, tokens_sampled=tokens, capacity=capacity,  # type: ignore[arg-type]
+                     started_at=started_at, left=left)
 
 
 def _meter(config: FleetConfig) -> tuple[CostMeter, TrainerMetrics]:
@@ -56,19 +57,34 @@ def test_node_seconds_between_heartbeats_are_priced_per_pool() -> None:
     meter.observe("east", "i-0abc", _beat(110.0, capacity="spot", tokens=40))  # +10 s spot, loading
     meter.observe("east", "i-0abc", _beat(110.0, capacity="spot", tokens=40))  # the same beat again: nothing
     meter.observe("east", "i-0abc", _beat(130.0, capacity="spot", tokens=140))  # +20 s spot, serving
-    meter.observe("east", "base", _beat(115.0, "offline", tokens=520))          # +5 s, then off
-    # A new agent under the old name: its time counts from its first beat, its tokens from its start.
-    meter.observe("east", "base", _beat(200.0, tokens=7))
+    meter.observe("east", "base", _beat(115.0, "offline", tokens=520, left=True))  # +5 s, then it left
+    # A new agent under the old name: paid from its start, its tokens from its start.
+    meter.observe("east", "base", _beat(200.0, tokens=7, started_at=198.0))
     od, spot = meter.pools[("east", "on_demand")], meter.pools[("east", "spot")]
-    assert (od.node_s, od.serving_s, od.tokens_sampled) == (15.0, 15.0, 527)
+    assert (od.node_s, od.serving_s, od.tokens_sampled) == (17.0, 15.0, 527)
     assert (spot.node_s, spot.serving_s, spot.tokens_sampled) == (30.0, 20.0, 140)
-    assert od.usd == pytest.approx(0.015) and spot.usd == pytest.approx(0.003)
+    assert od.usd == pytest.approx(0.017) and spot.usd == pytest.approx(0.003)
     assert _metric(metrics, "fleetrl_cost_usd_total", region="east", capacity="spot") == pytest.approx(0.003)
-    assert _metric(metrics, "fleetrl_cost_node_seconds_total", region="east", capacity="on_demand") == 15.0
-    assert meter.usd_by_capacity() == pytest.approx({"on_demand": 0.015, "spot": 0.003})
-    meter.observe("east", "base", _beat(205.0, tokens=57))
+    assert _metric(metrics, "fleetrl_cost_node_seconds_total", region="east", capacity="on_demand") == 17.0
+    assert meter.usd_by_capacity() == pytest.approx({"on_demand": 0.017, "spot": 0.003})
+    meter.observe("east", "base", _beat(205.0, tokens=57, started_at=198.0))
     assert meter.pools[("east", "on_demand")].tokens_sampled == 577
-    assert meter.pools[("east", "on_demand")].node_s == 20.0
+    assert meter.pools[("east", "on_demand")].node_s == 22.0
+
+
+def test_a_last_will_pays_nothing_and_the_same_agent_back_pays_its_whole_gap() -> None:
+    # A last will's `ts` is when the agent connected: it says nothing of when the node died. A busy broker
+    # fires it for an agent that only lost its connection: when that agent speaks again, it ran all along.
+    meter, _ = _meter(_config(east={"price": 3.6}))
+    meter.observe("east", "n1", _beat(100.0, tokens=10, started_at=90.0))   # 10 s since its start
+    meter.observe("east", "n1", _beat(90.0, "offline"))                      # the will (connect time)
+    assert meter.usd_per_s(now=101.0) == {"east": 0.0}                        # not counted as live
+    meter.observe("east", "n1", _beat(130.0, tokens=70, started_at=90.0))   # back: +30 s, +60 tokens
+    pool = meter.pools[("east", "on_demand")]
+    assert (pool.node_s, pool.tokens_sampled) == (40.0, 70)
+    meter.observe("east", "n1", _beat(90.0, "offline"))                      # it died this time ...
+    meter.observe("east", "n1", _beat(400.0, tokens=5, started_at=395.0))  # ... a new agent: from its start
+    assert (pool.node_s, pool.tokens_sampled) == (45.0, 75)
 
 
 def test_a_node_first_heard_of_while_it_runs_is_paid_from_its_agents_start() -> None:
@@ -78,7 +94,7 @@ def test_a_node_first_heard_of_while_it_runs_is_paid_from_its_agents_start() -> 
     meter, _ = _meter(_config(east={"capacity": "spot", "price": 3.6}))
     late = _beat(130.0, tokens=90).model_copy(update={"started_at": 100.0})
     meter.observe("east", "i-1", late)
-    gone = _beat(500.0, "offline", tokens=700).model_copy(update={"started_at": 0.0})
+    gone = _beat(500.0, "offline", tokens=700, left=True).model_copy(update={"started_at": 0.0})
     meter.observe("east", "i-0", gone)
     spot = meter.pools[("east", "spot")]
     assert (spot.node_s, spot.serving_s, spot.tokens_sampled) == (30.0, 0.0, 90)
