@@ -23,7 +23,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import IllegalStateError
+from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.protocol.group import LeaveGroupRequest
 
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, stop_client, translated
@@ -406,7 +406,9 @@ class Consumer:
         """Commit one past the highest offset of `deliveries` per partition (and handled dead letters).
 
         Partitions this member no longer holds are skipped: their new owner re-reads them, and
-        receivers deduplicate by group id.
+        receivers deduplicate by group id. So is a commit the group refuses because it rebalanced
+        while the commit was on its way (`CommitFailedError`: a member joined or left, as spot nodes
+        do every minute): the partitions are another member's by now. A worker used to die of it.
         """
         given = [(d.tp, d.offset) for d in deliveries]
         targets = self._tracker.targets(given)
@@ -417,8 +419,15 @@ class Consumer:
                         partitions=sorted(f"{t}[{p}]" for t, p in set(targets) - set(points)))
         if points:
             offsets = {TopicPartition(t, p): off for (t, p), off in points.items()}
-            await bounded(self._c.commit(offsets), self.config.kafka.request_timeout_s,
-                          f"commit group {self.group!r} (region {self.region!r})")
+            try:
+                await bounded(self._c.commit(offsets), self.config.kafka.request_timeout_s,
+                              f"commit group {self.group!r} (region {self.region!r})")
+            except KafkaError as exc:
+                if not isinstance(exc.__cause__, CommitFailedError):
+                    raise
+                log.warning("commit.skipped_rebalanced", group=self.group, error=str(exc.__cause__)[:200],
+                            partitions=sorted(f"{t}[{p}]" for t, p in points))
+                points = {}
         self._tracker.committed(points, given)
 
     def seek(self, offsets: dict[TP, int]) -> None:
