@@ -54,6 +54,11 @@ The last line:
 
     .venv/bin/python bench/pipeline.py [--quick] [--seeds N] [--profile defaults|production]
                                        [--grid tail|preempt] [--workload tools]
+    .venv/bin/python bench/pipeline.py --cost [--quick] [--seeds N] [--cost-grid] [--discount 0.65]
+                                       [--spot-preempt-every 60] [--od-nodes 3] [--base-nodes 1]
+
+`--cost` runs an on-demand fleet against a hybrid one at the same dollars per hour instead
+(bench/cost_fleet.py; results: docs/cost.md).
 
 `FLEETRL_BENCH_KEEP=DIR` keeps every run's config and logs under DIR. Results: docs/pipeline.md.
 """
@@ -359,10 +364,15 @@ class Run:
         log = self.logs / f"agent-{key[0]}-{key[1]}-{self.generation[key]}.log"
         return log.exists() and '"worker.started"' in log.read_text(errors="replace")
 
+    def warm_steps(self, done: list[float]) -> int:
+        """Steps before the measured window (`done`: each step's end, wall clock)."""
+        return self.fleet.warm_steps
+
     def _window_long_enough(self) -> bool:
         self._steps_done += [_ts(e) for e in self._trainer_tail.events() if e.get("event") == "step.done"]
-        warm, done = self.fleet.warm_steps, self._steps_done
-        return len(done) >= self.fleet.steps and done[-1] - done[warm - 1] >= self.fleet.window_s
+        done = self._steps_done
+        warm = self.warm_steps(done)
+        return len(done) >= max(self.fleet.steps, warm + 1) and done[-1] - done[warm - 1] >= self.fleet.window_s
 
     def wait_trainer(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -406,7 +416,7 @@ class Run:
         """The run's figures over the window from the end of its warm-up steps to the end of its last."""
         trainer = events(self.trainer_log)
         steps = [e for e in trainer if e["event"] == "step.done"]
-        warm = self.fleet.warm_steps
+        warm = self.warm_steps([_ts(e) for e in steps])
         if len(steps) <= warm:
             raise RuntimeError(f"{self.mode} run trained {len(steps)} step(s), not more than the {warm} "
                                f"warm-up steps; see {self.trainer_log}")
@@ -589,11 +599,32 @@ def main() -> None:
                         help="also with --quick: repeat each pair with length-aware scheduling off")
     parser.add_argument("--workload", choices=["reverse", "tools"], default="reverse",
                         help="tools: multi-turn episodes whose tool calls have a long latency tail (EMULATED)")
+    cost = parser.add_argument_group("cost", "--cost: an on-demand fleet against a hybrid (on-demand base + spot) "
+                                             "at the same dollars per hour (bench/cost_fleet.py, docs/cost.md)")
+    cost.add_argument("--cost", action="store_true", help="run the cost comparison instead of sync vs async")
+    cost.add_argument("--cost-grid", action="store_true",
+                      help="with --cost, instead of the seeds: a table of cost_efficiency over spot discount x "
+                           "spot node life (3 x 3 cells, one seed each; the on-demand run once)")
+    cost.add_argument("--discount", type=float, default=0.65, help="spot's discount off on-demand (default 0.65)")
+    cost.add_argument("--spot-preempt-every", type=float, default=60.0,
+                      help="seconds a spot node lives before its preemption notice (0: never; default 60)")
+    cost.add_argument("--od-nodes", type=int, default=3, help="nodes of the on-demand fleet (default 3)")
+    cost.add_argument("--base-nodes", type=int, default=1,
+                      help="on-demand nodes of the hybrid; the rest of the budget buys spot nodes (default 1)")
+    cost.add_argument("--price", type=float, default=2.0, help="on-demand dollars per node-hour (default 2.0)")
+    cost.add_argument("--rebalance-lead", type=float, default=0.0,
+                      help="start a spot node's replacement this many seconds before its notice (EC2 capacity "
+                           "rebalancing on a rebalance recommendation; default 0: at the notice)")
     args = parser.parse_args()
     # A hang-up or TERM ends the bench through its `finally`s, so every process it started is stopped.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     os.environ.setdefault("FLEETRL_HUB_KEY", generate_ed25519()[0])
+    if args.cost:
+        import cost_fleet
+
+        cost_fleet.main(args)
+        return
     steps = args.steps or (10 if args.quick else 20)
     preempt = args.preempt_every if args.preempt_every is not None else (15.0 if args.quick else 20.0)
     intervals = args.window_intervals if args.window_intervals is not None else (0.0 if args.quick else 5.0)

@@ -23,7 +23,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import IllegalStateError
+from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.protocol.group import LeaveGroupRequest
 
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, stop_client, translated
@@ -71,6 +71,8 @@ class Delivery:
     record: Record
     headers: dict[str, bytes]
     stream: Stream
+    size: int = 0
+    """Bytes of the record's value as it crossed the wire (uncompressed): what its link carried."""
 
     @property
     def tp(self) -> TP:
@@ -290,7 +292,8 @@ class Consumer:
     def _delivery(self, m: ConsumerRecord[Any, Any], record: Record) -> Delivery:
         return Delivery(topic=m.topic, partition=m.partition, offset=m.offset,
                         key=m.key.decode(errors="replace") if m.key is not None else None,
-                        record=record, headers=dict(m.headers or ()), stream=self._stream_of[m.topic])
+                        record=record, headers=dict(m.headers or ()), stream=self._stream_of[m.topic],
+                        size=len(m.value) if m.value is not None else 0)
 
     async def _dead_letter_one(self, m: ConsumerRecord[Any, Any], error: RecordError) -> None:
         """Its offset is handled once the dead letter is acknowledged (the producer batches them)."""
@@ -403,7 +406,9 @@ class Consumer:
         """Commit one past the highest offset of `deliveries` per partition (and handled dead letters).
 
         Partitions this member no longer holds are skipped: their new owner re-reads them, and
-        receivers deduplicate by group id.
+        receivers deduplicate by group id. So is a commit the group refuses because it rebalanced
+        while the commit was on its way (`CommitFailedError`: a member joined or left, as spot nodes
+        do every minute): the partitions are another member's by now. A worker used to die of it.
         """
         given = [(d.tp, d.offset) for d in deliveries]
         targets = self._tracker.targets(given)
@@ -414,8 +419,15 @@ class Consumer:
                         partitions=sorted(f"{t}[{p}]" for t, p in set(targets) - set(points)))
         if points:
             offsets = {TopicPartition(t, p): off for (t, p), off in points.items()}
-            await bounded(self._c.commit(offsets), self.config.kafka.request_timeout_s,
-                          f"commit group {self.group!r} (region {self.region!r})")
+            try:
+                await bounded(self._c.commit(offsets), self.config.kafka.request_timeout_s,
+                              f"commit group {self.group!r} (region {self.region!r})")
+            except KafkaError as exc:
+                if not isinstance(exc.__cause__, CommitFailedError):
+                    raise
+                log.warning("commit.skipped_rebalanced", group=self.group, error=str(exc.__cause__)[:200],
+                            partitions=sorted(f"{t}[{p}]" for t, p in points))
+                points = {}
         self._tracker.committed(points, given)
 
     def seek(self, offsets: dict[TP, int]) -> None:

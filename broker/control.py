@@ -71,6 +71,8 @@ class EngineStatus(_Payload):
     """Tokens sampled per second of engine work (decoding steps, weight loads) over the worker's life:
     what the engine delivers while it has work, however little it was given (0: not measured yet)."""
     in_flight: int = 0
+    tokens_sampled: int = Field(0, ge=0)
+    """Tokens the engine sampled, over all its worker processes (a restart does not reset it)."""
     last_error: str = ""
     """Last error line of the worker that failed most recently."""
 
@@ -94,6 +96,15 @@ class Heartbeat(_Payload):
     handed over, or the worker killed past its bound), so nothing more will come from this node. The
     last will's `offline` (the agent died; its workers may live on, or a restarted agent resume the
     region's work) does not say it."""
+    capacity: Literal["on_demand", "spot"] | None = None
+    """The node's capacity type, as its agent knows it (the config's pool, or the instance metadata of an
+    auto-scaled node); None (an older agent): the region's, from the config. The trainer prices the
+    node's time by it (docs/cost.md)."""
+    tokens_sampled: int = Field(0, ge=0)
+    """Tokens the node's engines sampled since its agent started: what its time bought, whether or not the
+    tokens reach training (the trainer counts the difference as preemption waste)."""
+    started_at: float | None = None
+    """When the node's agent started (its clock): the trainer counts a node it first hears of from then."""
     ts: float = Field(default_factory=time.time)
 
     @property

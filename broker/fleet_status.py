@@ -80,10 +80,10 @@ def render(view: dict[str, Any]) -> Group:
                 f"{time.ctime(policy['published_at'])}; replicas: " +
                 (", ".join(f"{r} v{a['version']}" for r, a in view["replicas"].items()) or "none announced"))
     table = Table(title="nodes")
-    for column in ("region", "node", "state", "version", "tokens/s", "in flight", "engines", "age (s)"):
+    for column in ("region", "node", "capacity", "state", "version", "tokens/s", "in flight", "engines", "age (s)"):
         table.add_column(column, overflow="fold")
     for n in view["nodes"]:
-        table.add_row(n["region"], n["node"], n["state"] + (" (stale)" if n["stale"] else ""),
+        table.add_row(n["region"], n["node"], n.get("capacity") or "", n["state"] + (" (stale)" if n["stale"] else ""),
                       "" if n["version"] is None else str(n["version"]), f"{n['tokens_per_s']:.1f}",
                       str(n["in_flight"]), _engines(n["engines"]), str(n["age_s"]))
     return Group(head, table)

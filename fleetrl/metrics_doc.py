@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fleetrl.metrics import MetricsRegistry
 
 BEGIN, END = "<!-- BEGIN metrics -->\n", "<!-- END metrics -->\n"
-NAME_RE = re.compile(r"^fleetrl_(trainer|rollout|agent|replicator)_[a-z0-9_]+$")
+NAME_RE = re.compile(r"^fleetrl_(trainer|rollout|agent|replicator|cost)_[a-z0-9_]+$")
 
 
 @dataclass(frozen=True)

@@ -38,14 +38,16 @@ import contextlib
 import json
 import pathlib
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import yaml
 
 from fleetrl.broker import ControlCommand, ControlPlane, ControlPlaneError, Heartbeat
-from fleetrl.config import FleetConfig
+from fleetrl.config import Capacity, FleetConfig
 from fleetrl.log import get_logger
+from fleetrl.regions.cloud_notices import node_capacity
 from fleetrl.regions.errors import AgentError
 from fleetrl.regions.identity import check_identity
 from fleetrl.regions.metrics import AgentMetrics
@@ -84,6 +86,9 @@ class RegionAgent:
         self._running: dict[int, asyncio.Task[None]] = {}
         self.metrics = AgentMetrics()
         self.metrics_port: int | None = None
+        self.started_at = time.time()
+        self.capacity: Capacity = config.region(region).node_capacity(node)
+        """On-demand or spot (`cloud_notices.node_capacity`): the heartbeat says it, the trainer prices by it."""
 
     # -- the daemon -----------------------------------------------------------------------------
 
@@ -97,6 +102,7 @@ class RegionAgent:
                 self._config_path = str(pathlib.Path(tmp.name) / "fleet.yaml")
                 pathlib.Path(self._config_path).write_text(yaml.safe_dump(self.config.model_dump(mode="json")))
             self.engines = self._supervisors(self._config_path)
+            self.capacity = await asyncio.to_thread(node_capacity, self.config, self.region, self.node)
             if self.config.rollout.metrics_port is not None:
                 self.metrics.health = self._health_line
                 self.metrics_port = self.metrics.serve(self.config.rollout.metrics_port)
@@ -239,6 +245,8 @@ class RegionAgent:
         engines = [e.status() for e in self.engines]
         versions = [e.version for e in engines if e.version is not None]
         return Heartbeat(state=self.state, left=self.state == "offline", version=min(versions) if versions else None,
+                         capacity=self.capacity, tokens_sampled=sum(e.tokens_sampled for e in engines),
+                         started_at=self.started_at,
                          tokens_per_s=round(sum(e.tokens_per_s for e in engines), 2) if self.state == "up" else 0.0,
                          busy_tokens_per_s=round(sum(e.busy_tokens_per_s for e in engines), 2)
                          if self.state == "up" else 0.0,

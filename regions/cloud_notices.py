@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from fleetrl.config import Capacity, FleetConfig
 from fleetrl.config.preemption import (
     AwsPreemptionConfig,
     AzurePreemptionConfig,
@@ -42,7 +43,7 @@ from fleetrl.log import get_logger
 from fleetrl.regions.errors import RegionsError
 from fleetrl.regions.preemption import Notice, NoticeFileWatcher, PreemptionWatcher
 
-__all__ = ["AwsSpotWatcher", "AzureEvictionWatcher", "GcpPreemptionWatcher", "watchers_from_config"]
+__all__ = ["AwsSpotWatcher", "AzureEvictionWatcher", "GcpPreemptionWatcher", "node_capacity", "watchers_from_config"]
 
 log = get_logger(__name__)
 
@@ -207,6 +208,18 @@ class AwsSpotWatcher(_MetadataWatcher):
     def _get_action(self) -> _Reply:
         return _http("GET", self.url, {"X-aws-ec2-metadata-token": self._session_token()})
 
+    def instance_life_cycle(self) -> str:
+        """`meta-data/instance-life-cycle`: `spot`, `on-demand` or `scheduled` (blocking). A node of a
+        mixed-instances group learns its capacity type this way: its launch template is the same for both."""
+        url = self.url.replace("spot/instance-action", "instance-life-cycle")
+        reply = _http("GET", url, {"X-aws-ec2-metadata-token": self._session_token()})
+        if reply.status == 401:
+            self._token = None
+            reply = _http("GET", url, {"X-aws-ec2-metadata-token": self._session_token()})
+        if reply.status != 200:
+            raise _EndpointError(f"GET {url} answered {reply.status}: {reply.quote()!r}")
+        return reply.body.decode("ascii", "replace").strip()
+
     def _session_token(self) -> str:
         now = time.monotonic()
         if self._token is None or now >= self._renew_at:
@@ -347,3 +360,20 @@ def watchers_from_config(cfg: PreemptionConfig) -> list[PreemptionWatcher]:
         return [AzureEvictionWatcher(cfg.base_url, poll_s=cfg.poll_s, notice_window_s=cfg.notice_window_s,
                                      api_version=cfg.api_version, acknowledge=cfg.acknowledge)]
     raise TypeError(f"unknown preemption source {cfg!r}")
+
+
+def node_capacity(config: FleetConfig, region: str, node: str) -> Capacity:
+    """The node's capacity type (blocking): the pool that lists it, else, on AWS (`preemption.source:
+    aws`), what the instance metadata says (`instance-life-cycle`: the nodes of a mixed-instances group
+    share one launch template, so only the instance knows), else the region's `capacity`. An unreadable
+    metadata service is logged and the config's answer kept."""
+    r = config.region(region)
+    if any(node in pool.nodes for pool in r.pools) or not isinstance(r.preemption, AwsPreemptionConfig):
+        return r.node_capacity(node)
+    watcher = AwsSpotWatcher(r.preemption.base_url, token_ttl_s=min(r.preemption.token_ttl_s, 300))
+    try:
+        life_cycle = watcher.instance_life_cycle()
+    except (OSError, http.client.HTTPException, RegionsError) as exc:
+        log.warning("agent.capacity_unknown", region=region, node=node, error=str(exc), capacity=r.node_capacity(node))
+        return r.node_capacity(node)
+    return "spot" if life_cycle == "spot" else "on_demand"

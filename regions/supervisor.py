@@ -36,7 +36,7 @@ log = get_logger(__name__)
 _TICK_S = 0.25  # how often a supervisor looks at its worker
 _LINE_LIMIT = 1 << 20  # longest line read from a worker (a traceback line is far shorter)
 _ERROR_CHARS = 300
-_COUNTERS = ("gets", "lists", "groups_done", "handed_over", "region_responses", "region_skipped")
+_COUNTERS = ("gets", "lists", "groups_done", "handed_over", "region_responses", "region_skipped", "tokens_sampled")
 DEAD_LETTERED = "dead_lettered:"
 """Prefix of the totals of records dead-lettered, one per reason (`dead_lettered:<reason>`)."""
 REWARD_ERRORS = "reward_errors:"
@@ -63,7 +63,7 @@ class EngineSupervisor:
         self.totals = dict.fromkeys(_COUNTERS, 0)
         """Counters summed over this engine's workers, the finished ones included: store requests
         (`gets`, `lists`), `groups_done`, `handed_over`, the region history's `region_responses` and
-        `region_skipped`, and `dead_lettered:<reason>` per reason."""
+        `region_skipped`, `tokens_sampled`, and `dead_lettered:<reason>` per reason."""
         self._retired: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._stopping: str | None = None
         self._wake = asyncio.Event()
@@ -236,7 +236,8 @@ class EngineSupervisor:
                             pid=self.proc.pid if self.proc is not None else None, restarts=self.restarts,
                             version=p.get("weights"), tokens_per_s=float(p.get("tokens_per_s", 0.0)) if up else 0.0,
                             busy_tokens_per_s=float(p.get("busy_tokens_per_s", 0.0)) if up else 0.0,
-                            in_flight=int(p.get("groups_in_flight", 0)), last_error=self.last_error)
+                            in_flight=int(p.get("groups_in_flight", 0)), tokens_sampled=self.totals["tokens_sampled"],
+                            last_error=self.last_error)
 
     def _set_state(self, state: EngineState) -> None:
         if state != self.state:

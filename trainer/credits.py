@@ -32,6 +32,18 @@ region returns only what it was given, so a region given little measures little 
 own rate, whatever their load; a node that has not measured it yet borrows the mean of the measured
 nodes, scaled by its region's `weight`.
 
+With `trainer.placement.price_aware` (async mode; off by default), the next group goes instead to the
+region where a useful group is cheapest, among those expected to return it within the horizon: the
+time the learner takes to consume the admission window, `(1 + max_staleness)` step intervals (or
+`placement.horizon_s`). A useful group's price is the region's spend rate (its live nodes times their
+price per node-hour, `cost.py`) over the groups per second its serving nodes deliver (their capacity
+over a group's tokens) net of its measured preemption waste (the share of its groups lost in the
+window: sent again from scratch, or arrived as duplicates or stale), plus its link's transfer cost per
+group. A region that cannot return a group in time is never preferred for its price: where none can,
+the earliest return wins, so on-demand capacity remains the floor that keeps the trainer fed when
+spot capacity is gone or saturated, and spot whose preemptions waste more than its discount saves
+loses its place to on-demand. Ties (unpriced regions) go by expected return, as without it.
+
 Only a node that serves counts, in both modes: `up` with at least one engine `up`
 (`Heartbeat.serving`; a heartbeat without engine statuses, from an older agent, serves when `up`). An
 agent is `up` while its engines still load the model (tens of seconds after a preemption's
@@ -65,16 +77,27 @@ class _Region:
     """node -> (serving, tokens_per_s, received_at); serving: `up` with an engine up."""
     capacity: dict[str, float] = field(default_factory=dict)
     """node -> tokens/s its engines deliver while busy (0: not measured yet)."""
+    lost: deque[float] = field(default_factory=deque)
+    """When each of its groups was lost within the window (re-sent from scratch, a duplicate, stale)."""
+    usd_per_s: float = 0.0
+    """What its live nodes cost per second now (price-aware placement)."""
+    transfer_usd_per_group: float = 0.0
+    """What a group's bytes cost on its link."""
 
 
 class RegionCredits:
     def __init__(self, weights: dict[str, float], *, window_s: float, tokens_per_group: float,
-                 by_capacity: bool = False) -> None:
+                 by_capacity: bool = False, price_aware: bool = False, horizon_s: float | None = None,
+                 max_staleness: int = 0) -> None:
         self.window_s, self._tokens_bound = window_s, max(tokens_per_group, 1.0)
         self.by_capacity = by_capacity
         """Split by capacity (sync mode) instead of by expected return (see the module docstring)."""
+        self.price_aware, self._horizon_s, self.max_staleness = price_aware, horizon_s, max_staleness
+        """Fill the cheapest capacity per useful group first (see the module docstring)."""
         self.regions = {name: _Region(w) for name, w in weights.items()}
         self._tokens_seen: float | None = None
+        self._last_step: float | None = None
+        self._step_interval_s: float | None = None
 
     @property
     def tokens_per_group(self) -> float:
@@ -100,6 +123,57 @@ class RegionCredits:
         r.last_arrival = now
         if latency_s is not None:
             r.latencies.append((now, max(latency_s, 0.0)))
+
+    def on_lost(self, region: str, now: float) -> None:
+        """A group of `region` was lost: sent again from scratch, or it arrived a duplicate or stale."""
+        r = self.regions.get(region)
+        if r is not None:
+            r.lost.append(now)
+
+    def on_step(self, now: float) -> None:
+        """The learner finished a step: the horizon of price-aware placement follows the step interval."""
+        if self._last_step is not None:
+            gap = max(now - self._last_step, 0.0)
+            prev = self._step_interval_s
+            self._step_interval_s = gap if prev is None else 0.8 * prev + 0.2 * gap
+        self._last_step = now
+
+    def set_spend(self, region: str, usd_per_s: float, transfer_usd_per_group: float = 0.0) -> None:
+        """What the region's live nodes cost per second now, and a group's bytes on its link (cost.py)."""
+        r = self.regions.get(region)
+        if r is not None:
+            r.usd_per_s, r.transfer_usd_per_group = max(usd_per_s, 0.0), max(transfer_usd_per_group, 0.0)
+
+    def horizon(self) -> float | None:
+        """How soon a group placed by price must be expected back (None: no step interval measured yet)."""
+        if self._horizon_s is not None:
+            return self._horizon_s
+        if self._step_interval_s is None:
+            return None
+        return (1 + self.max_staleness) * self._step_interval_s
+
+    def waste_share(self, region: str, now: float) -> float:
+        """Share of the region's groups lost within the window (lost over arrived plus re-sent)."""
+        r = self.regions[region]
+        while r.lost and r.lost[0] < now - self.window_s:
+            r.lost.popleft()
+        while r.arrivals and r.arrivals[0] < now - self.window_s:
+            r.arrivals.popleft()
+        done = len(r.arrivals) + len(r.lost)
+        return min(len(r.lost) / done, 1.0) if done else 0.0
+
+    def useful_price(self, region: str, now: float, caps: dict[str, float] | None = None,
+                     rates: dict[str, float] | None = None) -> float:
+        """US dollars per useful group in `region` now (see the module docstring); inf where the region
+        is paid and delivers nothing useful."""
+        r = self.regions[region]
+        caps = self.capacities(now) if caps is None else caps
+        delivered = caps[region] / self.tokens_per_group if r.nodes else (
+            self.rates(now) if rates is None else rates)[region]
+        useful = delivered * (1.0 - self.waste_share(region, now))
+        if r.usd_per_s <= 0:
+            return r.transfer_usd_per_group
+        return r.usd_per_s / useful + r.transfer_usd_per_group if useful > 0 else float("inf")
 
     def latency(self, region: str, now: float) -> float:
         """Median dispatch-to-arrival seconds over the window (0 while unmeasured).
@@ -204,7 +278,13 @@ class RegionCredits:
             backlog = (held + 1) / max(drain, 1e-9)
             return max(latency, backlog), n
 
-        return min(candidates, key=expected_return_s)
+        returns = {n: expected_return_s(n) for n in candidates}
+        horizon = self.horizon() if self.price_aware else None
+        if horizon is not None:
+            in_time = [n for n in candidates if returns[n][0] <= horizon]
+            if in_time:  # the cheapest useful group among those back in time; else the earliest return
+                return min(in_time, key=lambda n: (self.useful_price(n, now, caps, rates), returns[n]))
+        return min(candidates, key=lambda n: returns[n])
 
     def _pick_by_capacity(self, in_flight: dict[str, int], now: float, exclude: frozenset[str]) -> str:
         """The region whose share stays smallest for its capacity with one more group: `(held + 1) /

@@ -36,7 +36,7 @@ import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from fleetrl.broker import KafkaError, PromptRecord, Sampling
 from fleetrl.config import FleetConfig
@@ -98,10 +98,18 @@ class InFlight:
     columns: dict[str, Any] | None = None
 
 
+class WasteSink(Protocol):
+    """Where work lost to preemption is counted, by the region that paid for it (`cost.CostMeter`)."""
+
+    def on_resent(self, region: str, groups: int = 1) -> None: ...
+
+    def on_regenerated(self, region: str, tokens: int) -> None: ...
+
+
 class Dispatcher:
     def __init__(self, config: FleetConfig, prompts: Iterator[PromptItem], send: Send,
-                 credits: RegionCredits) -> None:
-        self.config, self.send, self.credits = config, send, credits
+                 credits: RegionCredits, waste: WasteSink | None = None) -> None:
+        self.config, self.send, self.credits, self.waste = config, send, credits, waste
         self._prompts = prompts
         self.next_index = 0
         """Prompts drawn from the source so far: every admitted group, in flight or consumed."""
@@ -176,6 +184,7 @@ class Dispatcher:
             if not f.sent or now - f.dispatched_at <= timeout_s or (quiet is not None and now - quiet <= timeout_s):
                 continue
             old = f.region
+            self.lost(old, now)
             f.region = self._place(f, now, exclude=frozenset({old}))
             f.attempt += 1
             f.dispatched_at = now
@@ -194,6 +203,7 @@ class Dispatcher:
             if target in exclude or target == region:
                 return moved  # every other region is gone too: wait for one to come back
             f.region, f.attempt, f.dispatched_at = target, f.attempt + 1, now
+            self.lost(region, now)
             log.warning("dispatch.redispatched", group_id=gid, attempt=f.attempt, from_region=region,
                         to_region=target, why="region_gone")
             moved += await self._send(gid, f, now)
@@ -202,6 +212,14 @@ class Dispatcher:
     def pick(self, now: float, exclude: frozenset[str] = frozenset()) -> str:
         """The region the next group would go to (credits), avoiding `exclude` where any other is left."""
         return self.credits.pick(self._per_region(), now, exclude=exclude)
+
+    def lost(self, region: str, now: float, tokens: int = 0) -> None:
+        """A group of `region` is sent again from scratch (its work there is lost); `tokens`: the tokens
+        of it the trainer holds and cannot use (a partial too stale to move)."""
+        self.credits.on_lost(region, now)
+        if self.waste is not None:
+            self.waste.on_resent(region)
+            self.waste.on_regenerated(region, tokens)
 
     def observe_lengths(self, gid: str, tokens_per_sample: float) -> None:
         """A group in flight came back with this mean completion length: its prompt's next prediction."""

@@ -3,7 +3,8 @@
     TrainerError                 base; `retriable` says whether the same call may succeed later
     ├── DatasetError             a prompt file that cannot be read, or a line of it that is wrong
     ├── CheckpointError          a checkpoint that cannot be written, read, or does not fit the run
-    └── AuditError               the topics and the checkpoint disagree (a group lost or trained twice)
+    ├── AuditError               the topics and the checkpoint disagree (a group lost or trained twice)
+    └── PriceError               a price source that cannot be read or holds no matching price
 
 Messages name the file, line, checkpoint path or group at fault. Broker and hub errors pass
 through unchanged: they already name their topic, offset, store and key.
@@ -32,3 +33,12 @@ class CheckpointError(TrainerError):
 
 class AuditError(TrainerError):
     """The audit found a group lost or trained more than once."""
+
+
+class PriceError(TrainerError):
+    """A price source (a spot price file, EC2's spot price history) that cannot be read, or holds no price
+    for the pool; the message names the region, the pool and the source."""
+
+    def __init__(self, message: str, *, retriable: bool = False) -> None:
+        super().__init__(message)
+        self.retriable = retriable

@@ -238,12 +238,17 @@ class Handover:
                         gone: frozenset[str]) -> int:
         gid = record.group_id
         flight = self.dispatcher.in_flight.get(gid)
+        tokens = sum(len(s.completion_ids) for s in record.samples)
         if flight is None or flight.region != region or flight.attempt != record.prompt.attempt:
             log.info("handover.superseded", group_id=gid, region=region, attempt=record.prompt.attempt)
+            if self.dispatcher.waste is not None:  # its tokens were paid for in the region, and are not used
+                self.dispatcher.waste.on_regenerated(region, tokens)
             return 0  # trained, moved already, or a newer attempt is out: this copy is not needed
         if self.collector.lag_of(record.prompt.min_version, version) > self.collector.max_lag:
             # Its tokens would arrive too stale to train: start the group afresh at today's version.
             flight.min_version = version
+            if self.dispatcher.waste is not None:
+                self.dispatcher.waste.on_regenerated(region, tokens)
             log.info("handover.too_stale", group_id=gid, region=region, min_version=record.prompt.min_version)
             return 0  # redispatch_region sends it as a prompt
         target = self.dispatcher.pick(now, exclude=gone | {region})
@@ -260,8 +265,7 @@ class Handover:
             return 0
         self.dispatcher.moved(gid, target, now)
         log.info("handover.partial_moved", group_id=gid, from_region=region, to_region=target,
-                 attempt=flight.attempt, tokens=sum(len(s.completion_ids) for s in record.samples),
-                 reason=record.handed_over_by.reason)
+                 attempt=flight.attempt, tokens=tokens, reason=record.handed_over_by.reason)
         return 1
 
     async def _commit(self, region: str, consumer: Consumer, deliveries: list[Delivery]) -> None:

@@ -83,3 +83,39 @@ class TrainerMetrics(MetricsRegistry):
         self.approx_kl = Gauge("fleetrl_trainer_approx_kl_nats",
                                "Mean per-token KL estimate (k3) between the last step's starting weights and "
                                "each of its updates (0 with one update per step)", registry=r)
+        self._cost_metrics(r)
+
+    def _cost_metrics(self, r: CollectorRegistry) -> None:
+        """What the fleet costs (trainer/cost.py, docs/cost.md): the part is `cost`, not `trainer`, since
+        the figures are the fleet's, measured from the nodes' heartbeats."""
+        pool = ["region", "capacity"]
+        self.cost_usd = Counter("fleetrl_cost_usd_total",
+                                "US dollars paid for the region's nodes of this capacity type: node-seconds from "
+                                "their heartbeats times the pool's price per node-hour", pool, registry=r)
+        self.cost_node_seconds = Counter("fleetrl_cost_node_seconds_total",
+                                         "Node-seconds paid (between a node's heartbeats while not offline)", pool,
+                                         registry=r)
+        self.cost_tokens_sampled = Counter("fleetrl_cost_tokens_sampled_total",
+                                           "Tokens the pool's engines sampled (their heartbeats' tokens_sampled): what "
+                                           "the money bought, used or not", pool, registry=r)
+        self.cost_usd_per_hour = Gauge("fleetrl_cost_usd_per_hour", "Spend rate now: live nodes times their price",
+                                       pool, registry=r)
+        self.cost_price = Gauge("fleetrl_cost_price_usd_per_node_hour", "Price of a node-hour of the pool in use",
+                                pool, registry=r)
+        self.cost_transfer_usd = Counter("fleetrl_cost_transfer_usd_total",
+                                         "US dollars for the bytes of trajectories that crossed the region's link "
+                                         "(regions[].transfer_usd_per_gb)", ["region"], registry=r)
+        self.cost_groups_resent = Counter("fleetrl_cost_groups_resent_total",
+                                          "Groups of the region sent again from scratch (a preempted, gone or silent "
+                                          "region's, partials too stale to move): its work on them was lost",
+                                          ["region"], registry=r)
+        self.cost_tokens_regenerated = Counter(
+            "fleetrl_cost_tokens_regenerated_total",
+            "Tokens the region sampled that training cannot use, where the trainer holds them: duplicate and "
+            "stale arrivals, handed-over partials too stale to move or superseded", ["region"], registry=r)
+        self.cost_useful_group_usd = Gauge(
+            "fleetrl_cost_useful_group_usd",
+            "Price of a useful group in the region as price-aware placement sees it: spend rate over the groups/s "
+            "its serving nodes deliver net of preemption waste, plus its link (NaN: it delivers none)",
+            ["region"], registry=r)
+

@@ -68,11 +68,13 @@ from fleetrl.log import get_logger
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.batch import build_step_batch
 from fleetrl.trainer.collector import Collector
+from fleetrl.trainer.cost import CostMeter
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
 from fleetrl.trainer.handover import Handover
 from fleetrl.trainer.learner import Learner, StepStats
 from fleetrl.trainer.metrics import TrainerMetrics
+from fleetrl.trainer.prices import PriceBook
 from fleetrl.trainer.publisher import WeightPublisher
 from fleetrl.trainer.regions import RegionClients
 from fleetrl.trainer.round_trips import RoundTrips
@@ -105,13 +107,18 @@ class Trainer:
         self.use_mqtt = use_mqtt
         a = config.algorithm
         self.collector = Collector(config.run, a.max_staleness, config.trainer.ledger_detail_groups)
+        placement = config.trainer.placement
         self.credits = RegionCredits(
             {r.name: r.weight for r in config.regions}, window_s=config.trainer.throughput_window_s,
             tokens_per_group=a.n_samples * a.max_new_tokens, by_capacity=a.mode == "sync",
+            price_aware=placement.price_aware, horizon_s=placement.horizon_s, max_staleness=a.max_staleness,
         )
+        self.prices = PriceBook(config)
+        self.cost = CostMeter(config, self.prices, self.metrics)
+        self._pricing: asyncio.Task[object] | None = None
         self.clients: RegionClients | None = None
         self.announcer: ControlPlane | None = None
-        self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits)
+        self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits, waste=self.cost)
         self.step, self.version, self._saved_step = 0, 0, -1
         self.round_trips = RoundTrips(self.metrics)
         self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
@@ -134,6 +141,8 @@ class Trainer:
             stack.push_async_callback(self.publisher.close, self.config.trainer.drain_timeout_s)
             self.announcer = announcer
             await self._restore_or_start()
+            await asyncio.to_thread(self.prices.load)
+            stack.push_async_callback(self._stop_pricing)
             limits = RecordLimits.from_config(self.config)
             self.clients = await stack.enter_async_context(
                 RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets,
@@ -177,6 +186,7 @@ class Trainer:
         s = ckpt.state
         self.step, self.version, self._saved_step = int(s["step"]), int(s["version"]), int(s["step"])
         self.collector.restore(s["collector"], drawn=int(s["dispatcher"]["next_index"]))
+        self.cost.restore(s.get("cost", {}))
         self.dispatcher.restore(s["dispatcher"], self._prompts())
         self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
         for r in self.config.regions:
@@ -225,6 +235,11 @@ class Trainer:
                 log.info("trainer.out_of_work", step=self.step, admitted=self.dispatcher.admitted)
                 break
 
+    async def _stop_pricing(self) -> None:
+        """A price read still in flight (a thread: it cannot be cancelled) ends within its own timeout."""
+        if self._pricing is not None:
+            await asyncio.wait({self._pricing}, timeout=30.0)
+
     def _finished(self) -> bool:
         d = self.dispatcher
         return d.exhausted and not d.in_flight and not self.collector.ready(self.config.algorithm.groups_per_step)
@@ -241,6 +256,7 @@ class Trainer:
             # From when it could start: a group sent ahead waited for its version, not for the region.
             latency = now - max(flight.dispatched_at, self._version_at.get(flight.min_version, 0.0))
         self.credits.on_arrival(region, now, latency, tokens=sum(len(smp.completion_ids) for smp in record.samples))
+        self.cost.on_transfer(region, delivery.size)
         if record.samples:
             self.dispatcher.observe_lengths(record.group_id, sum(len(s.completion_ids) for s in record.samples)
                                             / len(record.samples))
@@ -255,6 +271,7 @@ class Trainer:
             self.metrics.foreign.labels(region).inc()
         elif verdict == "duplicate":
             self.metrics.duplicates.labels(region).inc()
+            self._lost(region, record)
             log.info("group.duplicate", group_id=record.group_id, attempt=record.attempt, region=region)
         else:
             self.metrics.groups.labels(region).inc()
@@ -266,11 +283,17 @@ class Trainer:
         assert self.clients is not None
         self.clients.handled(region, delivery)
 
+    def _lost(self, region: str, record: GroupRecord) -> None:
+        """The region's work on this group was paid for and is not trained (a duplicate, or stale)."""
+        self.credits.on_lost(region, time.time())
+        self.cost.on_regenerated(region, sum(len(smp.completion_ids) for smp in record.samples))
+
     def _count_dead_letter(self, region: str, reason: str) -> None:
         self.metrics.dead_lettered.labels(region, reason).inc()
 
     def _count_stale(self, region: str, record: GroupRecord) -> None:
         self.metrics.stale_dropped.labels(region).inc()
+        self._lost(region, record)
         log.warning("group.stale", group_id=record.group_id, region=region,
                     lag=self.collector.lag(record, self.version), bound=self.collector.max_lag)
 
@@ -308,6 +331,10 @@ class Trainer:
                                       busy_tokens_per_s=hb.busy_tokens_per_s, serving=hb.serving)
         for region, rate in self.credits.rates(now).items():
             self.metrics.region_rate.labels(region).set(rate)
+        self.cost.heartbeats(nodes, self.credits, now)
+        if self.prices.due() and (self._pricing is None or self._pricing.done()):
+            # Reading a price file or EC2's history blocks: in a thread, never holding up the loop.
+            self._pricing = asyncio.ensure_future(asyncio.to_thread(self.prices.load))
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -327,12 +354,15 @@ class Trainer:
         for g in groups:
             self.metrics.staleness.observe(self.collector.lag(g, self.version))
         self.collector.mark_trained(groups, self.step + 1, self.version)
+        for g in groups:
+            self.cost.on_trained(g.region, sum(len(smp.completion_ids) for smp in g.samples))
         self.step += 1
         self.version = await self._publish_step(self.version + 1, self.learner.snapshot_wait_s - cast_wait0)
         self._version_at[self.version] = time.time()
         self._version_at.pop(self.version - 64, None)  # (groups ask at most `dispatch_ahead_steps` ahead)
         self.result.step_spans.append((wall0, time.time()))
         seconds = time.monotonic() - t0
+        self.credits.on_step(time.time())
         self.metrics.step_seconds.observe(seconds)
         self.metrics.steps.inc()
         self.metrics.reward_mean.set(batch.stats["reward_mean"])
@@ -346,7 +376,8 @@ class Trainer:
                  approx_kl=round(stats.approx_kl, 6), updates=stats.updates,
                  tokens=stats.tokens, lag_max=batch.stats["lag_max"],
                  lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3),
-                 **_reward_parts(groups), **self.round_trips.summary())
+                 **_reward_parts(groups), **self.round_trips.summary(),
+                 **self.cost.step_fields(time.time(), len(groups), stats.tokens))
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True
@@ -421,7 +452,7 @@ class Trainer:
                 self.offsets[region][tp] = max(off, self.offsets[region].get(tp, 0))
         state = {
             "run": self.config.run, "step": self.step, "version": self.version, "saved_at": time.time(),
-            "collector": self.collector.state(), "dispatcher": self.dispatcher.state(),
+            "collector": self.collector.state(), "dispatcher": self.dispatcher.state(), "cost": self.cost.state(),
             "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
         }
         directory = self.config.trainer.checkpoint_dir

@@ -33,17 +33,28 @@ from fleetrl.config.models import (
     VllmEngineConfig,
 )
 from fleetrl.config.preemption import PreemptionConfig
+from fleetrl.config.pricing import (
+    AwsSpotPriceConfig,
+    Capacity,
+    FilePriceConfig,
+    NodePoolConfig,
+    PlacementConfig,
+    PriceConfig,
+)
 from fleetrl.config.secrets import Secret, SecretField, register_all, secret_fields
 
 __all__ = [
     "AgentConfig",
     "AlgorithmConfig",
+    "AwsSpotPriceConfig",
+    "Capacity",
     "ConfigError",
     "DatasetColumns",
     "DatasetConfig",
     "EngineConfig",
     "EngineEmulation",
     "EnvConfig",
+    "FilePriceConfig",
     "FleetConfig",
     "HubConfig",
     "KafkaClusterConfig",
@@ -53,7 +64,10 @@ __all__ = [
     "ModelConfig",
     "MqttConfig",
     "NodeConfig",
+    "NodePoolConfig",
+    "PlacementConfig",
     "PreemptionConfig",
+    "PriceConfig",
     "RegionConfig",
     "RewardConfig",
     "RewardFunctionConfig",

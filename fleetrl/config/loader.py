@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from fleetrl.config.errors import ConfigError
 from fleetrl.config.models import FleetConfig, ReferenceProblem
+from fleetrl.config.pricing import FilePriceConfig
 
 ENV_PREFIX = "FLEETRL_"
 # Fields that accept a bare string for their main key (`kafka: host:9092`).
@@ -156,7 +157,8 @@ def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 
 
 def _resolve_paths(config: FleetConfig, base: pathlib.Path) -> None:
-    """Relative store paths, checkpoint, model, tokenizer and dataset folders are relative to the config file."""
+    """Relative store paths, checkpoint, model, tokenizer and dataset folders, and price files are relative to
+    the config file."""
     for store in config.stores().values():
         if store.scheme == "file" and not store.url.startswith("file://"):
             store.url = (base / store.url).resolve().as_uri()
@@ -170,6 +172,10 @@ def _resolve_paths(config: FleetConfig, base: pathlib.Path) -> None:
     r.python_path = [_resolve(base, folder) for folder in r.python_path]
     if d.env is not None:
         d.env.python_path = [_resolve(base, folder) for folder in d.env.python_path]
+    for region in config.regions:
+        for price in [region.price, *(p.price for p in region.pools)]:
+            if isinstance(price, FilePriceConfig):
+                price.path = _resolve(base, price.path)
     ckpt = pathlib.Path(config.trainer.checkpoint_dir)
     if not ckpt.is_absolute():
         config.trainer.checkpoint_dir = str((base / ckpt).resolve())

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from fleetrl.config.base import MIB, NAME_RE, Model, ReferenceProblem
 from fleetrl.config.preemption import NoPreemptionConfig, PreemptionConfig
+from fleetrl.config.pricing import Capacity, NodePoolConfig, PlacementConfig, PriceConfig
 from fleetrl.config.transport import (
     HubConfig,
     KafkaClusterConfig,
@@ -538,6 +539,19 @@ class RegionConfig(Model):
     """Where the region's nodes learn they are about to be preempted: `{source: none | file | aws | gcp |
     azure, ...}`. On a notice the agent hands its unfinished groups over, goes offline and exits 0 inside
     the notice window."""
+    capacity: Capacity = "on_demand"
+    """Capacity type of the region's nodes (`on_demand` or `spot`), unless `pools` places a node in another
+    pool or an auto-scaled node's heartbeat says otherwise."""
+    price: PriceConfig | None = None
+    """US dollars per node-hour of the region's nodes (of `capacity`), or where to read it (`{source: file |
+    aws, ...}`, docs/cost.md). None, with no `pools`: the region is not priced (its cost counts as 0)."""
+    pools: list[NodePoolConfig] = Field(default_factory=list)
+    """Node pools of the region, each with its capacity type and price (an on-demand base and spot nodes
+    above it); instead of `price`."""
+    transfer_usd_per_gb: float = Field(0.0, ge=0)
+    """US dollars per GB of trajectories the region's link carries to home (the bytes of each record the
+    trainer reads; prompts out are a few hundred bytes and not counted): the link's part of a group's
+    price (0: not counted)."""
 
     @field_validator("name")
     @classmethod
@@ -545,6 +559,35 @@ class RegionConfig(Model):
         if name == "home":
             raise ValueError('"home" is the name of the home store, not a region')
         return name
+
+    @model_validator(mode="after")
+    def _pools_apart(self) -> RegionConfig:
+        kinds = [p.capacity for p in self.pools]
+        for i, kind in enumerate(kinds):
+            if kinds.index(kind) != i:
+                raise ReferenceProblem(("pools", i, "capacity"), f"two pools of {kind} capacity: give one its price")
+        if self.pools and self.price is not None:
+            raise ReferenceProblem(("price",), "set either price (for the whole region) or pools, not both")
+        listed = {n.name for n in self.nodes}
+        for i, pool in enumerate(self.pools):
+            unknown = sorted(set(pool.nodes) - listed)
+            if unknown:
+                raise ReferenceProblem(("pools", i, "nodes"), f"node(s) {unknown} are not in the region's nodes")
+        return self
+
+    def price_of(self, capacity: Capacity) -> PriceConfig | None:
+        """The price of the region's `capacity` nodes (None: not priced)."""
+        for pool in self.pools:
+            if pool.capacity == capacity:
+                return pool.price
+        return self.price if capacity == self.capacity and not self.pools else None
+
+    def node_capacity(self, node: str) -> Capacity:
+        """The capacity type of a listed (or unlisted) node, from the config alone."""
+        for pool in self.pools:
+            if node in pool.nodes:
+                return pool.capacity
+        return self.capacity
 
 
 class TrainerConfig(Model):
@@ -578,6 +621,8 @@ class TrainerConfig(Model):
     """Window over which each region's throughput (arrivals, heartbeats) is measured for credits."""
     emulate: LearnerEmulation | None = None
     """Emulated training time for benchmarks on CPU (see `LearnerEmulation`)."""
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """How admitted groups are placed on regions (price-aware placement is off by default; docs/cost.md)."""
 
 
 class FleetConfig(Model):

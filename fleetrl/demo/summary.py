@@ -72,6 +72,7 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
                    "copied_from": dict(sorted(r.sources.items())), "groups_done": r.groups_done}
             for name, r in p.regions.items()
         },
+        "cost": cost_summary(p.metric_rows(), audit.get("trained")),
         "pids": pids,
         "exit_codes": exit_codes,
         "still_running": sorted(name for name, pid in pids.items() if _alive(pid)),
@@ -94,6 +95,33 @@ def export_command(config_path: pathlib.Path, stores: list[dict[str, Any]], home
     run_config = os.path.relpath(config_path) if not os.path.relpath(config_path).startswith("..") else str(config_path)
     version = home["latest"]
     return f"{fleetrl} hub export --config {run_config} --version {version} --out model-v{version}"
+
+
+def cost_summary(rows: list[dict[str, Any]], trained: Any = None) -> dict[str, Any]:
+    """What the run cost, from the trainer's running totals in its last step (trainer/cost.py): dollars by
+    capacity type, per 1,000 trained groups (the audit's count, else the steps'), and the waste: tokens
+    sampled that no trained group holds, groups re-sent, tokens regenerated. Empty for an unpriced fleet."""
+    priced = [r for r in rows if "cost_usd_total" in r]
+    if not priced:
+        return {}
+    last = priced[-1]
+    groups = int(trained) if isinstance(trained, int) and trained > 0 else sum(int(r.get("groups") or 0) for r in rows)
+    tokens = sum(int(r.get("tokens") or 0) for r in rows)
+    sampled = int(last.get("tokens_sampled_total") or 0)
+    by_capacity = {c: float(last.get(f"cost_usd_{c}") or 0.0) for c in ("on_demand", "spot")}
+    per = (lambda usd: round(1000 * usd / groups, 6)) if groups else (lambda usd: None)
+    node_s, serving_s = float(last.get("node_s_total") or 0.0), float(last.get("serving_s_total") or 0.0)
+    return {
+        "usd": round(float(last["cost_usd_total"]), 6),
+        "usd_by_capacity": {c: round(v, 6) for c, v in by_capacity.items()},
+        "trained_groups": groups, "usd_per_1000_groups": per(float(last["cost_usd_total"])),
+        "usd_per_1000_groups_by_capacity": {c: per(v) for c, v in by_capacity.items()},
+        "tokens_sampled": sampled, "tokens_trained": tokens,
+        "waste_share": round(max(0.0, 1 - tokens / sampled), 4) if sampled else None,
+        "paid_idle_share": round(1 - serving_s / node_s, 4) if node_s else None,
+        "groups_resent": int(last.get("groups_resent_total") or 0),
+        "tokens_regenerated": int(last.get("tokens_regenerated_total") or 0),
+    }
 
 
 def _stores_ok(stores: list[dict[str, Any]]) -> bool:
@@ -124,6 +152,8 @@ def render(s: dict[str, Any]) -> Table:
                             f"{a.get('in_flight')} in flight, {a.get('pending')} buffered, "
                             f"{a.get('after_checkpoint')} after the checkpoint")
     table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
+    if s.get("cost"):
+        table.add_row("cost", _cost_line(s["cost"]))
     table.add_row("stores", ("every version verified; " if s["stores_ok"] else "FAILED: ") + "; ".join(
         f"{x['store']} {x['first']}..{x['newest']} latest {x['latest']}"
         + ("" if x["ok"] else f" (gaps {x['gaps'][:5]}, bad {list(x['bad'])[:5]})")
@@ -149,6 +179,17 @@ def render(s: dict[str, Any]) -> Table:
     if s.get("export_command"):
         table.add_row("export", f"the trained model as a Hugging Face folder: {s['export_command']}")
     return table
+
+
+def _cost_line(c: dict[str, Any]) -> str:
+    split = ", ".join(f"{k.replace('_', '-')} ${v:.4f}" for k, v in c["usd_by_capacity"].items() if v)
+    per = c["usd_per_1000_groups_by_capacity"]
+    per_split = ", ".join(f"{k.replace('_', '-')} ${v:.4f}" for k, v in per.items() if v)
+    waste = ("no sampled tokens reported yet" if c["waste_share"] is None else
+             f"{c['waste_share']:.1%} of the {c['tokens_sampled']} tokens sampled never trained")
+    return (f"${c['usd']:.4f} ({split or 'nothing priced ran'}); per 1,000 trained groups "
+            f"${_fmt(c['usd_per_1000_groups'])} ({per_split or '-'}); waste: {waste}, {c['groups_resent']} groups "
+            f"re-sent, {c['tokens_regenerated']} tokens regenerated (known)")
 
 
 def _fmt(x: float | None) -> str:

@@ -6,7 +6,8 @@ logs are the most robust source here: they need no connection, survive a child's
 exactly what the daemons did (the events are documented in docs/trainer.md, docs/hub.md and
 docs/regions.md):
 
-    trainer     step.done (step, version, reward_mean, reward_std, lag_mean, lag_max, groups),
+    trainer     step.done (step, version, reward_mean, reward_std, lag_mean, lag_max, groups, tokens,
+                cost_usd_* and the other running cost totals when the fleet is priced),
                 weights.published (version, anchor, bytes), group.stale
     replicator  replicator.copied (version, region, source, bytes)
     agent       worker.group_done, agent.state (state)
@@ -25,6 +26,9 @@ from typing import Any
 from rich.table import Table
 
 _RATE_WINDOW_S = 10.0  # groups/s is measured over this trailing window
+COST_FIELDS = ("cost_usd_total", "cost_usd_on_demand", "cost_usd_spot", "tokens_sampled_total", "groups_resent_total",
+               "tokens_regenerated_total", "node_s_total", "serving_s_total")
+"""The running cost totals a priced trainer's `step.done` carries (trainer/cost.py)."""
 _SPARK_STEPS = 40  # the reward curve on screen shows this many recent steps
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -164,6 +168,8 @@ class Progress:
                             "replica_lag": None if r.replica_version is None else self.step - r.replica_version}
                         for n, r in self.regions.items()},
             "faults": sum(1 for f in self.faults if f.kind in ("kill", "preempt", "partition")),
+            "tokens": e.get("tokens"),
+            **{k: e[k] for k in COST_FIELDS if k in e},
         }
 
     def metric_rows(self) -> list[dict[str, Any]]:

@@ -1,12 +1,17 @@
-"""Commit bookkeeping (pure) and the bounded retry policy of the Kafka clients."""
+"""Commit bookkeeping (pure), the bounded retry policy of the Kafka clients, and a commit a rebalance
+refused."""
 
 from __future__ import annotations
 
 import pytest
+from aiokafka import TopicPartition
+from aiokafka import errors as ak_errors
 
-from fleetrl.broker import KafkaError
+from fleetrl.broker import KafkaError, RecordLimits
 from fleetrl.broker.clients import with_retries
+from fleetrl.broker.consumer import Consumer, Delivery
 from fleetrl.broker.offsets import OffsetTracker
+from fleetrl.config import FleetConfig
 
 TP = ("fleetrl.r.trajectories", 0)
 
@@ -87,3 +92,46 @@ async def test_non_retriable_errors_are_not_retried() -> None:
     with pytest.raises(KafkaError):
         await with_retries(refused, what="produce", retries=5, backoff_s=0.001)
     assert calls == 1
+
+
+class _RebalancedClient:
+    """Stands in for the aiokafka consumer inside `Consumer` at the one call under test: it holds the
+    partition and its commit fails the way aiokafka's does when the group rebalanced meanwhile (a race
+    a test cannot time against a real broker: the window is a heartbeat wide)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error, self.commits = error, 0
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition(*TP)}
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        self.commits += 1
+        raise self.error
+
+
+def _consumer(client: _RebalancedClient) -> Consumer:
+    config = FleetConfig.model_validate({"run": "r", "regions": [{"name": "a", "kafka": "127.0.0.1:9",
+                                                                   "store": "/tmp/a"}]})
+    consumer = Consumer(config, "a", ["trajectories"], "g", RecordLimits.from_config(config),
+                        dead_letter=None, client_id="c")  # type: ignore[arg-type]
+    consumer._consumer = client  # type: ignore[assignment]
+    consumer._tracker.delivered(TP, 0)
+    return consumer
+
+
+def _delivery() -> Delivery:
+    return Delivery(topic=TP[0], partition=TP[1], offset=0, key="k", record=None, headers={},  # type: ignore[arg-type]
+                    stream="trajectories")
+
+
+async def test_a_commit_the_group_refuses_after_a_rebalance_is_skipped_not_fatal() -> None:
+    # A spot node joining or leaving rebalances the region's group every minute; a worker whose commit
+    # raced it died of CommitFailedError. Its partitions are another member's now: skip, as revoked ones.
+    client = _RebalancedClient(ak_errors.CommitFailedError("the group has already rebalanced"))
+    consumer = _consumer(client)
+    await consumer.commit([_delivery()])
+    assert client.commits == 1 and consumer.committable_offsets() == {TP: 1}  # nothing committed
+    other = _RebalancedClient(ak_errors.KafkaConnectionError("broker gone"))
+    with pytest.raises(KafkaError, match="commit group 'g'"):
+        await _consumer(other).commit([_delivery()])

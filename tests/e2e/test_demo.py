@@ -96,6 +96,14 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
         assert region["replica_version"] == STEPS, f"region {name} did not get the final version: {region}"
         assert region["wan_copies"] >= 1 and region["groups_done"] >= 1
     assert "audit" in out and f"step {STEPS}/{STEPS}" in out
+    # The shipped config prices local-a on demand and local-b spot: the run's cost, by capacity type.
+    cost = summary["cost"]
+    assert cost["usd"] > 0 and cost["trained_groups"] == audit["trained"]
+    assert cost["usd_by_capacity"]["on_demand"] > 0 and cost["usd_by_capacity"]["spot"] > 0
+    assert cost["usd"] == pytest.approx(sum(cost["usd_by_capacity"].values()), abs=1e-5)
+    assert cost["usd_per_1000_groups"] == pytest.approx(1000 * cost["usd"] / audit["trained"], rel=1e-3)
+    assert cost["tokens_trained"] > 0  # (sampled tokens come with heartbeats, which a run of seconds may miss)
+    assert "per 1,000 trained groups" in out
     pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
     assert {"trainer", "replicator-local-a", "replicator-local-b", "agent-local-a-node-1",
             "agent-local-b-node-1", "tansu-local-a", "tansu-local-b"} <= set(pids)

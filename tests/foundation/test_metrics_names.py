@@ -77,6 +77,9 @@ BOARD_MUST_SHOW = {
     "hub bytes per version": "fleetrl_trainer_weight_publish_last_bytes",
     "WAN copies": "fleetrl_replicator_versions_copied_total",
     "node states": "fleetrl_agent_state",
+    "cost per region and capacity": "fleetrl_cost_usd_total",
+    "spend rate": "fleetrl_cost_usd_per_hour",
+    "preemption waste": "fleetrl_cost_groups_resent_total",
 }
 
 
@@ -88,6 +91,8 @@ def test_the_dashboard_shows_what_an_operator_needs() -> None:
 
     missing = [what for what, name in BOARD_MUST_SHOW.items() if not queried(name)]
     assert not missing, f"the board shows no {missing}"
+    cost = [e for e in exprs if "fleetrl_cost_usd_total" in e and "by (" in e]
+    assert any("by (region, capacity)" in e for e in cost), f"cost must be shown per region and capacity: {cost}"
     lag = [e for e in exprs if "fleetrl_trainer_consumer_lag_records" in e]
     assert all("by (region)" in e for e in lag), f"lag must be shown per region: {lag}"
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"]), "panel ids must be unique"

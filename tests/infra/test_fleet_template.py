@@ -14,7 +14,7 @@ import pytest
 import yaml
 from tf_support import TF_ROOT, Terraform
 
-from fleetrl.config import ConfigError, TorchEngineConfig, VllmEngineConfig, parse_config
+from fleetrl.config import AwsSpotPriceConfig, ConfigError, TorchEngineConfig, VllmEngineConfig, parse_config
 
 HCL_OPTS = hcl2.SerializationOptions(strip_string_quotes=True, explicit_blocks=False)
 
@@ -32,6 +32,11 @@ MSK_REGION = {
     "kafka_password_env": "FLEETRL_KAFKA_PASSWORD_US_WEST_2", "store_url": "s3://fleetrl-us-west-2-abc/hub",
     "store_region": "us-west-2", "link_costs": {"home": 2, "eu-west-1": 8}, "nodes": [], "weight": 1,
     "engine": {"kind": "vllm", "gpu_memory_utilization": 0.85},
+    # A mixed-instances group: an on-demand base at a fixed price, spot priced from EC2's history.
+    "capacity": "spot", "transfer_usd_per_gb": 0.02, "preemption": {"source": "aws"},
+    "prices": {"on_demand": 3.4, "spot": None,
+               "spot_history": {"region_name": "us-west-2", "instance_types": ["g6e.xlarge", "g5.2xlarge"],
+                                "availability_zones": []}},
 }
 EXTERNAL_REGION = {
     "name": "eu-west-1", "kafka_bootstrap": "redpanda-0.internal:9092", "kafka_security_protocol": "PLAINTEXT",
@@ -75,6 +80,15 @@ def test_msk_region_with_hmac_signing(terraform: Terraform, tmp_path: pathlib.Pa
     assert config.algorithm.lr == pytest.approx(1e-6) and config.algorithm.groups_per_step == 64
     assert config.trainer.metrics_port == 9400 and config.rollout.metrics_port == 9401
     assert config.mqtt.password_env == "FLEETRL_MQTT_PASSWORD"
+    # Each pool's capacity type and price (docs/cost.md); the nodes learn theirs from the instance metadata.
+    assert usw2.capacity == "spot" and usw2.price is None and usw2.transfer_usd_per_gb == 0.02
+    assert usw2.price_of("on_demand") == 3.4
+    spot = usw2.price_of("spot")
+    assert isinstance(spot, AwsSpotPriceConfig)
+    assert (spot.region_name, spot.instance_types) == ("us-west-2", ["g6e.xlarge", "g5.2xlarge"])
+    assert usw2.preemption.source == "aws"
+    euw1 = config.region("eu-west-1")  # no pools given: on demand, unpriced, SIGTERM only
+    assert (euw1.capacity, euw1.pools, euw1.price, euw1.preemption.source) == ("on_demand", [], None, "none")
 
 
 def test_external_kafka_and_ed25519(terraform: Terraform, tmp_path: pathlib.Path) -> None:
@@ -124,9 +138,13 @@ def test_region_modules_match_fleet_config_inputs() -> None:
     region_attrs = _module_var_attrs("fleet-config", "regions")
     engine_attrs = {"kind", "device", "max_batch", "threads", "dtype", "gpu_memory_utilization",
                     "tensor_parallel_size", "max_num_seqs", "enforce_eager"}
-    assert _output_keys("rollout-region", "fleet_region") == region_attrs - engine_attrs
+    price_attrs = {"on_demand", "spot", "spot_history", "region_name", "instance_types", "availability_zones"}
+    nested = engine_attrs | price_attrs
+    assert _output_keys("rollout-region", "fleet_region") == region_attrs - nested
     assert _output_keys("home-region", "fleet_home") == _module_var_attrs("fleet-config", "home")
-    assert set(MSK_REGION) == region_attrs - engine_attrs
+    assert set(MSK_REGION) == region_attrs - nested
+    prices = MSK_REGION["prices"]
+    assert set(prices) | set(prices["spot_history"]) == price_attrs
     assert set(HOME_HMAC) == _module_var_attrs("fleet-config", "home")
     assert engine_attrs <= region_attrs
     assert engine_attrs <= set(TorchEngineConfig.model_fields) | set(VllmEngineConfig.model_fields)

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 from tf_support import Terraform, copy_tree
 
 from fleetrl import devstack
@@ -44,7 +45,9 @@ STEP_TIMEOUT_S = 420  # each terraform command; the test's own bound is pytest.m
 # of these paths is moto's; anything else a second plan changes is a fault of ours.
 MOTO_OMISSIONS = {
     ("aws_autoscaling_group", "mixed_instances_policy"):
-        "DescribeAutoScalingGroups returns no MixedInstancesPolicy (moto launches from its template anyway)",
+        "moto drops a group's MixedInstancesPolicy on an UpdateAutoScalingGroup that does not repeat it (the "
+        "provider's after the create), so DescribeAutoScalingGroups returns none; moto launches from the "
+        "policy's template anyway, every instance on demand",
     ("aws_autoscaling_group", "capacity_reservation_specification.capacity_reservation_preference"):
         "moto returns no CapacityReservationSpecification; the provider plans its default, \"\"",
     ("aws_launch_template", "tag_specifications"):
@@ -58,6 +61,11 @@ MOTO_OMISSIONS = {
     ("aws_vpc_security_group_ingress_rule", "description"):
         "moto returns no description for a rule that references a security group",
 }
+
+
+# region_a's nodes as a mixed-instances group (docs/cost.md): one on-demand node, spot above it.
+MIXED = {"on_demand_base_capacity": 1, "on_demand_percentage_above_base_capacity": 0,
+         "spot_allocation_strategy": "capacity-optimized", "spot_max_price": "2.5", "on_demand_price": 3.4}
 
 
 def _provider_override(endpoint: str) -> dict[str, Any]:
@@ -97,7 +105,7 @@ def _tfvars(net: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "name": name, "aws_region": ALIASES[alias], "vpc_id": net[alias]["vpc_id"],
             "subnet_ids": net[alias]["subnet_ids"], "cidr": CIDRS[alias], "link_costs": {"home": 2, peer: 8},
             "node": {"ami_id": net[alias]["ami_id"], "instance_types": ["g6e.xlarge", "g5.2xlarge"],
-                     "max_size": 2, "desired_capacity": 1},
+                     "max_size": 2, "desired_capacity": 1, **(MIXED if alias == "region_a" else {})},
             "kafka": {"mode": "external", "bootstrap": f"redpanda-0.{name}.internal:9092",
                       "security_protocol": "PLAINTEXT", "external_cidrs": [CIDRS[alias]]},
         }
@@ -117,12 +125,39 @@ def _tfvars(net: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def moto_endpoint() -> Iterator[str]:
-    """moto_server (every AWS service it emulates) on a free loopback port, stopped by this fixture."""
+def moto_endpoint(tmp_path: pathlib.Path) -> Iterator[str]:
+    """moto_server (every AWS service it emulates) on a free loopback port, stopped by this fixture; its
+    request recorder (`/moto-api/recorder/...`) writes into the test's folder."""
     # This virtualenv's moto (the constraints pin it), not whichever moto_server is first on PATH.
     moto, port = pathlib.Path(sys.executable).parent / "moto_server", devstack.free_port()
-    with devstack.ServerProcess("moto", [str(moto), "-H", "127.0.0.1", "-p", str(port)], port) as server:
+    env = {"MOTO_RECORDER_FILEPATH": str(tmp_path / "moto-requests.jsonl")}
+    with devstack.ServerProcess("moto", [str(moto), "-H", "127.0.0.1", "-p", str(port)], port, env=env) as server:
         yield f"http://127.0.0.1:{server.port}"
+
+
+def _recorder(endpoint: str, what: str) -> bytes:
+    import urllib.request
+
+    method = "GET" if what == "download-recording" else "POST"
+    with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/{what}", method=method),
+                                timeout=60) as reply:
+        return bytes(reply.read())
+
+
+def _asg_requests(recording: bytes) -> list[tuple[str, dict[str, str]]]:
+    """(action, flat query parameters) of every auto scaling request the recorder saw, in order."""
+    import base64
+    import urllib.parse
+
+    out = []
+    for line in recording.decode().splitlines():
+        entry = json.loads(line)
+        body = entry.get("body") or ""
+        text = base64.b64decode(body).decode(errors="replace") if entry.get("body_encoded") else str(body)
+        params = dict(urllib.parse.parse_qsl(text))
+        if params.get("Action", "").endswith("AutoScalingGroup"):
+            out.append((params["Action"], params))
+    return out
 
 
 def _leaves(value: Any, unknown: Any, path: str = "") -> Iterator[tuple[str, Any, bool]]:
@@ -210,6 +245,19 @@ def _asg_instances(endpoint: str) -> dict[str, int]:
     return counts
 
 
+def _mixed_policies(endpoint: str) -> dict[str, dict[str, Any]]:
+    """Each auto-scaling group's MixedInstancesPolicy as moto's DescribeAutoScalingGroups returns it."""
+    import boto3
+
+    out = {}
+    for region in (ALIASES["region_a"], ALIASES["region_b"]):
+        asg = boto3.client("autoscaling", endpoint_url=endpoint, region_name=region,
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
+        for g in asg.describe_auto_scaling_groups()["AutoScalingGroups"]:
+            out[region] = g.get("MixedInstancesPolicy", {})
+    return out
+
+
 def _count(pattern: str, text: str) -> int:
     found = re.search(pattern, text)
     assert found, text[-3000:]
@@ -224,6 +272,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     (env_dir / "emulated_override.tf.json").write_text(json.dumps(_provider_override(moto_endpoint), indent=2))
     tfvars = _tfvars(_network(moto_endpoint))
     (env_dir / "emulated.tfvars.json").write_text(json.dumps(tfvars, indent=2))
+    _recorder(moto_endpoint, "start-recording")
     env = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/dev/null",
            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
     terraform.init(env_dir, plugin_dir)
@@ -257,12 +306,39 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
                      "aws_secretsmanager_secret_version", "aws_ebs_volume", "aws_iam_role"}
     # Each region's group launched its node from the launch template (desired_capacity 1).
     assert _asg_instances(moto_endpoint) == {ALIASES["region_a"]: 1, ALIASES["region_b"]: 1}
+    # The mixed-instances policy as Terraform sent it (moto's request recorder): region_a's on-demand base,
+    # spot above it, its allocation strategy and maximum price, and both instance types; region_b all spot.
+    _recorder(moto_endpoint, "stop-recording")
+    created = [p for action, p in _asg_requests(_recorder(moto_endpoint, "download-recording"))
+               if action == "CreateAutoScalingGroup"]
+    names = [r["name"] for r in tfvars["regions"]]
+    sent = {n: p for p in created for n in names
+            if p["AutoScalingGroupName"].startswith(f"fleetrl-{tfvars['run']}-{n}-")}
+    dist = "MixedInstancesPolicy.InstancesDistribution."
+    override = "MixedInstancesPolicy.LaunchTemplate.Overrides.member."
+    mixed = sent[names[0]]
+    assert {k.removeprefix(dist): v for k, v in mixed.items() if k.startswith(dist)} == {
+        "OnDemandBaseCapacity": "1", "OnDemandPercentageAboveBaseCapacity": "0",
+        "SpotAllocationStrategy": "capacity-optimized", "SpotMaxPrice": "2.5"}
+    assert [mixed[f"{override}{i}.InstanceType"] for i in (1, 2)] == ["g6e.xlarge", "g5.2xlarge"]
+    assert mixed["CapacityRebalance"] == "true"
+    spot = sent[names[1]]
+    assert (spot[f"{dist}OnDemandBaseCapacity"], spot[f"{dist}OnDemandPercentageAboveBaseCapacity"],
+            spot[f"{dist}SpotAllocationStrategy"]) == ("0", "0", "price-capacity-optimized")
+    # moto echoes a policy it was created with, but its UpdateAutoScalingGroup sets the policy to the
+    # request's, and the provider's update after the create carries none: DescribeAutoScalingGroups then
+    # shows no policy (MOTO_OMISSIONS), and moto launches every instance on demand, of no type.
+    print("mixed-instances policies as moto returns them after the apply:",
+          json.dumps(_mixed_policies(moto_endpoint), default=str))
 
     fleet_yaml = tmp_path / "fleet.yaml"
     fleet_yaml.write_text(terraform.run("output", "-raw", "fleet_yaml", cwd=env_dir, env=env).stdout)
     check = subprocess.run([sys.executable, "-m", "fleetrl.cli", "config", "check", str(fleet_yaml)],
                            capture_output=True, text=True, timeout=60, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
+    rendered = yaml.safe_load(fleet_yaml.read_text())["regions"]
+    assert rendered[0]["pools"][0] == {"capacity": "on_demand", "price": 3.4}
+    assert rendered[0]["pools"][1]["price"]["source"] == "aws" and rendered[1]["capacity"] == "spot"
 
     tf("plan", "-var-file=emulated.tfvars.json", "-out=second.tfplan")
     plan = json.loads(terraform.run("show", "-json", "second.tfplan", cwd=env_dir, env=env).stdout)

@@ -139,6 +139,7 @@ class AwsImds(MetadataServer):
 
     TOKEN_PATH = "/latest/api/token"
     ACTION_PATH = "/latest/meta-data/spot/instance-action"
+    LIFE_CYCLE_PATH = "/latest/meta-data/instance-life-cycle"
 
     def __init__(self, port: int = 0) -> None:
         super().__init__(port)
@@ -149,6 +150,8 @@ class AwsImds(MetadataServer):
         self.action_gets = 0
         """Authorized reads of spot/instance-action."""
         self.action: dict[str, str] | None = None
+        self.life_cycle = "spot"
+        """What `meta-data/instance-life-cycle` answers (`spot`, `on-demand`, `scheduled`)."""
         self._tokens: dict[str, float] = {}  # token -> monotonic expiry
 
     def preempt(self, action: str = "terminate", in_s: float = 120.0, when: str | None = None) -> None:
@@ -166,11 +169,13 @@ class AwsImds(MetadataServer):
                body: bytes) -> Answer:
         if path == self.TOKEN_PATH and method == "PUT":
             return self._token(headers)
-        if path == self.ACTION_PATH and method == "GET":
+        if path in (self.ACTION_PATH, self.LIFE_CYCLE_PATH) and method == "GET":
             expiry = self._tokens.get(headers.get("x-aws-ec2-metadata-token", ""))
             if expiry is None or expiry <= time.monotonic():
                 self.unauthorized += 1
                 return _text(401, "Unauthorized")
+            if path == self.LIFE_CYCLE_PATH:
+                return _text(200, self.life_cycle)
             self.action_gets += 1
             return _json(200, self.action) if self.action is not None else _text(404, "Not Found")
         return _text(404 if method == "GET" else 405, "Not Found")

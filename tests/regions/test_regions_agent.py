@@ -176,6 +176,8 @@ async def test_drain_hands_over_unfinished_groups_then_resume_and_stop(
             await cp.send_control(REGION, ControlCommand(cmd="drain", reason="test"))
             beat = await wait_for_beat(cp, "n1", lambda b: b.state == "draining", timeout_s=10)
             assert beat.tokens_per_s == 0.0
+            # What the trainer prices it by (docs/cost.md): its capacity type and how long it has run.
+            assert beat.capacity == "on_demand" and beat.started_at is not None and beat.started_at <= beat.ts
             handed = await read_partials(config, 3, timeout_s=30)
             assert sorted(p.group_id for p in handed) == sorted(sent)
             assert all(p.handed_over_by.node == "n1" and p.handed_over_by.reason == "drain" for p in handed)

@@ -14,6 +14,7 @@ import structlog
 from metadata_servers import AwsImds, AzureImds, GcpMetadata, MetadataServer, free_port
 from pydantic import TypeAdapter, ValidationError
 
+from fleetrl.config import FleetConfig
 from fleetrl.config.preemption import (
     AwsPreemptionConfig,
     AzurePreemptionConfig,
@@ -26,6 +27,7 @@ from fleetrl.regions.cloud_notices import (
     AwsSpotWatcher,
     AzureEvictionWatcher,
     GcpPreemptionWatcher,
+    node_capacity,
     watchers_from_config,
 )
 from fleetrl.regions.preemption import Notice, NoticeFileWatcher
@@ -285,3 +287,30 @@ async def test_endpoint_answering_errors_is_polled_again(server_type: type[Metad
         finally:
             task.cancel()
     assert notice.reason == "preempted"
+
+
+# -- a node's capacity type -----------------------------------------------------------------------
+
+
+def _fleet(base_url: str, **region: object) -> FleetConfig:
+    return FleetConfig.model_validate({"run": "cap", "regions": [{
+        "name": "east", "kafka": "127.0.0.1:9092", "store": "/tmp/east", "nodes": [{"name": "base"}],
+        "preemption": {"source": "aws", "base_url": base_url}, **region}]})
+
+
+def test_an_auto_scaled_node_reads_its_capacity_from_the_instance_metadata() -> None:
+    pools = {"pools": [{"capacity": "on_demand", "price": 3.0, "nodes": ["base"]}, {"capacity": "spot", "price": 1.0}]}
+    with AwsImds() as imds:
+        config = _fleet(imds.url, **pools)
+        assert node_capacity(config, "east", "i-0abc") == "spot"  # IMDSv2: a token, then instance-life-cycle
+        assert imds.token_puts == 1 and imds.unauthorized == 0
+        imds.life_cycle = "on-demand"
+        assert node_capacity(config, "east", "i-0def") == "on_demand"
+        asked = len(imds.requests)
+        assert node_capacity(config, "east", "base") == "on_demand"  # the config places it: no question
+        assert len(imds.requests) == asked
+        imds.fail_with(500)  # an unreadable metadata service: the config's answer
+        assert node_capacity(config, "east", "i-0fed") == "on_demand"
+        assert node_capacity(_fleet(imds.url, capacity="spot"), "east", "i-0fed") == "spot"
+    closed = _fleet(f"http://127.0.0.1:{free_port()}", capacity="spot", price=1.0)
+    assert node_capacity(closed, "east", "i-0abc") == "spot"

@@ -143,6 +143,11 @@ async def test_each_valid_group_trained_once_malformed_dead_lettered_stale_count
     assert report.ok, report.problems()
     assert report.trained == len(trained) and report.stale == 1
     assert np.isfinite(trainer.result.rewards).all()
+    # The cost meter counts the waste where it was paid: the duplicates' and the stale group's tokens.
+    regenerated = trainer.cost.tokens_regenerated[REGION]
+    assert regenerated >= 3 * 2  # three groups of two samples, each at least a token long
+    assert m.get_sample_value("fleetrl_cost_tokens_regenerated_total", {"region": REGION}) == regenerated
+    assert ckpt.state["cost"]["regions"][REGION][2] == len(trained)  # groups trained, in the checkpoint
 
 
 async def test_an_unreachable_region_does_not_stop_training(make_fleet: Callable[..., FleetConfig]) -> None:

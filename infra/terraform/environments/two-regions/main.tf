@@ -46,6 +46,7 @@ module "region_a" {
   node                   = var.regions[0].node
   engine                 = var.regions[0].engine
   link_costs             = var.regions[0].link_costs
+  transfer_usd_per_gb    = var.regions[0].transfer_usd_per_gb
   home_store             = { bucket_arn = module.home.store_bucket_arn, prefix = module.home.store_prefix }
   peer_store_bucket_arns = [module.region_b.store_bucket_arn]
   node_secret_env        = module.home.node_secret_env
@@ -73,6 +74,7 @@ module "region_b" {
   node                   = var.regions[1].node
   engine                 = var.regions[1].engine
   link_costs             = var.regions[1].link_costs
+  transfer_usd_per_gb    = var.regions[1].transfer_usd_per_gb
   home_store             = { bucket_arn = module.home.store_bucket_arn, prefix = module.home.store_prefix }
   peer_store_bucket_arns = [module.region_a.store_bucket_arn]
   node_secret_env        = module.home.node_secret_env

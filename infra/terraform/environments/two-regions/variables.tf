@@ -64,7 +64,15 @@ variable "regions" {
       desired_capacity        = number
       spot                    = optional(bool, true)
       on_demand_base_capacity = optional(number, 0)
+      # The mixed-instances group and its prices (modules/rollout-region `node`).
+      on_demand_percentage_above_base_capacity = optional(number)
+      spot_allocation_strategy                 = optional(string, "price-capacity-optimized")
+      spot_max_price                           = optional(string)
+      on_demand_price                          = optional(number)
+      spot_price                               = optional(number)
+      spot_price_from_aws                      = optional(bool, true)
     })
+    transfer_usd_per_gb = optional(number, 0)
     kafka = optional(object({
       mode                 = optional(string, "msk")
       broker_instance_type = optional(string, "kafka.m7g.large")

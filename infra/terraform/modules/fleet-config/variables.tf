@@ -47,6 +47,21 @@ variable "regions" {
     link_costs              = optional(map(number), {})
     nodes                   = optional(list(string), [])
     weight                  = optional(number, 1)
+    # What the region's capacity costs (fleet.yaml capacity, pools, transfer_usd_per_gb): US dollars per
+    # node-hour of its on-demand and spot nodes; spot_history: read EC2's spot price history instead.
+    capacity = optional(string, "on_demand")
+    prices = optional(object({
+      on_demand = optional(number)
+      spot      = optional(number)
+      spot_history = optional(object({
+        region_name        = string
+        instance_types     = list(string)
+        availability_zones = optional(list(string), [])
+      }))
+    }), {})
+    transfer_usd_per_gb = optional(number, 0)
+    # fleet.yaml preemption of the region's nodes ({source = "aws"} on EC2); null: SIGTERM only.
+    preemption = optional(map(string))
     # The engine fields FleetRL knows (fleetrl.config TorchEngineConfig / VllmEngineConfig); unset
     # ones are left out of fleet.yaml so the config's own defaults apply.
     engine = object({
@@ -77,6 +92,11 @@ variable "regions" {
   validation {
     condition     = alltrue([for r in var.regions : contains(["torch", "vllm"], r.engine.kind)])
     error_message = "engine.kind must be torch or vllm."
+  }
+  validation {
+    condition = alltrue([for r in var.regions : contains(["on_demand", "spot"], r.capacity) && !(
+    r.prices.spot != null && r.prices.spot_history != null)])
+    error_message = "capacity must be on_demand or spot; a spot price is a number (prices.spot) or EC2's history (prices.spot_history), not both."
   }
   validation {
     condition = alltrue([for r in var.regions : alltrue([

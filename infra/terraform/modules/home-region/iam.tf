@@ -33,6 +33,13 @@ data "aws_iam_policy_document" "trainer" {
     actions   = ["secretsmanager:GetSecretValue"]
     resources = distinct([for s in values(local.trainer_secret_env) : s.arn])
   }
+  # Spot pools priced from EC2's spot price history (fleet.yaml `price: {source: aws}`): a read-only
+  # action that takes no resource-level permissions.
+  statement {
+    sid       = "ReadSpotPrices"
+    actions   = ["ec2:DescribeSpotPriceHistory"]
+    resources = ["*"]
+  }
   dynamic "statement" {
     for_each = length(var.kafka_kms_key_arns) > 0 ? [1] : []
     content {

@@ -1,6 +1,23 @@
-# Spot GPU nodes by default, with capacity rebalancing and a mixed-instances policy. Every node
-# runs the region agent and a replicator (a lease in the region store picks the active one), from
-# the systemd units shipped in the FleetRL package.
+# Spot GPU nodes by default, with capacity rebalancing and a mixed-instances policy: an on-demand
+# base (node.on_demand_base_capacity), spot above it (node.on_demand_percentage_above_base_capacity on
+# demand, the rest spot), a spot allocation strategy and an optional maximum price. Every node runs
+# the region agent and a replicator (a lease in the region store picks the active one), from the
+# systemd units shipped in the FleetRL package; an agent learns whether its instance is spot from the
+# instance metadata (both kinds share the launch template) and says so in its heartbeat.
+
+locals {
+  on_demand_above = coalesce(var.node.on_demand_percentage_above_base_capacity, var.node.spot ? 0 : 100)
+  has_on_demand   = var.node.on_demand_base_capacity > 0 || local.on_demand_above > 0
+  has_spot        = local.on_demand_above < 100 && var.node.max_size > var.node.on_demand_base_capacity
+  # fleet.yaml's pool prices: each capacity the group can launch, priced where a price is known.
+  prices = {
+    on_demand = local.has_on_demand ? var.node.on_demand_price : null
+    spot      = local.has_spot ? var.node.spot_price : null
+    spot_history = local.has_spot && var.node.spot_price == null && var.node.spot_price_from_aws ? {
+      region_name = local.region, instance_types = var.node.instance_types, availability_zones = []
+    } : null
+  }
+}
 
 module "bootstrap" {
   source          = "../node-bootstrap"
@@ -78,8 +95,9 @@ resource "aws_autoscaling_group" "nodes" {
   mixed_instances_policy {
     instances_distribution {
       on_demand_base_capacity                  = var.node.on_demand_base_capacity
-      on_demand_percentage_above_base_capacity = var.node.spot ? 0 : 100
-      spot_allocation_strategy                 = "price-capacity-optimized"
+      on_demand_percentage_above_base_capacity = local.on_demand_above
+      spot_allocation_strategy                 = var.node.spot_allocation_strategy
+      spot_max_price                           = var.node.spot_max_price
     }
     launch_template {
       launch_template_specification {

@@ -58,5 +58,10 @@ output "fleet_region" {
     nodes                   = []
     weight                  = 1
     engine                  = var.engine
+    # Nodes whose agent cannot tell count as the group's majority capacity; each pool has its price.
+    capacity            = local.has_spot && local.on_demand_above < 50 ? "spot" : "on_demand"
+    prices              = local.prices
+    preemption          = { source = "aws" }
+    transfer_usd_per_gb = var.transfer_usd_per_gb
   }
 }

@@ -165,11 +165,21 @@ variable "node" {
     desired_capacity        = number
     spot                    = optional(bool, true)
     on_demand_base_capacity = optional(number, 0)
-    root_volume_gb          = optional(number, 200)
-    root_device_name        = optional(string, "/dev/xvda")
-    termination_grace_s     = optional(number, 110)
+    # The mixed-instances group: on_demand_base_capacity on-demand nodes first, then this share of the
+    # nodes above the base on demand and the rest spot (null: 0 with spot = true, 100 without).
+    on_demand_percentage_above_base_capacity = optional(number)
+    spot_allocation_strategy                 = optional(string, "price-capacity-optimized")
+    spot_max_price                           = optional(string) # USD per hour; null: up to the on-demand price
+    # fleet.yaml prices (US dollars per node-hour) of the two pools: on_demand_price, and spot_price or,
+    # with spot_price_from_aws, EC2's spot price history of instance_types read by the trainer.
+    on_demand_price     = optional(number)
+    spot_price          = optional(number)
+    spot_price_from_aws = optional(bool, true)
+    root_volume_gb      = optional(number, 200)
+    root_device_name    = optional(string, "/dev/xvda")
+    termination_grace_s = optional(number, 110)
   })
-  description = "Rollout nodes: a GPU image with drivers and Python 3.11+, instance types for the mixed-instances policy, and the group's size."
+  description = "Rollout nodes: a GPU image with drivers and Python 3.11+, instance types for the mixed-instances policy (an on-demand base, spot above it), the group's size, and the prices fleet.yaml gives each pool."
   validation {
     condition     = can(regex("^ami-[0-9a-f]{8,17}$", var.node.ami_id))
     error_message = "node.ami_id must look like ami-0123456789abcdef0."
@@ -185,6 +195,22 @@ variable "node" {
   validation {
     condition     = var.node.on_demand_base_capacity >= 0 && var.node.on_demand_base_capacity <= var.node.max_size
     error_message = "node.on_demand_base_capacity must be within 0 and max_size."
+  }
+  validation {
+    condition     = var.node.on_demand_percentage_above_base_capacity == null ? true : (var.node.on_demand_percentage_above_base_capacity >= 0 && var.node.on_demand_percentage_above_base_capacity <= 100)
+    error_message = "node.on_demand_percentage_above_base_capacity must be within 0 and 100."
+  }
+  validation {
+    condition     = contains(["price-capacity-optimized", "capacity-optimized", "capacity-optimized-prioritized", "lowest-price"], var.node.spot_allocation_strategy)
+    error_message = "node.spot_allocation_strategy must be price-capacity-optimized, capacity-optimized, capacity-optimized-prioritized or lowest-price."
+  }
+  validation {
+    condition     = var.node.spot_max_price == null ? true : can(regex("^[0-9]+(\\.[0-9]+)?$", var.node.spot_max_price))
+    error_message = "node.spot_max_price must be a price in US dollars per hour such as \"1.25\" (or null: up to the on-demand price)."
+  }
+  validation {
+    condition     = alltrue([for p in [var.node.on_demand_price, var.node.spot_price] : p == null ? true : p >= 0])
+    error_message = "node.on_demand_price and node.spot_price must not be negative."
   }
   validation {
     condition     = var.node.termination_grace_s >= 30 && var.node.termination_grace_s <= 600
@@ -219,6 +245,16 @@ variable "link_costs" {
   validation {
     condition     = alltrue([for v in values(var.link_costs) : v >= 0])
     error_message = "link_costs must not be negative."
+  }
+}
+
+variable "transfer_usd_per_gb" {
+  type        = number
+  default     = 0
+  description = "fleet.yaml transfer_usd_per_gb: US dollars per GB of trajectories crossing the region's link to home (inter-region data transfer); 0: not counted."
+  validation {
+    condition     = var.transfer_usd_per_gb >= 0
+    error_message = "transfer_usd_per_gb must not be negative."
   }
 }
 

@@ -35,7 +35,11 @@ variables {
       subnet_ids = ["subnet-0b1b2c3d4e5f60711", "subnet-0b1b2c3d4e5f60712", "subnet-0b1b2c3d4e5f60713"]
       cidr       = "10.1.0.0/16"
       link_costs = { home = 2, eu-west-1 = 8 }
-      node       = { ami_id = "ami-0b1b2c3d4e5f60718", instance_types = ["g6e.xlarge", "g5.2xlarge"], max_size = 8, desired_capacity = 4 }
+      node = {
+        ami_id = "ami-0b1b2c3d4e5f60718", instance_types = ["g6e.xlarge", "g5.2xlarge"], max_size = 8, desired_capacity = 4
+        # A mixed-instances group: one on-demand node, spot above it, each pool priced.
+        on_demand_base_capacity = 1, on_demand_price = 3.4, spot_max_price = "2.5", spot_allocation_strategy = "capacity-optimized"
+      }
     },
     {
       name       = "eu-west-1"
@@ -64,6 +68,17 @@ run "renders_fleet_yaml" {
   assert {
     condition     = yamldecode(output.fleet_yaml).trainer.metrics_port == 9400 && yamldecode(output.fleet_yaml).rollout.metrics_port == 9401
     error_message = "Metrics ports must match the security groups."
+  }
+  assert {
+    condition = (yamldecode(output.fleet_yaml).regions[0].capacity == "spot"
+      && yamldecode(output.fleet_yaml).regions[0].pools[0] == { capacity = "on_demand", price = 3.4 }
+      && yamldecode(output.fleet_yaml).regions[0].pools[1].price.source == "aws"
+    && yamldecode(output.fleet_yaml).regions[0].pools[1].price.instance_types == ["g6e.xlarge", "g5.2xlarge"])
+    error_message = "A mixed group's pools carry their capacity and price: on demand fixed, spot from EC2's history."
+  }
+  assert {
+    condition     = yamldecode(output.fleet_yaml).regions[1].capacity == "on_demand" && !contains(keys(yamldecode(output.fleet_yaml).regions[1]), "pools")
+    error_message = "An on-demand group without a price renders no pools."
   }
 }
 
