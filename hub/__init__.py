@@ -18,7 +18,7 @@ from fleetrl.hub.errors import (
     StoreError,
     VersionConflict,
 )
-from fleetrl.hub.hub import Hub, StoreCheck
+from fleetrl.hub.hub import Changed, Hub, StoreCheck
 from fleetrl.hub.lease import Lease
 from fleetrl.hub.manifest import AdapterInfo, Manifest, TensorEntry
 from fleetrl.hub.peft_folder import save_peft_adapter
@@ -30,6 +30,7 @@ from fleetrl.hub.stores import DirStore, ObjectStore, open_store
 __all__ = [
     "AdapterInfo",
     "BaseMismatch",
+    "Changed",
     "CodecError",
     "DirStore",
     "Hub",

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import inplace
@@ -38,6 +38,16 @@ if TYPE_CHECKING:
     import torch
 
 P = TypeVar("P", bound=Publisher)
+
+
+class Changed(NamedTuple):
+    """The elements of one tensor that a chain of versions changed (`Hub.changes`)."""
+
+    positions: np.ndarray
+    """Flat positions into the tensor's elements (int64, increasing)."""
+    values: torch.Tensor
+    """Their new values: a 1-D CPU tensor of the tensor's dtype, as long as `positions`, of its own
+    memory (the caller's state may change under it with the next version)."""
 
 
 class Hub:
@@ -202,14 +212,15 @@ class Hub:
         return _hand_out(out, entries, into)
 
     def changes(self, version: int, into: dict[str, torch.Tensor], have_version: int,
-                progress: Progress | None = None) -> dict[str, np.ndarray] | None:
+                progress: Progress | None = None) -> dict[str, Changed] | None:
         """Bring `into` (holding `have_version`) to `version` in place along the delta chain, as
-        `materialize` does, and return per tensor the flat positions (sorted int64) of the elements the
-        chain changed: all an engine holding `have_version` must write (the new values are
-        `into[name].view(-1)[positions]`). Tied names are listed with the tensor they share. Every
-        changed word is checked against its part's digest before anything is written. None (and `into`
-        untouched) where deltas in place cannot get there: an anchor is nearer, the chain is broken, or
-        `into` does not match; then `materialize`."""
+        `materialize` does, and return per tensor the elements the chain changed, their positions and
+        new values: all an engine holding `have_version` must write. One version behind (the common
+        case) the kernel writes both out in the pass that applies the delta: no second decode, no
+        gather. Tied names are listed with the tensor they share. Every changed word is checked
+        against its part's digest before anything is written. None (and `into` untouched) where
+        deltas in place cannot get there: an anchor is nearer, the chain is broken, or `into` does not
+        match; then `materialize`."""
         entries = {t.name: t for t in self.reader.manifest(version).tensors}
         if not _matches(into, entries):
             return None
@@ -219,24 +230,24 @@ class Hub:
         return self._deltas_in_place(steps, entries, into, progress, positions=True)
 
     def _deltas_in_place(self, steps: list[Step], entries: Mapping[str, mf.TensorEntry], into: dict[str, Any],
-                         progress: Progress | None, positions: bool) -> dict[str, np.ndarray]:
+                         progress: Progress | None, positions: bool) -> dict[str, Changed]:
         """Apply a chain of delta steps straight into `into` (see `materialize`); with `positions`, the
-        changed positions per tensor (tied names included)."""
+        changes per tensor (tied names included)."""
         import numpy as np
 
         changed = {n for step in steps for n, _ in self.reader.refs(step)}
         targets = {n: to_words(into[n]) for n in changed}
-        found: dict[str, np.ndarray] = {}
+        words: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         if len(steps) == 1:  # one version behind: the common case, checked and applied per part
-            payloads = inplace.apply_step(self.reader, steps[0], targets, progress)
-            if positions:
-                found = self.reader.changed_positions(steps[0], payloads)
+            words = inplace.apply_step(self.reader, steps[0], targets, progress, record=positions)
         else:
             decoded = self.reader.decode(steps, {n: t.size for n, t in targets.items()}, progress)
             self.reader.apply_verified(decoded, targets)
             if positions:
-                found = {n: np.unique(np.concatenate([d.pos + r.start for _, d, r in parts if d.pos is not None]))
-                         for n, parts in decoded.items()}
+                for n, parts in decoded.items():
+                    pos = np.unique(np.concatenate([d.pos + r.start for _, d, r in parts if d.pos is not None]))
+                    words[n] = (pos, targets[n][pos])
+        found = {n: Changed(pos, from_words(w, entries[n].dtype, [w.size])) for n, (pos, w) in words.items()}
         for n, e in entries.items():
             if e.encoding == "tied" and e.tied_to:
                 if into[n].data_ptr() != into[e.tied_to].data_ptr():

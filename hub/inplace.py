@@ -10,6 +10,10 @@ the part's digest), the others through numpy (gather the old words, compute the 
 Either way the new words are checked against the part's `changed_digest` (is the state really
 version N-1?).
 
+With `record`, each change's flat position and new word are written out in the same pass (the
+kernel's, or numpy's for the other parts) and returned per tensor: what an engine that scatters
+changes into its own copy needs, without a second decode of the positions or a gather.
+
 Every write is recorded, so when any part fails every written word is put back before the error is
 raised: the caller's state is then bit for bit what it was. Parts of a tensor must not overlap
 (checked first), so batches are applied in any order and putting back is order-free.
@@ -50,15 +54,17 @@ _Prepared = tuple[dict[np.dtype, tuple[kernels.Batch, list[_Fused]]], list[tuple
 """A batch ready to apply: kernel groups per word dtype, and the parts for numpy."""
 
 
-def apply_step(reader: Reader, step: Step, targets: dict[str, np.ndarray], progress: Progress | None = None
-               ) -> dict[tuple[str, int], memoryview]:
+def apply_step(reader: Reader, step: Step, targets: dict[str, np.ndarray], progress: Progress | None = None,
+               record: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Apply delta `step` into `targets` (the caller's memory); on any error nothing is changed.
-    Returns the step's part payloads (each checked against its sha256), keyed as `Reader.fetch` keys them."""
+    With `record`, returns per changed tensor the flat positions of its changed words (int64,
+    increasing) and the new words (of the target's word dtype); else an empty dict."""
     refs = reader.refs(step)
     mf.check_disjoint(refs, reader.store.where(mf.version_key(reader.run, step.version)))
     payloads = reader.fetch(step.version, refs, progress)
-    _InPlace(reader, step.version, payloads, targets).run(_batches(refs), reader.threads)
-    return payloads
+    state = _InPlace(reader, step.version, payloads, targets, record)
+    state.run(_batches(refs), reader.threads)
+    return state.changes() if record else {}
 
 
 def _batches(refs: list[tuple[str, mf.PartRef]]) -> list[list[tuple[str, mf.PartRef]]]:
@@ -74,9 +80,26 @@ class _InPlace:
     """One step's state, shared by its threads."""
 
     def __init__(self, reader: Reader, version: int, payloads: Mapping[tuple[str, int], memoryview],
-                 targets: dict[str, np.ndarray]) -> None:
+                 targets: dict[str, np.ndarray], record: bool = False) -> None:
         self.reader, self.version, self.payloads, self.targets = reader, version, payloads, targets
         self.sizes = {n: t.size for n, t in targets.items()}
+        self.record = record
+        self.records: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        """(tensor, part start) -> positions and new words of the part's changes (with `record`)."""
+
+    def changes(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The recorded changes per tensor, its parts in order (parts are disjoint ranges)."""
+        by_tensor: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray]]]] = {}
+        for (name, start), rec in self.records.items():
+            by_tensor.setdefault(name, []).append((start, rec))
+        out = {}
+        for name, parts in by_tensor.items():
+            parts.sort(key=lambda item: item[0])
+            if len(parts) == 1:
+                out[name] = parts[0][1]
+            else:
+                out[name] = (np.concatenate([r[0] for _, r in parts]), np.concatenate([r[1] for _, r in parts]))
+        return out
 
     def run(self, batches: list[list[tuple[str, mf.PartRef]]], threads: int) -> None:
         work = _Work(len(batches))
@@ -167,7 +190,10 @@ class _InPlace:
                     raise self._fail(name, r, exc) from exc
         at = 0
         for name, r, head, fr in members:
-            group.add(self.targets[name], r.start, r.stop, head[5], segments[at : at + len(fr)], raw[at : at + len(fr)])
+            record = group.add(self.targets[name], r.start, r.stop, head[5], segments[at : at + len(fr)],
+                               raw[at : at + len(fr)], record=self.record)
+            if record is not None:
+                self.records[(name, r.start)] = record
             at += len(fr)
 
     def _apply_numpy(self, name: str, r: mf.PartRef, payload: memoryview, undo: _Undo) -> None:
@@ -181,6 +207,8 @@ class _InPlace:
         self.reader.check_changed(self.version, name, r, new)
         view[d.pos] = new
         undo.append(functools.partial(view.__setitem__, d.pos, old))
+        if self.record:
+            self.records[(name, r.start)] = (d.pos.astype(np.int64) + r.start, np.asarray(new, dtype=view.dtype))
 
 
 _turns_lock = threading.Lock()

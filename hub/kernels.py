@@ -48,6 +48,7 @@ ERRORS = {
     5: "the gap stream does not hold one gap per change",
     6: "the packed values need a table of words and 1, 2 or 4-bit indices",
     7: "the packed index stream is too short, or the table too long",
+    8: "the arrays that record the changes do not hold one element per change",
 }
 
 _PREFETCH = "llvm.prefetch.p0" if llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"  # opaque pointers
@@ -142,10 +143,11 @@ def digest(words: np.ndarray) -> str:
 @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
 @no_type_check  # compiled: numba types the body, not mypy
 def _loop(target: np.ndarray, p: int, last: int, gaps: np.ndarray, bigs: np.ndarray, table: np.ndarray,
-          packed: np.ndarray, rest: np.ndarray, limit: int, ahead: int, bits: int, sign: int
-          ) -> tuple[int, int, np.uint64]:  # pragma: no cover - compiled
-    """The walk proper, inlined with `bits` and `sign` as constants. Positions need no check here:
-    `_walk` proved that the last one lies in the part."""
+          packed: np.ndarray, rest: np.ndarray, limit: int, ahead: int, bits: int, sign: int,
+          out_pos: np.ndarray, out_words: np.ndarray, record: int) -> tuple[int, int, np.uint64]:  # pragma: no cover
+    """The walk proper, inlined with `bits`, `sign` and `record` as constants. Positions need no check
+    here: `_walk` proved that the last one lies in the part. With `record`, change i's position and
+    new word also go to `out_pos[i]` and `out_words[i]` (what an engine that scatters needs)."""
     width = target.itemsize
     per_shift = 3 if bits == 1 else (2 if bits == 2 else 1)
     lane = (1 << per_shift) - 1
@@ -172,6 +174,9 @@ def _loop(target: np.ndarray, p: int, last: int, gaps: np.ndarray, bigs: np.ndar
         if sign > 0:
             target[p] = np.int64(target[p]) + d
             h += _mix(i, target[p])
+            if record:
+                out_pos[i] = p
+                out_words[i] = target[p]
         else:
             target[p] = np.int64(target[p]) - d
     if sign > 0 and limit == gaps.size and ne != n_rest:
@@ -182,10 +187,12 @@ def _loop(target: np.ndarray, p: int, last: int, gaps: np.ndarray, bigs: np.ndar
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 @no_type_check  # compiled: numba types the body, not mypy
 def _walk(target: np.ndarray, start: int, stop: int, m: int, gaps: np.ndarray, bigs: np.ndarray,
-          table_head: np.ndarray, packed: np.ndarray, rest: np.ndarray, limit: int, sign: int, ahead: int
-          ) -> tuple[int, int, np.uint64]:  # pragma: no cover - compiled
+          table_head: np.ndarray, packed: np.ndarray, rest: np.ndarray, limit: int, sign: int, ahead: int,
+          out_pos: np.ndarray, out_words: np.ndarray) -> tuple[int, int, np.uint64]:  # pragma: no cover - compiled
     """Apply (sign 1) or take back (sign -1) the first `limit` of the part's `m` changes; returns
-    (error code, changes written, the digest of the new words).
+    (error code, changes written, the digest of the new words). Applying records each change's
+    position and new word in `out_pos` and `out_words` when they hold `m` elements (else they are
+    empty and nothing is recorded).
 
     The streams are the part's raw bytes (parts.py): gap bytes (255: the gap is the next uint32 of
     `bigs`), the table (index width, then zigzagged differences as words), packed indices (the last
@@ -222,18 +229,27 @@ def _walk(target: np.ndarray, start: int, stop: int, m: int, gaps: np.ndarray, b
     last = np.int64(start) - 1 + total + m
     if m and last >= stop:
         return 2, 0, h
+    if out_pos.size != 0 and (out_pos.size != m or out_words.size != m):
+        return 8, 0, h
     p = np.int64(start) - 1
+    o, w = out_pos, out_words
+    if sign > 0 and out_pos.size != 0:
+        if bits == 4:
+            return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 4, 1, o, w, 1)
+        if bits == 2:
+            return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 2, 1, o, w, 1)
+        return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 1, 1, o, w, 1)
     if sign > 0:
         if bits == 4:
-            return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 4, 1)
+            return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 4, 1, o, w, 0)
         if bits == 2:
-            return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 2, 1)
-        return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 1, 1)
+            return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 2, 1, o, w, 0)
+        return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 1, 1, o, w, 0)
     if bits == 4:
-        return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 4, -1)
+        return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 4, -1, o, w, 0)
     if bits == 2:
-        return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 2, -1)
-    return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 1, -1)
+        return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 2, -1, o, w, 0)
+    return _loop(target, p, last, gaps, bigs, table, packed, rest, limit, ahead, 1, -1, o, w, 0)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -241,15 +257,19 @@ def _walk(target: np.ndarray, start: int, stop: int, m: int, gaps: np.ndarray, b
 def _walk_parts(like: np.ndarray, targets: np.ndarray, buf: np.ndarray, meta: np.ndarray, limits: np.ndarray,
                 sign: int, ahead: int, digests: np.ndarray) -> tuple[int, int, int]:  # pragma: no cover - compiled
     """`_walk` over parts; row j of `meta`: target index, start, stop, m, then offset and length in
-    `buf` of each of the five streams. Target t is the `targets[t, 1]` words (of `like`'s dtype) at
-    address `targets[t, 0]`. Returns (error code, part at fault, changes of it written)."""
+    `buf` of each of the five streams, then the addresses of the part's records of positions (int64)
+    and new words (0: none). Target t is the `targets[t, 1]` words (of `like`'s dtype) at address
+    `targets[t, 0]`. Returns (error code, part at fault, changes of it written)."""
     for j in range(meta.shape[0]):
         row = meta[j]
         target = numba.carray(_pointer(targets[row[0], 0], like), targets[row[0], 1])
+        n_out = row[3] if row[14] != 0 else 0
+        out_pos = numba.carray(_pointer(row[14] if n_out else targets[row[0], 0], limits), n_out)
+        out_words = numba.carray(_pointer(row[15] if n_out else targets[row[0], 0], like), n_out)
         code, written, h = _walk(
             target, row[1], row[2], row[3], buf[row[4] : row[4] + row[5]], buf[row[6] : row[6] + row[7]],
             buf[row[8] : row[8] + row[9]], buf[row[10] : row[10] + row[11]], buf[row[12] : row[12] + row[13]],
-            limits[j], sign, ahead)
+            limits[j], sign, ahead, out_pos, out_words)
         digests[j] = h
         if code != 0:
             return code, j, written
@@ -271,7 +291,9 @@ class Batch:
     `add` each part (its target: the whole tensor's words, all of one word dtype; its five streams),
     then `apply`; on an error or a digest mismatch, `undo` puts back every word written. The kernel
     finds each target by address and size (a numba typed list of arrays costs ~12 us an element to
-    build); the batch holds the arrays, so the addresses stay valid while it lives.
+    build); the batch holds the arrays, so the addresses stay valid while it lives. A part added with
+    `record` also gets each change's position and new word written, in the same pass, into the two
+    arrays `add` returns.
     """
 
     def __init__(self) -> None:
@@ -282,11 +304,13 @@ class Batch:
         self._at = 0
         self._written: np.ndarray | None = None
         self._args: tuple[Any, ...] = ()
+        self._records: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, target: np.ndarray, start: int, stop: int, m: int, streams: Sequence[Any], sizes: Sequence[int]
-            ) -> None:
+    def add(self, target: np.ndarray, start: int, stop: int, m: int, streams: Sequence[Any], sizes: Sequence[int],
+            record: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
         """A part covering [start, stop) of `target` with `m` changes: its five decompressed streams
-        (anything with the buffer protocol) and their sizes in bytes."""
+        (anything with the buffer protocol) and their sizes in bytes. With `record`: the arrays (filled
+        by `apply`) of its changes' flat positions in `target` (int64, increasing) and new words."""
         if len(streams) != 5 or len(sizes) != 5:
             raise ValueError(f"a delta part of gap bytes and packed values has 5 streams, not {len(streams)}")
         if not target.flags.c_contiguous or not target.flags.writeable or target.ndim != 1:
@@ -298,8 +322,13 @@ class Batch:
         for size in sizes:
             row += [self._at, size]
             self._at += size
+        out = (np.empty(m, dtype=np.int64), np.empty(m, dtype=target.dtype)) if record else None
+        row += [out[0].ctypes.data, out[1].ctypes.data] if out is not None and m else [0, 0]
+        if out is not None:
+            self._records.append(out)  # held: the kernel writes to their addresses
         self._streams.extend(streams)
         self._rows.append(row)
+        return out
 
     def seal(self) -> None:
         """Build the kernel's arguments: one join of every stream (call once every part is added;
@@ -309,7 +338,7 @@ class Batch:
             raise ValueError(f"streams hold {buf.size} bytes, their sizes say {self._at}")
         self._streams = []
         targets = np.array([(t.ctypes.data, t.size) for t in self._targets], dtype=np.int64).reshape(-1, 2)
-        meta = np.array(self._rows, dtype=np.int64).reshape(-1, 14)
+        meta = np.array(self._rows, dtype=np.int64).reshape(-1, 16)
         like = self._targets[0][:0] if self._targets else np.zeros(0, dtype=np.uint16)
         self._args = (like, targets, buf, meta, PREFETCH_BYTES // like.itemsize)
 
@@ -350,7 +379,7 @@ def warm_up(words: Sequence[np.dtype] = WORDS) -> None:
     Safe from any thread (numba holds a lock while it compiles; a concurrent caller waits for it)."""
     for word in words:
         like = np.zeros(1, dtype=word)[:0]
-        meta = np.array([], dtype=np.int64).reshape(-1, 14)
+        meta = np.array([], dtype=np.int64).reshape(-1, 16)
         args = (like, np.array([], dtype=np.int64).reshape(-1, 2), np.frombuffer(b"", dtype=np.uint8), meta)
         for sign in (1, -1):  # apply and undo
             _walk_parts(*args, meta[:, 3].copy(), sign, PREFETCH_BYTES // like.itemsize, np.zeros(0, dtype=np.uint64))

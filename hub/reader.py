@@ -25,10 +25,10 @@ from fleetrl.hub import kernels
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.batching import RANGE_FRAMES, ranged_gets
 from fleetrl.hub.errors import CodecError, HubError, IntegrityError, ObjectNotFound
-from fleetrl.hub.parts import Decoded, apply_window, decode_part, split_part
+from fleetrl.hub.parts import Decoded, apply_window, decode_part
 from fleetrl.hub.signing import Keys
 from fleetrl.hub.stores import ObjectStore
-from fleetrl.hub.streams import decode_positions, decompress, new_values
+from fleetrl.hub.streams import new_values
 from fleetrl.hub.tensors import sha256_words, word_dtype
 
 Progress = Callable[[int], None]
@@ -180,25 +180,6 @@ class Reader:
             for (name, r), d in zip(refs, self.pool.map(decode, refs), strict=True):
                 out.setdefault(name, []).append((step.version, d, r))
         return out
-
-    def changed_positions(self, step: Step, payloads: Mapping[tuple[str, int], memoryview]) -> dict[str, np.ndarray]:
-        """Flat positions (sorted int64) each tensor's delta parts of `step` change, from payloads already
-        checked and applied (`inplace.apply_step`): only their position streams are decoded again."""
-
-        def one(item: tuple[str, mf.PartRef]) -> np.ndarray:
-            name, r = item
-            try:
-                (_, pos_codec, _, k, n, m, n_pos), frames = split_part(payloads[(r.object, r.offset)])
-                streams = [np.frombuffer(decompress(f, raw), dtype=np.uint8) for f, raw in frames[:n_pos]]
-                return decode_positions(pos_codec, k, n, m, streams).astype(np.int64) + r.start
-            except CodecError as exc:
-                raise IntegrityError(f"{self.where(r)}: tensor {name} of version {step.version}: {exc}") from exc
-
-        refs = sorted(self.refs(step), key=lambda item: (item[0], item[1].start))  # parts are disjoint ranges
-        found: dict[str, list[np.ndarray]] = {}
-        for (name, _), pos in zip(refs, self.pool.map(one, refs), strict=True):
-            found.setdefault(name, []).append(pos)
-        return {name: np.concatenate(parts) for name, parts in found.items()}
 
     def entry(self, version: int, name: str) -> mf.TensorEntry:
         by_name = self._entries.get(version)

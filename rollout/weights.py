@@ -31,8 +31,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from fleetrl.hub import Hub, HubError, kernels
 from fleetrl.log import get_logger
 from fleetrl.rollout.adapters import LoraWeights
@@ -160,13 +158,13 @@ class WeightSync:
             return "adapter", self._pull_adapter(version, manifest.adapter.base)
         self._adapter = self._adapter_version = self.base = None
         if self._state is not None and self.have is not None:
-            positions = self.hub.changes(version, self._state, self.have)
-            if positions is not None:
-                if self.engine.accepts_changes:  # gathered into new tensors: `_state` may change meanwhile
-                    self.engine.stage_changes({n: TensorChanges(p, self._state[n].view(-1)[torch.from_numpy(p)])
-                                               for n, p in positions.items()}, version)
+            changed = self.hub.changes(version, self._state, self.have)
+            if changed is not None:
+                if self.engine.accepts_changes:  # values of their own memory: `_state` may change meanwhile
+                    self.engine.stage_changes({n: TensorChanges(c.positions, c.values) for n, c in changed.items()},
+                                              version)
                     return "changes", None
-                self.engine.stage_weights({n: self._state[n].clone() for n in positions}, version, complete=False)
+                self.engine.stage_weights({n: self._state[n].clone() for n in changed}, version, complete=False)
                 return "part", None
         self._state = self.hub.materialize(version, into=self._state, have_version=self.have)
         # The engine reads its own copy when it applies it: the next version updates `_state` in place.

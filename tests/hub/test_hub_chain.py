@@ -153,11 +153,15 @@ def test_changes_name_exactly_the_changed_elements_and_update_in_place(
             found = hub.changes(version, into, have)
             assert found is not None and same_bits(into, states[version])
             assert {k: v.data_ptr() for k, v in into.items()} == ptrs
-            for name, positions in found.items():
+            for name, (positions, values) in found.items():
                 assert positions.dtype.name == "int64"
                 union = sorted({p for v in range(have + 1, version + 1)
                                 for p in _changed(states[v - 1][name], states[v][name])})
                 assert positions.tolist() == union, name
+                # The new values, of their own memory (the next version changes `into` in place).
+                expected = states[version][name].reshape(-1)[torch.from_numpy(positions)]
+                assert same_bits({name: values}, {name: expected}), name
+                assert values.untyped_storage().data_ptr() != into[name].untyped_storage().data_ptr()
             assert found["lm_head.weight"] is found["model.embed_tokens.weight"]
         # More than an anchor interval behind: no chain in place; the caller materializes.
         stale = {k: v.clone() for k, v in states[0].items()}
