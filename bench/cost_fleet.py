@@ -128,7 +128,8 @@ class CostResult:
 
     @property
     def paid_idle_share(self) -> float:
-        return 1.0 - self.serving_s / self.node_s if self.node_s else float("nan")
+        # Never below 0: serving and paid seconds are summed apart, so "all serving" can round to -0.000.
+        return max(0.0, 1.0 - self.serving_s / self.node_s) if self.node_s else float("nan")
 
 
 class CostRun(Run):
