@@ -22,12 +22,15 @@ def streams_of(payload: bytes) -> tuple[parts.Header, list[bytes]]:
     return head, [streams.decompress(frame, raw) for frame, raw in frames]
 
 
-def apply_one(target: np.ndarray, start: int, stop: int, payload: bytes) -> tuple[kernels.Batch, list[str], int,
-                                                                                   str | None]:
+def apply_one(target: np.ndarray, start: int, stop: int, payload: bytes, record: bool = False
+              ) -> tuple[kernels.Batch, list[str], int, str | None]:
     head, data = streams_of(payload)
     batch = kernels.Batch()
-    batch.add(target, start, stop, head[5], data, [len(d) for d in data])
+    out = batch.add(target, start, stop, head[5], data, [len(d) for d in data], record=record)
+    assert (out is not None) == record
     digests, at, error = batch.apply()
+    if out is not None:
+        batch.recorded = out  # type: ignore[attr-defined]
     return batch, digests, at, error
 
 
@@ -64,11 +67,16 @@ def test_kernel_writes_what_the_numpy_decoder_writes_and_undoes_exactly(case: tu
     # The part covers [start, stop) of a larger tensor: the kernel must stay inside it.
     target = np.concatenate([np.full(7, 0xAB, old.dtype), old, np.full(5, 0xCD, old.dtype)])
     before = target.copy()
-    batch, digests, at, error = apply_one(target, 7, 7 + old.size, payload)
+    batch, digests, at, error = apply_one(target, 7, 7 + old.size, payload, record=True)
     assert error is None and at == 1
     assert np.array_equal(target[7:-5], new) and np.array_equal(target[:7], before[:7])
     assert np.array_equal(target[-5:], before[-5:])
     assert digests == [digest]  # the publisher's digest, computed by the same mix
+    # Recorded in the same pass: each change's position in the target and its new word, in order.
+    positions, words = batch.recorded
+    changed = np.flatnonzero(old != new)
+    assert positions.dtype == np.int64 and np.array_equal(positions, changed + 7)
+    assert words.dtype == old.dtype and np.array_equal(words, new[changed])
     reference = old.copy()
     parts.apply_part(payload, reference)  # the numpy decoder
     assert np.array_equal(reference, new)
