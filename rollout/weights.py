@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetrl.hub import Hub, HubError, kernels
+from fleetrl.hub.tensors import to_words
 from fleetrl.log import get_logger
 from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.engine import Engine, TensorChanges
@@ -42,10 +43,10 @@ _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights
 _RETRY_S = 5.0  # retry of a pull that failed on a transient store error
 
 
-def _warm_kernels() -> None:
+def _warm_kernels(words: set[Any]) -> None:
     started = time.monotonic()
     try:
-        kernels.warm_up()
+        kernels.warm_up(sorted(words, key=str))
     except Exception as exc:  # the first delta compiles them instead; nothing is lost
         log.warning("weights.kernels_warm_up_failed", error=repr(exc))
         return
@@ -77,13 +78,18 @@ class WeightSync:
 
     async def load_first(self, stopped: Callable[[], bool]) -> bool:
         """Load the newest version, waiting for one to be announced (or found by the fallback poll);
-        False if `stopped()` turns true first. The hub's delta kernels compile meanwhile, in a thread: the
-        first load is an anchor, and the first delta after it would otherwise wait seconds for them."""
-        threading.Thread(target=_warm_kernels, name="hub-kernels-warm-up", daemon=True).start()
+        False if `stopped()` turns true first. Then the hub's delta kernels compile in a thread for the
+        word widths of the weights loaded: the first load is whole, and the first delta after it would
+        otherwise wait seconds for them (numba compiles on first use; a fresh node has no cache)."""
         target = await self._target(read_latest=True)
         next_poll = time.monotonic() + self.fallback_poll_s
         while not stopped():
             if target is not None and await self.refresh(target):
+                held = [*(self._state or {}).values(), *(self._adapter or {}).values()]
+                words = {w for w in (to_words(t.reshape(-1)[:0]).dtype for t in held) if w in kernels.WORDS}
+                if words:
+                    threading.Thread(target=_warm_kernels, args=(words,), name="hub-kernels-warm-up",
+                                     daemon=True).start()
                 return True
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_STOP_CHECK_S):
