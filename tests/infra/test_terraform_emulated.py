@@ -160,6 +160,23 @@ def _asg_requests(recording: bytes) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
+def _retried(recording: bytes) -> list[str]:
+    """The actions the AWS SDK sent more than once (its `amz-sdk-request: attempt=N` header, N > 1)."""
+    import base64
+    import urllib.parse
+
+    out = []
+    for line in recording.decode().splitlines():
+        entry = json.loads(line)
+        headers = {k.lower(): v for k, v in entry.get("headers", {}).items()}
+        if headers.get("amz-sdk-request", "attempt=1").startswith("attempt=1"):
+            continue
+        body = entry.get("body") or ""
+        text = base64.b64decode(body).decode(errors="replace") if entry.get("body_encoded") else str(body)
+        out.append(dict(urllib.parse.parse_qsl(text)).get("Action", entry.get("url", "?")))
+    return out
+
+
 def _leaves(value: Any, unknown: Any, path: str = "") -> Iterator[tuple[str, Any, bool]]:
     """(path without list indexes, value, unknown after apply) of every leaf of a plan value."""
     if isinstance(value, dict) or isinstance(unknown, dict):
@@ -258,10 +275,6 @@ def _mixed_policies(endpoint: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-RETRIED_NOT_IDEMPOTENT = "LimitExceeded: Cannot exceed quota for InstanceSessionsPerInstanceProfile"
-"""moto's answer to a second AddRoleToInstanceProfile of a profile (the SDK retrying one moto did)."""
-
-
 def _count(pattern: str, text: str) -> int:
     found = re.search(pattern, text)
     assert found, text[-3000:]
@@ -302,17 +315,18 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     apply = ("apply", "-auto-approve", "-var-file=emulated.tfvars.json")
     first = terraform.run(*apply, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S,
                           check=False)
-    created_before = 0
-    if first.returncode != 0 and RETRIED_NOT_IDEMPOTENT in first.stdout + first.stderr:
-        # Under load the provider's SDK retried an AddRoleToInstanceProfile that moto had already done
-        # (moto's recorder showed attempt=2 of one invocation), and moto refuses the second role: what an
-        # operator meets as a failed apply and runs again. Once, counting what the first attempt created.
+    again, created_before, retried = first.returncode != 0, 0, _retried(_recorder(moto_endpoint, "download-recording"))
+    if again and retried:
+        # Under load the provider's SDK sometimes sends a request again that moto had already carried out
+        # (its answer lost or late), and moto refuses the repeat (a second AddRoleToInstanceProfile: quota;
+        # a second RevokeSecurityGroupEgress: no such rule): a failed apply, which an operator runs again.
+        # Once, only then, counting what the first attempt created.
         created_before = len(re.findall(r"^\S+: Creation complete after", first.stdout, re.M))
-        print(f"apply failed on a retried AddRoleToInstanceProfile after {created_before} creations; applying again")
-    elif first.returncode != 0:
+        print(f"apply failed after the SDK repeated {retried}; {created_before} created; applying again")
+    elif again:
         raise AssertionError(f"terraform apply failed ({first.returncode}):\n{first.stdout[-4000:]}\n"
                              f"{first.stderr[-4000:]}")
-    applied = tf(*apply) if created_before else first.stdout
+    applied = tf(*apply) if again else first.stdout
     replaced = _count(r"Apply complete! Resources: \d+ added, \d+ changed, (\d+) destroyed", applied)
     added = created_before + _count(r"Apply complete! Resources: (\d+) added", applied) - replaced
     managed = [a for a in terraform.run("state", "list", cwd=env_dir, env=env).stdout.split()
