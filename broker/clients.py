@@ -119,7 +119,10 @@ async def _tls_probe(config: FleetConfig, region: str) -> KafkaError | None:
         # (seen once in the suite: the probe timed out and the error fell back to a bare bootstrap failure).
         async with asyncio.timeout(config.kafka.request_timeout_s):
             _, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=_ssl_context(c, region))
-        writer.close()
+        writer.close()  # and wait for it, briefly: a TLS transport left closing is an unclosed socket at exit
+        with contextlib.suppress(OSError, TimeoutError, ssl.SSLError):
+            async with asyncio.timeout(5.0):
+                await writer.wait_closed()
     except ssl.SSLCertVerificationError:
         return _untrusted(c, region)
     except (OSError, TimeoutError, ssl.SSLError):

@@ -24,7 +24,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -281,6 +281,31 @@ def _count(pattern: str, text: str) -> int:
     return int(found.group(1))
 
 
+def _apply(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
+           tf: Callable[..., str]) -> int:
+    """`terraform apply` of emulated.tfvars.json; the resources it created.
+
+    Under load the provider's SDK sometimes sends a request again that moto had already carried out (its
+    answer lost or late: `amz-sdk-request: attempt=2` in moto's recorder), and moto refuses the repeat (a
+    second AddRoleToInstanceProfile: quota; a second RevokeSecurityGroupEgress: no such rule). That is a
+    failed apply an operator runs again: so once, only then, counting what the first attempt created. A
+    real failure fails the second apply too."""
+    apply = ("apply", "-auto-approve", "-var-file=emulated.tfvars.json")
+    first = terraform.run(*apply, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S,
+                          check=False)
+    if first.returncode == 0:
+        return _count(r"Apply complete! Resources: (\d+) added", first.stdout)
+    retried = _retried(_recorder(moto_endpoint, "download-recording"))
+    if not retried:
+        raise AssertionError(f"terraform apply failed ({first.returncode}):\n{first.stdout[-4000:]}\n"
+                             f"{first.stderr[-4000:]}")
+    created = len(re.findall(r"^\S+: Creation complete after", first.stdout, re.M))
+    print(f"apply failed after the SDK repeated {retried}; {created} created; applying again")
+    again = tf(*apply)
+    replaced = _count(r"Apply complete! Resources: \d+ added, \d+ changed, (\d+) destroyed", again)
+    return created + _count(r"Apply complete! Resources: (\d+) added", again) - replaced
+
+
 @pytest.mark.timeout(900)
 def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathlib.Path, moto_endpoint: str,
                                          tmp_path: pathlib.Path) -> None:
@@ -312,23 +337,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     print(f"msk plan: {to_add} to add, {msk_clusters} MSK clusters")
     assert msk_clusters == 2
 
-    apply = ("apply", "-auto-approve", "-var-file=emulated.tfvars.json")
-    first = terraform.run(*apply, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S,
-                          check=False)
-    again, created_before, retried = first.returncode != 0, 0, _retried(_recorder(moto_endpoint, "download-recording"))
-    if again and retried:
-        # Under load the provider's SDK sometimes sends a request again that moto had already carried out
-        # (its answer lost or late), and moto refuses the repeat (a second AddRoleToInstanceProfile: quota;
-        # a second RevokeSecurityGroupEgress: no such rule): a failed apply, which an operator runs again.
-        # Once, only then, counting what the first attempt created.
-        created_before = len(re.findall(r"^\S+: Creation complete after", first.stdout, re.M))
-        print(f"apply failed after the SDK repeated {retried}; {created_before} created; applying again")
-    elif again:
-        raise AssertionError(f"terraform apply failed ({first.returncode}):\n{first.stdout[-4000:]}\n"
-                             f"{first.stderr[-4000:]}")
-    applied = tf(*apply) if again else first.stdout
-    replaced = _count(r"Apply complete! Resources: \d+ added, \d+ changed, (\d+) destroyed", applied)
-    added = created_before + _count(r"Apply complete! Resources: (\d+) added", applied) - replaced
+    added = _apply(terraform, env_dir, env, moto_endpoint, tf)
     managed = [a for a in terraform.run("state", "list", cwd=env_dir, env=env).stdout.split()
                if not a.startswith("data.") and ".data." not in a]
     print(f"apply: {added} added, {len(managed)} managed in state ({time.monotonic() - started:.0f} s)")
