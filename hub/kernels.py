@@ -10,8 +10,7 @@ parts goes through one call (`Batch`), so Python is not paid per part. It is com
 (`nogil`, so the reader's threads run it in parallel) and cached on disk after the first compile.
 That compile takes seconds (a GPU node's first delta waited 7.7 s for it; every signature takes
 6 s on a 2-core machine, 9-15 s on a lent H200's) and a fresh node has no cache yet: `warm_up`
-compiles every signature the reader uses ahead of time, off the update's critical path (a rollout
-node calls it while it loads its first version).
+compiles every signature the reader uses ahead of time (the benchmarks call it before timing).
 
 Everything is integer arithmetic on bit patterns, wrapping at the word width (a store truncates), so
 the exact inverse is the same walk subtracting: `Batch.undo` puts back every change written when a

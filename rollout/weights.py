@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from fleetrl.hub import Hub, HubError, kernels
-from fleetrl.hub.tensors import to_words
+from fleetrl.hub import Hub, HubError
 from fleetrl.log import get_logger
 from fleetrl.rollout.adapters import LoraWeights
 from fleetrl.rollout.engine import Engine, TensorChanges
@@ -41,16 +39,6 @@ from fleetrl.rollout.errors import EngineError
 log = get_logger(__name__)
 _STOP_CHECK_S = 0.2  # how promptly a worker still waiting for its first weights notices a stop
 _RETRY_S = 5.0  # retry of a pull that failed on a transient store error
-
-
-def _warm_kernels(words: set[Any]) -> None:
-    started = time.monotonic()
-    try:
-        kernels.warm_up(sorted(words, key=str))
-    except Exception as exc:  # the first delta compiles them instead; nothing is lost
-        log.warning("weights.kernels_warm_up_failed", error=repr(exc))
-        return
-    log.info("weights.kernels_ready", seconds=round(time.monotonic() - started, 3))
 
 
 class WeightSync:
@@ -78,18 +66,11 @@ class WeightSync:
 
     async def load_first(self, stopped: Callable[[], bool]) -> bool:
         """Load the newest version, waiting for one to be announced (or found by the fallback poll);
-        False if `stopped()` turns true first. Then the hub's delta kernels compile in a thread for the
-        word widths of the weights loaded: the first load is whole, and the first delta after it would
-        otherwise wait seconds for them (numba compiles on first use; a fresh node has no cache)."""
+        False if `stopped()` turns true first."""
         target = await self._target(read_latest=True)
         next_poll = time.monotonic() + self.fallback_poll_s
         while not stopped():
             if target is not None and await self.refresh(target):
-                held = [*(self._state or {}).values(), *(self._adapter or {}).values()]
-                words = {w for w in (to_words(t.reshape(-1)[:0]).dtype for t in held) if w in kernels.WORDS}
-                if words:
-                    threading.Thread(target=_warm_kernels, args=(words,), name="hub-kernels-warm-up",
-                                     daemon=True).start()
                 return True
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_STOP_CHECK_S):

@@ -4,18 +4,16 @@ values to the torch engine, the changed tensors to one that cannot scatter), nev
 from __future__ import annotations
 
 import pathlib
-import threading
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from rollout_testkit import HUB_KEY, fleet_dict, make_config
 from safetensors.torch import load_file
 
 from fleetrl.config import ModelConfig
-from fleetrl.hub import Hub, kernels
+from fleetrl.hub import Hub
 from fleetrl.rollout.engine import TensorChanges
 from fleetrl.rollout.torch_engine import TorchEngine
 from fleetrl.rollout.vllm_engine import VllmEngine
@@ -91,25 +89,6 @@ async def test_a_delta_reaches_the_torch_engine_as_positions_and_values(tmp_path
         assert engine.version == 3 and not engine._staged
         _assert_engine_holds(engine, states[3])
         assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == storage
-
-
-async def test_the_first_load_warms_the_delta_kernels_for_the_weights_word_width(
-        tmp_path: pathlib.Path, run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh node compiles the hub's delta kernels (seconds) in a thread once its first version is loaded,
-    for the word widths it holds (bf16: 2-byte words), so that its first delta does not wait for them."""
-    asked: list[list[np.dtype]] = []
-    real = kernels.warm_up
-    monkeypatch.setattr(kernels, "warm_up", lambda words: (asked.append(list(words)), real(words))[1])
-    config = make_config(fleet_dict(run_id, "127.0.0.1:9", tmp_path / "store"))
-    engine = TorchEngine(ModelConfig().build(), max_batch=2)
-    with Hub.from_config(config) as hub:
-        hub.publish(_versions(1)[0])
-        sync = WeightSync(hub, engine, fallback_poll_s=60.0)
-        assert await sync.load_first(lambda: False)
-        for thread in [t for t in threading.enumerate() if t.name == "hub-kernels-warm-up"]:
-            thread.join(timeout=120)
-            assert not thread.is_alive()
-    assert asked == [[np.dtype(np.uint16)]]
 
 
 class _Recorder:
