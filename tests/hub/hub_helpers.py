@@ -129,3 +129,16 @@ class ReplicatorDaemon:
             code = self.proc.wait(timeout=10)
         self._out.close()
         return code
+
+
+def three_stores(kind: str, run: str, tmp_path: pathlib.Path, request: Any, anchor_interval: int) -> FleetConfig:
+    """Stores `home`, `near`, `far` as directories or in the moto bucket (`kind`); `far` is expensive to
+    reach from home but close to `near`: it should copy from `near`."""
+    if kind == "s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        urls = {n: f"s3://{bucket}/{n}" for n in ("home", "near", "far")}
+        endpoint = request.getfixturevalue("s3_endpoint")
+    else:
+        urls, endpoint = {n: (tmp_path / n).as_uri() for n in ("home", "near", "far")}, None
+    costs: dict[str, dict[str, float]] = {"near": {"home": 1, "far": 5}, "far": {"home": 10, "near": 1}}
+    return make_config(run, urls, s3_endpoint=endpoint, link_costs=costs, anchor_interval=anchor_interval)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hub_helpers import make_config, same_bits, tiny_state
+from hub_helpers import same_bits, three_stores, tiny_state
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import AdapterInfo, BaseMismatch, Hub, HubError, Replicator, SignatureError, open_store
@@ -148,22 +148,11 @@ def test_a_tampered_adapter_manifest_is_refused(dir_config: Callable[..., FleetC
             reader.materialize_adapter(2, 3)
 
 
-def _three_stores(kind: str, run: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> FleetConfig:
-    if kind == "s3":
-        bucket = request.getfixturevalue("s3_bucket")
-        urls = {n: f"s3://{bucket}/{n}" for n in ("home", "near", "far")}
-        endpoint = request.getfixturevalue("s3_endpoint")
-    else:
-        urls, endpoint = {n: (tmp_path / n).as_uri() for n in ("home", "near", "far")}, None
-    costs = {"near": {"home": 1, "far": 5}, "far": {"home": 10, "near": 1}}
-    return make_config(run, urls, s3_endpoint=endpoint, link_costs=costs, anchor_interval=3)
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", ["dir", "s3"])
 def test_adapter_versions_replicate_once_per_region_and_a_late_region_fetches_the_base(
         kind: str, run_id: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> None:
-    config = _three_stores(kind, run_id, tmp_path, request)
+    config = three_stores(kind, run_id, tmp_path, request, anchor_interval=3)
 
     def clients() -> dict[str, ObjectStore]:
         return {n: open_store(n, c) for n, c in config.stores().items()}

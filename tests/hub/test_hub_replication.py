@@ -6,9 +6,8 @@ import pathlib
 import time
 
 import pytest
-from hub_helpers import make_config, same_bits, step, tiny_state
+from hub_helpers import make_config, same_bits, step, three_stores, tiny_state
 
-from fleetrl.config import FleetConfig
 from fleetrl.hub import DirStore, Hub, Lease, LeaseLost, Replicator, open_store
 from fleetrl.hub.stores import ObjectStore
 
@@ -35,23 +34,11 @@ def test_lease_one_holder_renewal_expiry_steal_and_release(tmp_path: pathlib.Pat
     assert a.acquire()
 
 
-def three_stores(kind: str, run: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> FleetConfig:
-    if kind == "s3":
-        bucket = request.getfixturevalue("s3_bucket")
-        urls = {n: f"s3://{bucket}/{n}" for n in ("home", "near", "far")}
-        endpoint = request.getfixturevalue("s3_endpoint")
-    else:
-        urls, endpoint = {n: (tmp_path / n).as_uri() for n in ("home", "near", "far")}, None
-    # `far` is expensive to reach from home but close to `near`: it should copy from `near`.
-    costs = {"near": {"home": 1, "far": 5}, "far": {"home": 10, "near": 1}}
-    return make_config(run, urls, s3_endpoint=endpoint, link_costs=costs, anchor_interval=5)
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", ["dir", "s3"])
 def test_each_version_crosses_between_stores_once_per_region(
         kind: str, run_id: str, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> None:
-    config = three_stores(kind, run_id, tmp_path, request)
+    config = three_stores(kind, run_id, tmp_path, request, anchor_interval=5)
 
     def clients() -> dict[str, ObjectStore]:  # one client per actor: its counters are its own reads
         return {n: open_store(n, c) for n, c in config.stores().items()}
