@@ -63,6 +63,10 @@ class StepStats:
     """Optimizer updates in the step (`ppo_epochs` x `mini_batches`)."""
 
 
+_FUSED_DEVICES = ("cpu", "cuda")
+"""Devices with a fused AdamW kernel in torch >= 2.4."""
+
+
 class Learner:
     """Owns the model, its optimizer and (with `kl_coef > 0`) a frozen reference copy; a LoRA policy
     (`model.lora`) trains its adapter alone and takes its base, adapter off, as the reference."""
@@ -86,9 +90,13 @@ class Learner:
             _checkpoint_activations(model)
         self.model = ctx.shard(model)
         self.ref = ctx.shard(ref).eval() if ref is not None else None
+        trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=algo.lr, betas=algo.betas,
-            weight_decay=algo.weight_decay,
+            trained, lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay,
+            # One fused kernel per update instead of a dozen list ops, each with its own temporaries
+            # (2 % of a CPU step on bench/learner.py's 50 M model). Sharded (DTensor) parameters keep the
+            # foreach path, which FSDP is tested with.
+            fused=True if not ctx.distributed and trained and trained[0].device.type in _FUSED_DEVICES else None,
         )
         self.clip = ClipConfig(algo.clip_low, algo.clip_high, algo.tis_cap)
         self._shard_publisher: ShardPublisher | None = None
