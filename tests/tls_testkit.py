@@ -16,6 +16,7 @@ import pathlib
 import ssl
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -80,7 +81,8 @@ class TlsRelay:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tls-relay", daemon=True)
         self._server: asyncio.Server | None = None
-        self._pipes: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
         self.connections = 0
         """TLS connections accepted (each relayed to the target)."""
 
@@ -96,22 +98,30 @@ class TlsRelay:
 
     async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._writers.add(client_w)
+        server_w: asyncio.StreamWriter | None = None
         try:
             server_r, server_w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.target_port), 5)
+            self._writers.add(server_w)
+            pipes = [asyncio.ensure_future(self._pipe(client_r, server_w)),
+                     asyncio.ensure_future(self._pipe(server_r, client_w))]
+            try:
+                await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for pipe in pipes:
+                    pipe.cancel()
+                await asyncio.gather(*pipes, return_exceptions=True)
         except (OSError, TimeoutError):
-            client_w.close()
-            return
-        pipes = [asyncio.ensure_future(self._pipe(client_r, server_w)),
-                 asyncio.ensure_future(self._pipe(server_r, client_w))]
-        self._pipes.update(pipes)
-        try:
-            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            pass
         finally:
-            for task in pipes:
-                task.cancel()
-                self._pipes.discard(task)
             for writer in (client_w, server_w):
-                writer.close()
+                if writer is not None:
+                    writer.close()
+                    self._writers.discard(writer)
+            self._handlers.discard(task)
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -121,12 +131,20 @@ class TlsRelay:
                 await writer.drain()
 
     def stop(self) -> None:
+        """Close the listener and every connection it accepted or opened, on the relay's loop, before the
+        loop stops (a transport left open is an unclosed socket when it is collected, charged as a
+        ResourceWarning to whichever test runs the collection)."""
         async def shutdown() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in list(self._pipes):
+            for task in list(self._handlers):
                 task.cancel()
-            await asyncio.sleep(0)
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+            for writer in list(self._writers):
+                writer.transport.abort()
+            self._writers.clear()
+            for _ in range(3):  # connection_lost callbacks run on the next turns
+                await asyncio.sleep(0)
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
