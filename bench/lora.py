@@ -30,6 +30,7 @@ Three measurements, each on the real components (the `Learner`, the hub's `Weigh
   is each side's standard deviation over its seeds.
 
     .venv/bin/python bench/lora.py [--quick]
+    .venv/bin/python bench/lora.py --bytes-steps 40   # bytes per version only, each printed (~10 min)
 
 * **serving**: the torch engine decoding with an adapter merged into the weights against unmerged
   (`engine.lora_mode`), tokens per second and the time to apply the next version, on the tiny model
@@ -210,8 +211,9 @@ async def learn(model: dict[str, Any], lr: float, lora: bool, seed: int, steps: 
     return curve
 
 
-async def version_bytes(model: dict[str, Any], steps: int) -> tuple[float, float]:
-    """Mean bytes of versions 2.. for full fine-tuning and LoRA, trained on the same groups at lr 1e-5."""
+async def version_bytes(model: dict[str, Any], steps: int, each: bool = False) -> tuple[float, float]:
+    """Mean bytes of versions 2.. for full fine-tuning and LoRA, trained on the same groups at lr 1e-5;
+    `each`: print every version's bytes as it is published."""
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         full = Loop(_config(pathlib.Path(tmp) / "full", model, BYTES_LR, False, 0, 2, 8))
         adapter = Loop(_config(pathlib.Path(tmp) / "lora", model, BYTES_LR, True, 0, 2, 8))
@@ -225,6 +227,9 @@ async def version_bytes(model: dict[str, Any], steps: int) -> tuple[float, float
             for name, side in (("full", full), ("lora", adapter)):
                 side.train(groups)
                 sizes[name].append(await side.publish())
+            if each:
+                print(f"version {step}: full {sizes['full'][-1]} bytes, lora {sizes['lora'][-1]} bytes, "
+                      f"ratio {sizes['full'][-1] / sizes['lora'][-1]:.1f}", flush=True)
         full.close()
         adapter.close()
     return statistics.fmean(sizes["full"][1:]), statistics.fmean(sizes["lora"][1:])
@@ -392,6 +397,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, one seed (under two minutes)")
     parser.add_argument("--steps", type=int, default=100, help="learning steps per run (full mode)")
+    parser.add_argument("--bytes-steps", type=int, default=None,
+                        help="only the ~100 M model's bytes per version, over this many steps, each version "
+                             "printed (the ratio changes as training goes on); ends with `result: bytes_ratio=...`")
     parser.add_argument("--peak-child", choices=["full", "lora"], help=argparse.SUPPRESS)
     parser.add_argument("--micro", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -402,6 +410,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    if args.bytes_steps:
+        full, lora = asyncio.run(version_bytes(MID, args.bytes_steps, each=True))
+        print(f"result: bytes_ratio={full / lora:.1f} bytes_full={full:.0f} bytes_lora={lora:.0f} "
+              f"steps={args.bytes_steps}")
+        return
     asyncio.run(main_async(args))
 
 
