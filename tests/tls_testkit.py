@@ -157,3 +157,32 @@ class TlsRelay:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def settle_tls_connections(turns: int = 200) -> int:
+    """Let the TLS connections of the running loop finish closing, then abort what is left; returns how
+    many were aborted.
+
+    A client that closes a TLS connection without waiting (aiokafka closes its bootstrap connection so)
+    leaves a shutdown exchange on the loop; if the loop is closed first, the socket under it is never
+    closed, and the collector later charges an unraisable ResourceWarning to whichever test runs then.
+    Bounded by loop turns (each a 10 ms sleep), not by a deadline."""
+    import gc
+    from asyncio import sslproto
+
+    loop = asyncio.get_running_loop()
+
+    def open_here() -> list[sslproto.SSLProtocol]:
+        return [p for p in gc.get_objects()
+                if isinstance(p, sslproto.SSLProtocol) and p._loop is loop and p._transport is not None]
+
+    for _ in range(turns):
+        left = open_here()
+        if not left:
+            return 0
+        await asyncio.sleep(0.01)
+    left = open_here()
+    for protocol in left:
+        protocol._transport.abort()
+    await asyncio.sleep(0)
+    return len(left)

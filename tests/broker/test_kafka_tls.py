@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from broker_testkit import fleet_yaml, make_config, make_group, make_prompt, poll_until
-from tls_testkit import Pki, TlsRelay, make_pki
+from tls_testkit import Pki, TlsRelay, make_pki, settle_tls_connections
 
 from fleetrl import devstack
 from fleetrl.broker import (
@@ -38,6 +38,13 @@ from fleetrl.config import FleetConfig
 from fleetrl.trainer.audit import read_topics
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+async def _tls_closed() -> Any:
+    """Every test's TLS connections are closed before its loop is (see `settle_tls_connections`)."""
+    yield
+    await settle_tls_connections()
 
 
 @pytest.fixture(scope="module")
