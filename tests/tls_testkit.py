@@ -173,8 +173,10 @@ async def settle_tls_connections(turns: int = 200) -> int:
     loop = asyncio.get_running_loop()
 
     def open_here() -> list[sslproto.SSLProtocol]:
+        # type(), not isinstance(): isinstance reads `__class__`, and some objects on the heap warn when
+        # asked (torch.distributed's deprecated `reduce_op`, once imported by another test of the worker).
         return [p for p in gc.get_objects()
-                if isinstance(p, sslproto.SSLProtocol) and p._loop is loop and p._transport is not None]
+                if type(p) is sslproto.SSLProtocol and p._loop is loop and p._transport is not None]
 
     for _ in range(turns):
         left = open_here()

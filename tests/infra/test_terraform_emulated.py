@@ -283,27 +283,44 @@ def _count(pattern: str, text: str) -> int:
 
 def _apply(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
            tf: Callable[..., str]) -> int:
-    """`terraform apply` of emulated.tfvars.json; the resources it created.
+    """`terraform apply` of emulated.tfvars.json; the resources it created (see `_once_more`)."""
+    return _once_more(terraform, env_dir, env, moto_endpoint, tf, "apply", r"Creation complete after",
+                      r"Apply complete! Resources: (\d+) added",
+                      r"Apply complete! Resources: \d+ added, \d+ changed, (\d+) destroyed")
+
+
+def _destroy(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
+             tf: Callable[..., str]) -> int:
+    """`terraform destroy` without a refresh; the resources it destroyed (see `_once_more`)."""
+    _recorder(moto_endpoint, "reset-recording")
+    _recorder(moto_endpoint, "start-recording")
+    return _once_more(terraform, env_dir, env, moto_endpoint, tf, "destroy", r"Destruction complete after",
+                      r"Destroy complete! Resources: (\d+) destroyed", None, "-refresh=false")
+
+
+def _once_more(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
+               tf: Callable[..., str], command: str, done_line: str, total: str, replaced: str | None,
+               *extra: str) -> int:
+    """`terraform <command>` of emulated.tfvars.json; how many resources it handled.
 
     Under load the provider's SDK sometimes sends a request again that moto had already carried out (its
     answer lost or late: `amz-sdk-request: attempt=2` in moto's recorder), and moto refuses the repeat (a
-    second AddRoleToInstanceProfile: quota; a second RevokeSecurityGroupEgress: no such rule). That is a
-    failed apply an operator runs again: so once, only then, counting what the first attempt created. A
-    real failure fails the second apply too."""
-    apply = ("apply", "-auto-approve", "-var-file=emulated.tfvars.json")
-    first = terraform.run(*apply, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S,
+    second AddRoleToInstanceProfile: quota; a second RevokeSecurityGroupEgress or Ingress: no such rule).
+    That is a failed apply or destroy an operator runs again: so once, only then, counting what the first
+    attempt did. A real failure fails the second run too."""
+    args = (command, "-auto-approve", *extra, "-var-file=emulated.tfvars.json")
+    first = terraform.run(*args, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S,
                           check=False)
     if first.returncode == 0:
-        return _count(r"Apply complete! Resources: (\d+) added", first.stdout)
+        return _count(total, first.stdout)
     retried = _retried(_recorder(moto_endpoint, "download-recording"))
     if not retried:
-        raise AssertionError(f"terraform apply failed ({first.returncode}):\n{first.stdout[-4000:]}\n"
+        raise AssertionError(f"terraform {command} failed ({first.returncode}):\n{first.stdout[-4000:]}\n"
                              f"{first.stderr[-4000:]}")
-    created = len(re.findall(r"^\S+: Creation complete after", first.stdout, re.M))
-    print(f"apply failed after the SDK repeated {retried}; {created} created; applying again")
-    again = tf(*apply)
-    replaced = _count(r"Apply complete! Resources: \d+ added, \d+ changed, (\d+) destroyed", again)
-    return created + _count(r"Apply complete! Resources: (\d+) added", again) - replaced
+    handled = len(re.findall(rf"^\S+: {done_line}", first.stdout, re.M))
+    print(f"{command} failed after the SDK repeated {retried}; {handled} done; running it again")
+    again = tf(*args)
+    return handled + _count(total, again) - (_count(replaced, again) if replaced else 0)
 
 
 @pytest.mark.timeout(900)
@@ -392,8 +409,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     assert {(a, p) for a, paths in drift.items() for p in paths if not _explained(types[a], p)} == set()
 
     # The second plan has just refreshed every resource: destroy what the state holds, without another refresh.
-    destroyed = tf("destroy", "-auto-approve", "-refresh=false", "-var-file=emulated.tfvars.json")
-    gone = _count(r"Destroy complete! Resources: (\d+) destroyed", destroyed)
+    gone = _destroy(terraform, env_dir, env, moto_endpoint, tf)
     print(f"destroy: {gone} destroyed ({time.monotonic() - started:.0f} s in all)")
     assert gone == added
     assert terraform.run("state", "list", cwd=env_dir, env=env).stdout.split() == []
