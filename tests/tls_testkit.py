@@ -159,14 +159,14 @@ class TlsRelay:
         self.stop()
 
 
-async def settle_tls_connections(turns: int = 200) -> int:
+async def settle_tls_connections(turns: int = 50) -> int:
     """Let the TLS connections of the running loop finish closing, then abort what is left; returns how
     many were aborted.
 
     A client that closes a TLS connection without waiting (aiokafka closes its bootstrap connection so)
     leaves a shutdown exchange on the loop; if the loop is closed first, the socket under it is never
     closed, and the collector later charges an unraisable ResourceWarning to whichever test runs then.
-    Bounded by loop turns (each a 10 ms sleep), not by a deadline."""
+    Bounded by loop turns (each a heap scan and a 20 ms sleep), not by a deadline."""
     import gc
     from asyncio import sslproto
 
@@ -182,7 +182,7 @@ async def settle_tls_connections(turns: int = 200) -> int:
         left = open_here()
         if not left:
             return 0
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
     left = open_here()
     for protocol in left:
         protocol._transport.abort()
