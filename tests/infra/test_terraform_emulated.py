@@ -128,10 +128,11 @@ def _tfvars(net: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def moto_endpoint(tmp_path: pathlib.Path) -> Iterator[str]:
     """moto_server (every AWS service it emulates) on a free loopback port, stopped by this fixture; its
     request recorder (`/moto-api/recorder/...`) writes into the test's folder."""
-    # This virtualenv's moto (the constraints pin it), not whichever moto_server is first on PATH.
-    moto, port = pathlib.Path(sys.executable).parent / "moto_server", devstack.free_port()
-    env = {"MOTO_RECORDER_FILEPATH": str(tmp_path / "moto-requests.jsonl")}
-    with devstack.ServerProcess("moto", [str(moto), "-H", "127.0.0.1", "-p", str(port)], port, env=env) as server:
+    # This virtualenv's moto (the constraints pin it), serving one request at a time (serial_moto.py says why).
+    serial, port = pathlib.Path(__file__).with_name("serial_moto.py"), devstack.free_port()
+    env = {"MOTO_RECORDER_FILEPATH": str(tmp_path / "moto-requests.jsonl"), "MOTO_PORT": str(port)}
+    argv = [sys.executable, str(serial), "127.0.0.1", str(port)]
+    with devstack.ServerProcess("moto", argv, port, env=env) as server:
         yield f"http://127.0.0.1:{server.port}"
 
 
@@ -281,46 +282,15 @@ def _count(pattern: str, text: str) -> int:
     return int(found.group(1))
 
 
-def _apply(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
-           tf: Callable[..., str]) -> int:
-    """`terraform apply` of emulated.tfvars.json; the resources it created (see `_once_more`)."""
-    return _once_more(terraform, env_dir, env, moto_endpoint, tf, "apply", r"Creation complete after",
-                      r"Apply complete! Resources: (\d+) added",
-                      r"Apply complete! Resources: \d+ added, \d+ changed, (\d+) destroyed")
-
-
-def _destroy(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
-             tf: Callable[..., str]) -> int:
-    """`terraform destroy` without a refresh; the resources it destroyed (see `_once_more`)."""
-    _recorder(moto_endpoint, "reset-recording")
-    _recorder(moto_endpoint, "start-recording")
-    return _once_more(terraform, env_dir, env, moto_endpoint, tf, "destroy", r"Destruction complete after",
-                      r"Destroy complete! Resources: (\d+) destroyed", None, "-refresh=false")
-
-
-def _once_more(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
-               tf: Callable[..., str], command: str, done_line: str, total: str, replaced: str | None,
-               *extra: str) -> int:
-    """`terraform <command>` of emulated.tfvars.json; how many resources it handled.
-
-    Under load the provider's SDK sometimes sends a request again that moto had already carried out (its
-    answer lost or late: `amz-sdk-request: attempt=2` in moto's recorder), and moto refuses the repeat (a
-    second AddRoleToInstanceProfile: quota; a second RevokeSecurityGroupEgress or Ingress: no such rule).
-    That is a failed apply or destroy an operator runs again: so once, only then, counting what the first
-    attempt did. A real failure fails the second run too."""
-    args = (command, "-auto-approve", *extra, "-var-file=emulated.tfvars.json")
-    first = terraform.run(*args, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S,
-                          check=False)
-    if first.returncode == 0:
-        return _count(total, first.stdout)
-    retried = _retried(_recorder(moto_endpoint, "download-recording"))
-    if not retried:
-        raise AssertionError(f"terraform {command} failed ({first.returncode}):\n{first.stdout[-4000:]}\n"
-                             f"{first.stderr[-4000:]}")
-    handled = len(re.findall(rf"^\S+: {done_line}", first.stdout, re.M))
-    print(f"{command} failed after the SDK repeated {retried}; {handled} done; running it again")
-    again = tf(*args)
-    return handled + _count(total, again) - (_count(replaced, again) if replaced else 0)
+def _run(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
+         tf: Callable[..., str], *args: str) -> str:
+    """`tf(*args)`; a failure says which requests the AWS SDK sent more than once (moto's recorder), the
+    sign of the race that `serial_moto.py` removes."""
+    try:
+        return tf(*args)
+    except AssertionError as exc:
+        repeated = _retried(_recorder(moto_endpoint, "download-recording"))
+        raise AssertionError(f"{exc}\nrequests the SDK sent more than once: {repeated or 'none'}") from exc
 
 
 @pytest.mark.timeout(900)
@@ -354,7 +324,9 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     print(f"msk plan: {to_add} to add, {msk_clusters} MSK clusters")
     assert msk_clusters == 2
 
-    added = _apply(terraform, env_dir, env, moto_endpoint, tf)
+    applied = _run(terraform, env_dir, env, moto_endpoint, tf, "apply", "-auto-approve",
+                   "-var-file=emulated.tfvars.json")
+    added = _count(r"Apply complete! Resources: (\d+) added", applied)
     managed = [a for a in terraform.run("state", "list", cwd=env_dir, env=env).stdout.split()
                if not a.startswith("data.") and ".data." not in a]
     print(f"apply: {added} added, {len(managed)} managed in state ({time.monotonic() - started:.0f} s)")
@@ -409,7 +381,10 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     assert {(a, p) for a, paths in drift.items() for p in paths if not _explained(types[a], p)} == set()
 
     # The second plan has just refreshed every resource: destroy what the state holds, without another refresh.
-    gone = _destroy(terraform, env_dir, env, moto_endpoint, tf)
+    _recorder(moto_endpoint, "start-recording")
+    destroyed = _run(terraform, env_dir, env, moto_endpoint, tf, "destroy", "-auto-approve", "-refresh=false",
+                     "-var-file=emulated.tfvars.json")
+    gone = _count(r"Destroy complete! Resources: (\d+) destroyed", destroyed)
     print(f"destroy: {gone} destroyed ({time.monotonic() - started:.0f} s in all)")
     assert gone == added
     assert terraform.run("state", "list", cwd=env_dir, env=env).stdout.split() == []
