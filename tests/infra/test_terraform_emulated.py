@@ -145,37 +145,29 @@ def _recorder(endpoint: str, what: str) -> bytes:
         return bytes(reply.read())
 
 
-def _asg_requests(recording: bytes) -> list[tuple[str, dict[str, str]]]:
-    """(action, flat query parameters) of every auto scaling request the recorder saw, in order."""
+def _recorded(recording: bytes) -> Iterator[tuple[dict[str, str], dict[str, str], str]]:
+    """(lower-cased headers, flat query parameters, url) of every request in moto's recording, in order."""
     import base64
     import urllib.parse
 
-    out = []
     for line in recording.decode().splitlines():
         entry = json.loads(line)
         body = entry.get("body") or ""
         text = base64.b64decode(body).decode(errors="replace") if entry.get("body_encoded") else str(body)
-        params = dict(urllib.parse.parse_qsl(text))
-        if params.get("Action", "").endswith("AutoScalingGroup"):
-            out.append((params["Action"], params))
-    return out
+        headers = {k.lower(): v for k, v in entry.get("headers", {}).items()}
+        yield headers, dict(urllib.parse.parse_qsl(text)), entry.get("url", "?")
+
+
+def _asg_requests(recording: bytes) -> list[tuple[str, dict[str, str]]]:
+    """(action, flat query parameters) of every auto scaling request the recorder saw, in order."""
+    return [(params["Action"], params) for _, params, _ in _recorded(recording)
+            if params.get("Action", "").endswith("AutoScalingGroup")]
 
 
 def _retried(recording: bytes) -> list[str]:
     """The actions the AWS SDK sent more than once (its `amz-sdk-request: attempt=N` header, N > 1)."""
-    import base64
-    import urllib.parse
-
-    out = []
-    for line in recording.decode().splitlines():
-        entry = json.loads(line)
-        headers = {k.lower(): v for k, v in entry.get("headers", {}).items()}
-        if headers.get("amz-sdk-request", "attempt=1").startswith("attempt=1"):
-            continue
-        body = entry.get("body") or ""
-        text = base64.b64decode(body).decode(errors="replace") if entry.get("body_encoded") else str(body)
-        out.append(dict(urllib.parse.parse_qsl(text)).get("Action", entry.get("url", "?")))
-    return out
+    return [params.get("Action", url) for headers, params, url in _recorded(recording)
+            if not headers.get("amz-sdk-request", "attempt=1").startswith("attempt=1")]
 
 
 def _leaves(value: Any, unknown: Any, path: str = "") -> Iterator[tuple[str, Any, bool]]:
@@ -282,8 +274,7 @@ def _count(pattern: str, text: str) -> int:
     return int(found.group(1))
 
 
-def _run(terraform: Terraform, env_dir: pathlib.Path, env: dict[str, str], moto_endpoint: str,
-         tf: Callable[..., str], *args: str) -> str:
+def _run(moto_endpoint: str, tf: Callable[..., str], *args: str) -> str:
     """`tf(*args)`; a failure says which requests the AWS SDK sent more than once (moto's recorder), the
     sign of the race that `serial_moto.py` removes."""
     try:
@@ -324,8 +315,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     print(f"msk plan: {to_add} to add, {msk_clusters} MSK clusters")
     assert msk_clusters == 2
 
-    applied = _run(terraform, env_dir, env, moto_endpoint, tf, "apply", "-auto-approve",
-                   "-var-file=emulated.tfvars.json")
+    applied = _run(moto_endpoint, tf, "apply", "-auto-approve", "-var-file=emulated.tfvars.json")
     added = _count(r"Apply complete! Resources: (\d+) added", applied)
     managed = [a for a in terraform.run("state", "list", cwd=env_dir, env=env).stdout.split()
                if not a.startswith("data.") and ".data." not in a]
@@ -382,8 +372,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
 
     # The second plan has just refreshed every resource: destroy what the state holds, without another refresh.
     _recorder(moto_endpoint, "start-recording")
-    destroyed = _run(terraform, env_dir, env, moto_endpoint, tf, "destroy", "-auto-approve", "-refresh=false",
-                     "-var-file=emulated.tfvars.json")
+    destroyed = _run(moto_endpoint, tf, "destroy", "-auto-approve", "-refresh=false", "-var-file=emulated.tfvars.json")
     gone = _count(r"Destroy complete! Resources: (\d+) destroyed", destroyed)
     print(f"destroy: {gone} destroyed ({time.monotonic() - started:.0f} s in all)")
     assert gone == added
