@@ -120,6 +120,8 @@ class RolloutWorker:
         self.episodes_failed = 0
         """Episodes that ended on an environment error with the failure reward (`env.on_error`)."""
         self.groups_handed_over = 0
+        self.handed_over_by_reason: Counter[str] = Counter()
+        """Groups handed back as partials, by the reason each carries in `handed_over_by` (listed above)."""
         self.dead_lettered: Counter[str] = Counter()
         """Records this worker sent to the dead-letter topic, by reason (bad prompts, failed rewards)."""
         self.tokens_generated = 0
@@ -400,6 +402,7 @@ class RolloutWorker:
         await self.producer.send("partials", job.group_id, record)
         crash_point("rollout.partial.produced")
         self.groups_handed_over += 1
+        self.handed_over_by_reason[reason] += 1
         log.info("worker.handed_over", group_id=job.group_id, reason=reason,
                  tokens=sum(len(s.completion_ids) for s in record.samples))
         await self._mark_done(job.delivery)
@@ -536,7 +539,7 @@ class RolloutWorker:
                       uncommitted=self._commits.outstanding())
             return
         log.info("worker.stopped", reason=reason, seconds=round(time.monotonic() - started, 3),
-                 groups_done=self.groups_done, handed_over=self.groups_handed_over,
+                 groups_done=self.groups_done, handed_over=dict(self.handed_over_by_reason),
                  engine_busy_s=round(self.engine_busy_s, 3), tokens_sampled=self.engine.tokens_sampled,
                  uptime_s=round(time.monotonic() - self._started, 3))
 
