@@ -17,12 +17,16 @@ records waiting, lower ones (`prompts`) are paused and not returned.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.protocol.group import LeaveGroupRequest
 
@@ -96,6 +100,7 @@ class Consumer:
         session_timeout_s: float = 6.0,
         heartbeat_interval_s: float = 1.0,
         max_poll_interval_s: float = 600.0,
+        on_assigned: Callable[[set[TP]], None] | None = None,
     ) -> None:
         if not streams or len(set(streams)) != len(streams) or "dead-letter" in streams:
             raise ValueError(f"streams must be distinct data streams, got {streams!r}")
@@ -111,6 +116,8 @@ class Consumer:
         self._tracker = OffsetTracker()
         self._dead_count = 0
         self._pending_seeks: dict[TP, int] = {}
+        self._on_assigned_hook = on_assigned
+        """Told each new assignment (every partition this member now owns) after a rebalance."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -132,6 +139,7 @@ class Consumer:
             heartbeat_interval_ms=int(heartbeat * 1000),
             max_poll_interval_ms=int(max_poll * 1000),
             fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
+            partition_assignment_strategy=(_assignor(self.config.kafka.partition_assignment, self.client_id),),
         )
         self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
         try:
@@ -447,9 +455,20 @@ class Consumer:
             if offset is not None:
                 self._c.seek(tp, offset)
         log.info("consumer.assigned", group=self.group, client_id=self.client_id, partitions=len(assigned))
+        if self._on_assigned_hook is not None:
+            self._on_assigned_hook({(tp.topic, tp.partition) for tp in assigned})
 
     def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._tracker.forget((tp.topic, tp.partition) for tp in revoked)
+
+
+def _assignor(kind: str, client_id: str) -> type[AbstractPartitionAssignor]:
+    """The group's assignment strategy. aiokafka's sticky assignor keeps the member's last assignment
+    and generation on the class, so each consumer gets a subclass of its own: two consumers of one
+    process (tests, a trainer's several groups) would otherwise describe each other's partitions."""
+    if kind == "round_robin":
+        return RoundRobinPartitionAssignor
+    return type(f"Sticky_{client_id}", (StickyPartitionAssignor,), {})
 
 
 class _Rebalance(ConsumerRebalanceListener):

@@ -9,6 +9,7 @@ that is done; the consumer then commits one past the last of them (DESIGN.md §3
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from fleetrl.broker import Delivery
 
@@ -16,16 +17,41 @@ TP = tuple[str, int]
 
 
 class CommitQueue:
-    def __init__(self) -> None:
+    def __init__(self, remember: int = 4096) -> None:
         self._owed: dict[TP, OrderedDict[int, tuple[Delivery, bool]]] = {}
+        self._handed: OrderedDict[tuple[TP, int], None] = OrderedDict()
+        self._remember = remember
 
     def owe(self, d: Delivery) -> None:
         """A delivery was taken on; its offset may not be committed until `done(d)`."""
         self._owed.setdefault(d.tp, OrderedDict())[d.offset] = (d, False)
 
     def done(self, d: Delivery) -> None:
-        """The delivery's effect (a produced record) is acknowledged."""
-        self._owed[d.tp][d.offset] = (d, True)
+        """The delivery's effect (a produced record) is acknowledged. One forgotten meanwhile (its
+        partition moved to another member) stays forgotten: its new owner commits it."""
+        queue = self._owed.get(d.tp)
+        if queue is not None and d.offset in queue:
+            queue[d.offset] = (d, True)
+
+    def owes(self, d: Delivery) -> bool:
+        """This record was taken on and not yet handed out for commit (a re-delivery of it is the same work)."""
+        return d.offset in self._owed.get(d.tp, ())
+
+    def handed_out(self, d: Delivery) -> bool:
+        """This record's effect was durable and its offset handed out for commit: a re-delivery (the commit
+        lost to a rebalance) needs no work, only the commit (the last `remember` records)."""
+        return (d.tp, d.offset) in self._handed
+
+    def forget(self, keep: Callable[[Delivery], bool]) -> list[Delivery]:
+        """Drop the owed deliveries `keep` refuses (their partition went to another member, which reads
+        them again from the committed offset); returns them."""
+        dropped = []
+        for queue in self._owed.values():
+            for offset, (d, _) in list(queue.items()):
+                if not keep(d):
+                    dropped.append(d)
+                    del queue[offset]
+        return dropped
 
     def ready(self) -> list[Delivery]:
         """Deliveries that may be committed now (each partition's done prefix); forgets them."""
@@ -37,6 +63,9 @@ class CommitQueue:
                     break
                 out.append(delivery)
                 del queue[offset]
+                self._handed[(delivery.tp, offset)] = None
+        while len(self._handed) > self._remember:
+            self._handed.popitem(last=False)
         return out
 
     def outstanding(self) -> int:

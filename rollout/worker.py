@@ -120,6 +120,8 @@ class RolloutWorker:
         self.episodes_failed = 0
         """Episodes that ended on an environment error with the failure reward (`env.on_error`)."""
         self.groups_handed_over = 0
+        self.redelivered = 0
+        """Records delivered again after a rebalance while this worker still held them (not work twice)."""
         self.handed_over_by_reason: Counter[str] = Counter()
         """Groups handed back as partials, by the reason each carries in `handed_over_by` (listed above)."""
         self.dead_lettered: Counter[str] = Counter()
@@ -176,7 +178,8 @@ class RolloutWorker:
                             on_dead_letter=self._count_dead_letter) as producer:
             self.producer = producer
             async with Consumer(self.config, self.region, ["partials", "prompts"], rollout_group(self.config.run),
-                                limits, producer, self.client_id, priority=True) as consumer:
+                                limits, producer, self.client_id, priority=True,
+                                on_assigned=self._on_assigned) as consumer:
                 self.consumer = consumer
                 if not await self.weights.load_first(lambda: stop.is_set() or bool(preempted and preempted.is_set())):
                     return
@@ -262,7 +265,18 @@ class RolloutWorker:
             log.warning("worker.dead_letter_commit_failed", error=str(exc))
 
     def _take_on(self, d: Delivery) -> None:
+        if self._commits.owes(d):
+            # The same record again (a rebalance reset the position to the committed offset): the delivery
+            # taken on first still owes its effect; marking this one done would commit it early.
+            self.redelivered += 1
+            log.info("worker.redelivered", stream=d.stream, partition=d.partition, offset=d.offset)
+            return
         self._commits.owe(d)
+        if self._commits.handed_out(d):  # its group was produced; the commit was lost to a rebalance
+            self.redelivered += 1
+            log.info("worker.redelivered", stream=d.stream, partition=d.partition, offset=d.offset, produced=True)
+            self._spawn(self._mark_done(d))
+            return
         try:
             job = Job.from_delivery(d, self.codec)
         except TaskError as exc:  # a chat prompt the tokenizer cannot render
@@ -282,6 +296,19 @@ class RolloutWorker:
         log.info("worker.admitted", group_id=job.group_id, stream=d.stream, offset=d.offset)
         self._waiting.append(job)
         self._work_arrived.set()
+
+    def _on_assigned(self, owned: set[tuple[str, int]]) -> None:
+        """After a rebalance: give up the admitted groups not yet started whose partition went to another
+        member (it reads them again from the committed offset; starting them here would generate them
+        twice). Groups already decoding stay: their effect may still arrive first."""
+        started = {(job.delivery.tp, job.delivery.offset) for job in self._jobs.values()}
+        gone = self._commits.forget(lambda d: d.tp in owned or (d.tp, d.offset) in started)
+        released = {(d.tp, d.offset) for d in gone}
+        if not released:
+            return
+        before = len(self._waiting)
+        self._waiting = [job for job in self._waiting if (job.delivery.tp, job.delivery.offset) not in released]
+        log.info("worker.released", groups=before - len(self._waiting), offsets=len(released))
 
     async def _stop_intake(self, intake: asyncio.Task[None]) -> None:
         """Let a poll in progress finish (its records join the handover); cancel one that hangs."""

@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import IO, Any
 
 import numpy as np
 import pytest
 import torch
+from aiokafka.partitioner import DefaultPartitioner
 from rollout_testkit import (
     HUB_KEY,
     REGION,
@@ -31,7 +32,17 @@ from rollout_testkit import (
     setup_topics,
 )
 
-from fleetrl.broker import SCHEMA_HEADER, SCHEMA_PROMPT, Producer, group_lag, topic_name
+from fleetrl.broker import (
+    SCHEMA_HEADER,
+    SCHEMA_PROMPT,
+    Consumer,
+    Producer,
+    PromptRecord,
+    RecordLimits,
+    group_lag,
+    rollout_group,
+    topic_name,
+)
 from fleetrl.config import FleetConfig
 from fleetrl.rollout.worker import RolloutWorker
 
@@ -180,6 +191,73 @@ async def test_sigkill_before_commit_redoes_the_prompts(
     out = groups(await read_stream(config, "trajectories", 4, timeout_s=20))
     assert sorted(g.group_id for g in out) == sorted(p.group_id for p in sent)
     assert all(g.node == "survivor" and all((s.versions == 1).all() for s in g.samples) for g in out)
+
+
+def _two_per_partition(records: list[PromptRecord], partitions: int) -> list[PromptRecord]:
+    """Two records per partition of the topic, by the producer's own key hash (aiokafka's default)."""
+    hashed, picked = DefaultPartitioner(), defaultdict(list)
+    for r in records:
+        part = hashed(r.group_id.encode(), list(range(partitions)), list(range(partitions)))
+        if len(picked[part]) < 2:
+            picked[part].append(r)
+    assert len(picked) == partitions and all(len(v) == 2 for v in picked.values())
+    return [r for part in sorted(picked) for r in picked[part]]
+
+
+async def test_a_member_joining_and_leaving_commits_nothing_early_and_loses_nothing(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path
+) -> None:
+    """Prompts wait uncommitted for a version not yet published while a second member joins the rollout
+    group and leaves again (a spot node's life). Each of the four prompt partitions holds two; the
+    visitor takes three of the six partitions, so at least one prompt partition stays and one moves.
+    The worker reads its kept partitions again from their committed offsets: those re-delivered
+    prompts are the same work, not done (before, it counted them done and committed prompts it had not
+    produced). Prompts of partitions that went to the visitor are given up here and read again after
+    it leaves; at the end every prompt is produced exactly once."""
+    data = fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", max_groups_in_flight=4)
+    data["kafka"]["partitions"] = {"prompts": 4, "partials": 2, "trajectories": 2, "dead_letter": 1}
+    config = make_config(data)
+    publish_tiny(config)
+    await setup_topics(config)
+    sent = _two_per_partition(prompts(config, 64, max_new_tokens=4, min_version=1), 4)
+    await send_prompts(config, sent)
+    worker, stop = RolloutWorker(config, REGION, "n1"), asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    loop = asyncio.get_running_loop()
+    try:
+        deadline = loop.time() + 60
+        while worker.stats()["groups_in_flight"] < 8 and loop.time() < deadline and not task.done():
+            await asyncio.sleep(0.05)
+        assert worker.stats()["groups_in_flight"] == 8  # all admitted, all waiting for version 1
+        limits = RecordLimits.from_config(config)
+        async with Producer(config, REGION, "visitor") as producer:
+            visitor = Consumer(config, REGION, ["partials", "prompts"], rollout_group(config.run), limits,
+                               producer, "visitor")
+            async with visitor:  # joined and assigned once it starts; it never polls, so reads nothing
+                moved = visitor.assignment()
+                prompts_topic = topic_name(config.run, "prompts")
+                assert len(moved) == 3 and sum(t == prompts_topic for t, _ in moved) >= 1  # one of 4 stays at least
+                deadline = loop.time() + 30
+                while worker.consumer.assignment() & moved or not worker.consumer.assignment():
+                    assert loop.time() < deadline, "the worker was never re-assigned"
+                    await asyncio.sleep(0.1)
+                on_moved = 2 * sum(t == prompts_topic for t, _ in moved)
+                deadline = loop.time() + 30  # the kept partitions' records come again from the committed offsets
+                while worker.redelivered < 8 - on_moved and loop.time() < deadline:
+                    await asyncio.sleep(0.1)
+                assert worker.redelivered == 8 - on_moved
+                assert await _rollout_lag(config) == 8, "a prompt was committed before its group was produced"
+                assert worker.stats()["groups_in_flight"] == 8 - on_moved  # the visitor's were given up
+        publish_tiny(config, seed=1)  # version 1: the worker, alone again, produces every prompt
+        deadline = loop.time() + 90
+        while worker.groups_done < 8 and loop.time() < deadline and not task.done():
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
+    out = groups(await read_stream(config, "trajectories", 9, timeout_s=10))
+    assert sorted(g.group_id for g in out) == sorted(p.group_id for p in sent)  # each once: none lost, none twice
+    assert await _rollout_lag(config) == 0
 
 
 async def test_sigterm_mid_generation_hands_over_tokens_that_another_worker_keeps(
