@@ -117,6 +117,8 @@ class CostResult:
     spot_preemptions: int
     audit_ok: bool
     audit: dict[str, Any] = field(default_factory=dict)
+    start: dict[str, float] = field(default_factory=dict)
+    """Median seconds from a replacement node's spawn to each phase of its start (`START_PHASES`)."""
 
     @property
     def groups_per_usd(self) -> float:
@@ -149,6 +151,7 @@ class CostRun(Run):
         self.warm_s = plan.warm_s
         """Seconds from the start before the measured window may open (the same for both fleets)."""
         self._spot_made = 0
+        self.replacement_logs: list[pathlib.Path] = []
 
     def warm_steps(self, done: list[float]) -> int:
         """The window opens at the first step `warm_s` after the trainer started (and after the pipeline
@@ -221,6 +224,7 @@ class CostRun(Run):
                 self._spot_made += 1
                 fresh = f"{node.split('-')[0]}-{self._spot_made}"
                 self._start_agent("r1", fresh)
+                self.replacement_logs.append(self.agent_logs[-1][1])
                 self.spot_due[fresh] = now + self.plan.spot_preempt_every_s
                 self.replaced.add(node)
             if now < due:
@@ -270,7 +274,32 @@ class CostRun(Run):
             tokens_sampled=int(grew("tokens_sampled_total")), node_s=grew("node_s_total"),
             serving_s=grew("serving_s_total"), groups_resent=int(grew("groups_resent_total")),
             tokens_regenerated=int(grew("tokens_regenerated_total")), spot_preemptions=run.preemptions,
-            audit_ok=bool(audit.get("ok")), audit=audit)
+            audit_ok=bool(audit.get("ok")), audit=audit, start=start_phases(self.replacement_logs))
+
+
+START_PHASES = (("agent up", "agent.started"), ("worker spawned", "agent.worker_started"),
+                ("engine built", "worker.engine_built"), ("consumer joined", "consumer.assigned"),
+                ("first weights", "weights.staged"), ("loop", "worker.started"), ("first group", "worker.group_done"))
+"""A node's start, phase by phase: the first event of each kind in its agent's log (the worker's are relayed
+there), from the bench's spawn of the agent process."""
+
+
+def start_phases(logs: list[pathlib.Path]) -> dict[str, float]:
+    """Median seconds from a node's spawn to each phase's first event, over the nodes that reached the
+    last phase (the replacements' start, with everything that shares the machine's cores)."""
+    seen: dict[str, list[float]] = {name: [] for name, _ in START_PHASES}
+    for log in logs:
+        evs = events(log)
+        spawned = next((_ts(e) for e in evs if e.get("event") == "bench.agent_spawned"), None)
+        first = {}
+        for e in evs:
+            first.setdefault(e.get("event"), _ts(e))
+        if spawned is None or START_PHASES[-1][1] not in first:
+            continue
+        for name, event in START_PHASES:
+            if event in first:
+                seen[name].append(first[event] - spawned)
+    return {name: statistics.median(v) for name, v in seen.items() if v}
 
 
 def run_pair(fleet: Fleet, plan: CostPlan, seed: int, timeout_s: float) -> tuple[CostResult, CostResult]:
@@ -316,6 +345,9 @@ def show(r: CostResult, plan: CostPlan) -> None:
           f"{r.run.tokens_handed_over}, moved {r.run.tokens_moved}; reward (last 3 of {r.run.steps}) "
           f"{r.run.reward():.3f}; audit {'ok' if r.audit_ok else 'FAILED: ' + str(r.audit.get('problems'))}",
           flush=True)
+    if r.start:
+        print("    a replacement's start (median s from its spawn): "
+              + ", ".join(f"{name} {s:.1f}" for name, s in r.start.items()), flush=True)
 
 
 def compare(fleet: Fleet, plan: CostPlan, seeds: int, timeout_s: float) -> dict[str, float]:
@@ -344,6 +376,7 @@ def compare(fleet: Fleet, plan: CostPlan, seeds: int, timeout_s: float) -> dict[
         "reward_delta": statistics.fmean(h - o for o, h in rewards),
         "reward_spread_on_demand": max(o for o, _ in rewards) - min(o for o, _ in rewards),
         "spot_preemptions": statistics.fmean(h.spot_preemptions for _, h in pairs),
+        "start_to_first_group_s": statistics.fmean(h.start.get("first group", float("nan")) for _, h in pairs),
         "spot_nodes": float(plan.spot_nodes),
         "audit_ok": float(all(o.audit_ok and h.audit_ok for o, h in pairs)),
     }

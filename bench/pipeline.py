@@ -66,6 +66,7 @@ The last line:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -340,6 +341,8 @@ class Run:
         notice = self.root / f"notice-{region}-{node}-{self.generation[key]}"
         log = self.logs / f"agent-{region}-{node}-{self.generation[key]}.log"
         self.agent_logs.append((region, log))
+        stamp = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+        log.write_text(json.dumps({"event": "bench.agent_spawned", "timestamp": stamp}) + "\n")  # start phases
         self.agents[key] = self._spawn(["agent", "--config", str(self.config_path), "--region", region, "--node",
                                         node, "--notice-file", str(notice)], log)
 

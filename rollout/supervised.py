@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import IO, Any
 
 from fleetrl.config import FleetConfig
@@ -58,7 +59,9 @@ class _Channel:
 async def serve_supervised(config: FleetConfig, region: str, node: str, engine_index: int) -> None:
     """Build engine `engine_index`, run the worker until told to stop, hand over and return."""
     channel = _Channel()
+    started = time.monotonic()
     engine = await asyncio.to_thread(build_engine, config, region, node, engine_index)
+    log.info("worker.engine_built", engine=engine_index, seconds=round(time.monotonic() - started, 3))
     worker = RolloutWorker(config, region, node, engine=engine)
     stop, preempted = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
