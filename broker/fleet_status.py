@@ -4,6 +4,13 @@ Shows the announced policy, each region's replica announcement, and each node's 
 engines. A node whose heartbeat is older than three heartbeat intervals and not `offline` is marked
 stale (its agent is gone and its last will has not fired yet, or the clock is off). `--watch S` keeps
 the client connected and redraws every S seconds until Ctrl-C.
+
+The broker sends the retained messages right after the client subscribes, but how soon depends on the
+broker and its load. So `status` reads until the state it can know to expect is in, the policy and a
+heartbeat of every node the config lists, then takes what else comes in the same burst (nodes the
+config does not list, such as auto-scaled ones, and replica announcements): it ends once nothing new
+has come for `_SETTLE_S`. `--wait-s` bounds the whole read; past it, it shows what it has (no policy
+announced yet, a listed node never heard from).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from rich.text import Text
 from fleetrl.broker.errors import BrokerError
 from fleetrl.broker.mqtt import ControlPlane
 from fleetrl.config import FleetConfig
+
+_SETTLE_S = 0.2
+"""Once the expected state is in: how long without a new retained message ends the read."""
 
 
 def status(args: argparse.Namespace, config: FleetConfig) -> int:
@@ -46,13 +56,29 @@ def status(args: argparse.Namespace, config: FleetConfig) -> int:
 
 async def _collect(config: FleetConfig, wait_s: float) -> dict[str, Any]:
     async with ControlPlane(config, f"fleetrl-status-{os.getpid()}", watch_replicas=True) as cp:
-        await asyncio.sleep(wait_s)  # retained messages arrive right after subscribing
+        await _read_retained(config, cp, wait_s)
         return fleet_view(config, cp)
+
+
+async def _read_retained(config: FleetConfig, cp: ControlPlane, wait_s: float) -> None:
+    """Wait, at most `wait_s`, until `cp` holds the policy and a heartbeat of every node `config` lists,
+    then until no retained message has come for `_SETTLE_S`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not (complete := _expected_state_in(config, cp)) and (left := deadline - loop.time()) > 0:
+        await cp.changed(left)
+    while complete and (left := deadline - loop.time()) > 0 and await cp.changed(min(_SETTLE_S, left)):
+        pass  # a message of the same burst: an unlisted node, a replica announcement
+
+
+def _expected_state_in(config: FleetConfig, cp: ControlPlane) -> bool:
+    listed = {(region.name, node.name) for region in config.regions for node in region.nodes}
+    return cp.policy is not None and listed <= cp.nodes.keys()
 
 
 async def _watch(config: FleetConfig, args: argparse.Namespace) -> None:
     async with ControlPlane(config, f"fleetrl-status-{os.getpid()}", watch_replicas=True) as cp:
-        await asyncio.sleep(min(args.wait_s, args.watch))
+        await _read_retained(config, cp, min(args.wait_s, args.watch))
         with Live(render(fleet_view(config, cp)), auto_refresh=False) as live:
             while True:
                 await asyncio.sleep(args.watch)

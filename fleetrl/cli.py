@@ -134,7 +134,9 @@ def _add_daemons(sub: Any) -> None:
 def _add_operations(sub: Any) -> None:
     p = _cmd(sub, "status", "fleetrl.broker.fleet_status:status", "fleet view from the MQTT retained state")
     _json(p)
-    p.add_argument("--wait-s", type=float, default=2.0, help="how long to collect retained messages")
+    p.add_argument("--wait-s", type=float, default=2.0,
+                   help="how long to collect retained messages, at most: it shows the fleet as soon as it has the "
+                        "policy and a heartbeat of every node the config lists (and what else came with them)")
     p.add_argument("--watch", type=float, default=None, metavar="S",
                    help="stay connected and redraw every S seconds (Ctrl-C ends it)")
     ctl = sub.add_parser("control", help="send a command to every node of a region").add_subparsers(

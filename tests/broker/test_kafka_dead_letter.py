@@ -180,8 +180,9 @@ def test_a_members_lag_counts_the_records_it_has_not_read(outcome: Outcome) -> N
 
 async def _flood(bootstrap: str, n_bad: int) -> tuple[list[Delivery], int, list[DeadLetter], int]:
     """`n_bad` undecodable records, then one good group, all in one partition; a consumer polling one
-    record at a time. Returns what it delivered, how many polls that took, the dead letters and the
-    group's lag after the commit."""
+    record at a time. Returns what it delivered, how many polls that read records took (polls that came
+    back empty, while the group joined or a fetch was on its way, say nothing of the batching), the dead
+    letters and the group's lag after the commit."""
     config = make_config(fleet_yaml(f"t{uuid.uuid4().hex[:10]}", bootstrap))
     await ensure_topics(config, "r1")
     topic = topic_name(config.run, "trajectories")
@@ -192,12 +193,15 @@ async def _flood(bootstrap: str, n_bad: int) -> tuple[list[Delivery], int, list[
         async with Consumer(config, "r1", ["trajectories"], trainer_group(config.run),
                             RecordLimits.from_config(config), producer, "flood-consumer") as consumer:
             delivered: list[Delivery] = []
-            polls = 0
+            polls = attempts = 0
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + 60
-            while not delivered and polls < 2 * n_bad and loop.time() < deadline:
-                delivered += await consumer.poll(max_records=1, timeout_s=0.5)
-                polls += 1
+            deadline = loop.time() + 120
+            while not delivered and attempts < 4 * n_bad and loop.time() < deadline:
+                dead_before = consumer.dead_count
+                got = await consumer.poll(max_records=1, timeout_s=0.5)
+                delivered += got
+                attempts += 1
+                polls += bool(got) or consumer.dead_count > dead_before
             await consumer.commit(delivered)
     letters = await read_dead_letters(config, "r1", limit=2 * n_bad)
     lag = sum(row.lag for row in await group_lag(config, "r1") if row.topic.endswith("trajectories"))

@@ -53,7 +53,7 @@ def clusters() -> Iterator[dict[str, devstack.ServerProcess]]:
 
 
 def fleet(run_id: str, tmp: pathlib.Path, clusters: dict[str, devstack.ServerProcess], mqtt_port: int, *,
-          handover_timeout_s: float = 8.0, max_groups_in_flight: int = 4) -> FleetConfig:
+          handover_timeout_s: float = 8.0, max_groups_in_flight: int = 4, a_step_delay_s: float = 0.15) -> FleetConfig:
     store = (tmp / "hub").as_uri()  # every region reads the home store: no replicator needed here
 
     def region(name: str, step_delay_s: float) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def fleet(run_id: str, tmp: pathlib.Path, clusters: dict[str, devstack.ServerPro
                     "min_version_wait_s": 60.0, "stats_interval_s": 60.0,
                     "max_groups_in_flight": max_groups_in_flight},
         "trainer": {"checkpoint_dir": str(tmp / "ckpt"), "checkpoint_every": 1},
-        "regions": [region("a", 0.15), region("b", 0.0)],
+        "regions": [region("a", a_step_delay_s), region("b", 0.0)],
     })
 
 
@@ -183,7 +183,10 @@ async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_o
     unread in its region's
     `prompts` have no partial coming, so they move as prompts once the trainer has read the region's
     partials to their end: not after the handover bound, 600 s here (the test's own bound is 180 s)."""
-    config = fleet(run_id, tmp_path, clusters, mqtt_server.port, handover_timeout_s=600.0, max_groups_in_flight=1)
+    # a's groups take 12 s each (24 steps of 0.5 s): the trainer's handover consumer joins its group while a
+    # still holds more than 2 of them, however long the join takes on busy cores (the drain comes once it has).
+    config = fleet(run_id, tmp_path, clusters, mqtt_server.port, handover_timeout_s=600.0, max_groups_in_flight=1,
+                   a_step_delay_s=0.5)
     for region in ("a", "b"):
         await ensure_topics(config, region)
     trainer = Trainer(config, reverse_prompts, Learner(config.model, config.algorithm, DistContext()))

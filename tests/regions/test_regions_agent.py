@@ -122,7 +122,7 @@ async def test_two_workers_a_killed_one_is_restarted_and_its_groups_redone_and_s
         await wait_for_beat(cp, "n2", lambda b: b.state == "offline", timeout_s=30)
     status = await asyncio.to_thread(subprocess.run, [
         sys.executable, "-m", "fleetrl.cli", "status", "--json", "--config", str(tmp_path / "fleet-n1.yaml"),
-        "--wait-s", "1"], capture_output=True, text=True, timeout=60)
+        "--wait-s", "20"], capture_output=True, text=True, timeout=60)  # ends once n1's and n2's beats are in
     assert status.returncode == 0, status.stderr
     nodes = {n["node"]: n for n in json.loads(status.stdout)["nodes"]}
     assert set(nodes) == {"n1", "n2"}

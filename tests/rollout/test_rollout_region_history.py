@@ -214,20 +214,30 @@ async def test_a_log_tail_starts_a_window_before_each_end_or_where_it_stopped(
     log = await read_log(config, REGION, topic_name(config.run, "trajectories"))
     ends = {r.partition: r.offset + 1 for r in sorted(log, key=lambda r: r.offset)}
 
-    async def tail(window: int, from_offsets: dict[int, int] | None = None) -> set[tuple[int, int]]:
+    async def tail(window: int, expected: set[tuple[int, int]],
+                   from_offsets: dict[int, int] | None = None) -> set[tuple[int, int]]:
+        """What the tail reads: until it has read `expected` (however long its fetches take), then once
+        more, briefly, for anything it should not have read."""
         got: set[tuple[int, int]] = set()
         async with LogTail(config, REGION, "trajectories", "test-tail", window=window,
                            from_offsets=from_offsets) as t:
-            for _ in range(4):  # nothing more arrives: a few empty reads end it
-                got |= {(r.partition, r.offset) for r in await t.read(100, 0.3)}
+            async with asyncio.timeout(30):
+                for _ in range(300):
+                    if got >= expected:
+                        break
+                    got |= {(r.partition, r.offset) for r in await t.read(100, 0.3)}
+            got |= {(r.partition, r.offset) for r in await t.read(100, 0.3)}
         return got
 
     assert len(ends) == 2 and sum(ends.values()) == 8
-    assert await tail(2) == {(p, o) for p, end in ends.items() for o in (end - 2, end - 1)}
-    assert await tail(100) == {(r.partition, r.offset) for r in log}  # a short log: all of it
-    assert await tail(100, {p: end - 1 for p, end in ends.items()}) == {(p, end - 1) for p, end in ends.items()}
-    assert await tail(2, {p: 0 for p in ends}) == await tail(2)  # never further back than the window
-    assert await tail(0) == set()
+    last_two = {(p, o) for p, end in ends.items() for o in (end - 2, end - 1)}
+    last = {(p, end - 1) for p, end in ends.items()}
+    everything = {(r.partition, r.offset) for r in log}
+    assert await tail(2, last_two) == last_two
+    assert await tail(100, everything) == everything  # a short log: all of it
+    assert await tail(100, last, {p: end - 1 for p, end in ends.items()}) == last
+    assert await tail(2, last_two, {p: 0 for p in ends}) == last_two  # never further back than the window
+    assert await tail(0, set()) == set()
 
 
 # -- the worker ----------------------------------------------------------------------------------

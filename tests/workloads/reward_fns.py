@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from typing import Any
+
+RELEASE_SLOW = threading.Event()
+"""Lets `picky`'s slow call return. A test sets it once the call's `reward.timeout_s` has fired: the call
+blocks past any timeout, however fast or slow the machine (and its thread would otherwise hold the exit)."""
+SLOW_BOUND_S = 60.0
+"""How long the slow call waits for `RELEASE_SLOW` at most: a bound, should a test never let it go."""
 
 
 def _text(c: Any) -> str:
@@ -38,7 +44,7 @@ def picky(completions: list[Any], mode: list[str], **kwargs: Any) -> list[Any]:
     if m == "nan":
         return [float("nan")] * len(completions)
     if m == "slow":
-        time.sleep(3)
+        RELEASE_SLOW.wait(SLOW_BOUND_S)
     if m == "short":
         return [1.0]
     return [1.0] * len(completions)

@@ -12,7 +12,11 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.tools.core import ToolGroup, tool
 
 RELEASE = threading.Event()
-"""Set by the tests at the end: the hanging tool returns (its thread would otherwise hold the exit)."""
+"""Lets the hanging tool go (it then raises). A test sets it once the other groups are done, so that they
+finished while the tool hung by construction, or at its end, after `tool_timeout_s` gave the tool up (its
+thread would otherwise hold the exit)."""
+HANG_BOUND_S = 60.0
+"""How long the hanging tool waits for `RELEASE` at most: a bound, should a test never let it go."""
 
 
 class GuessGame(BaseTextEnv):
@@ -44,7 +48,8 @@ class LookupTools(ToolGroup):
         if self.mode == "raise":
             raise KeyError(f"no table for {key!r}")
         if self.mode == "hang":
-            RELEASE.wait(timeout=30)
+            RELEASE.wait(timeout=HANG_BOUND_S)
+            raise RuntimeError(f"the lookup of {key.strip()[:8]!r} hung until the test let it go")
         return f"value of {key.strip()[:8]!r} is {len(key) % 10}"
 
 

@@ -3,12 +3,17 @@ own single-turn `gsm8k` and multi-turn `gsm8k_multi_turn`, a guessing game and a
 against its API in skyrl_envs.py); every token the trainer learns is the engine's, turn by turn, or the
 chat template's rendering of an environment turn (marked in `segments`); a raising tool and a hanging
 tool end their episodes with the failure reward (or dead-letter the group with `env_error`) while the
-worker goes on."""
+worker goes on.
+
+The hanging tool hangs until the test lets it go, once the other groups are done: they finish while it
+hangs by construction, however slow the machine. Where `env.tool_timeout_s` is not what a test checks it
+is generous (an ordinary step never reaches it); the short timeout is tested on a group of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,16 +31,28 @@ pytestmark = pytest.mark.integration
 REGION = "r1"
 HERE = pathlib.Path(__file__).parent
 TURN_TOKENS = 6
+GENEROUS_TOOL_TIMEOUT_S = 60.0  # only a hang reaches it
 
 
-def _config(run_id: str, bootstrap: str, store: pathlib.Path, model: pathlib.Path, on_error: str) -> FleetConfig:
+@pytest.fixture(autouse=True)
+def _hanging_tool() -> Iterator[None]:
+    """The hanging tool hangs until a test lets it go; whatever a test did, it goes at the end."""
+    from skyrl_envs import RELEASE
+
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+def _config(run_id: str, bootstrap: str, store: pathlib.Path, model: pathlib.Path, on_error: str,
+            tool_timeout_s: float = GENEROUS_TOOL_TIMEOUT_S) -> FleetConfig:
     data: dict[str, Any] = {
         "run": run_id,
         "model": {"path": str(model)},
         "algorithm": {"n_samples": 2, "max_new_tokens": 64},
         "dataset": {"task": "tools", "max_prompt_tokens": 64,
                     "env": {"name": "skyrl_envs:LookupEnv", "python_path": [str(HERE)], "max_turns": 3,
-                            "max_episode_tokens": 200, "tool_timeout_s": 1.0, "on_error": on_error,
+                            "max_episode_tokens": 200, "tool_timeout_s": tool_timeout_s, "on_error": on_error,
                             "failure_reward": -1.0, "config": {"max_turns": 3}}},
         "hub": {"home_store": store.as_uri(), "threads": 2, "poll_interval_s": 0.1},
         "kafka": {"partitions": {"prompts": 2, "partials": 1, "trajectories": 2, "dead_letter": 1}},
@@ -60,13 +77,20 @@ def _prompt(config: FleetConfig, name: str, env: dict[str, Any] | None, mode: st
                         messages=[{"role": "user", "content": f"Play {name}."}], columns={"tool_mode": mode})
 
 
-async def _run(worker: RolloutWorker, expected: int) -> None:
+async def _run(worker: RolloutWorker, expected: int, release_at: int | None = None) -> None:
+    """Run `worker` until `expected` groups are done or dead-lettered. With `release_at`: let the hanging
+    tool go once that many are, and not before (the hanging group cannot end until then)."""
+    from skyrl_envs import RELEASE
+
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
         async with asyncio.timeout(90):
-            while worker.groups_done + sum(worker.dead_lettered.values()) < expected:
+            while (ended := worker.groups_done + sum(worker.dead_lettered.values())) < expected:
                 assert not task.done(), "the worker stopped"
+                if release_at is not None and ended >= release_at and not RELEASE.is_set():
+                    assert ended == release_at, "the hanging group ended before the test let its tool go"
+                    RELEASE.set()
                 await asyncio.sleep(0.1)
     finally:
         stop.set()
@@ -90,7 +114,6 @@ def _record_turns(worker: RolloutWorker) -> dict[str, list[tuple[list[int], Part
 async def test_skyrl_environments_run_token_exact_episodes_and_failing_tools_end_theirs(
         run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, qwen2_folder: pathlib.Path) -> None:
     from fleet_testkit import read_stream
-    from skyrl_envs import RELEASE
 
     config = _config(run_id, tansu_bootstrap, tmp_path / "store", qwen2_folder, "failure_reward")
     _publish_folder(config)
@@ -109,10 +132,7 @@ async def test_skyrl_environments_run_token_exact_episodes_and_failing_tools_end
             await producer.send("prompts", r.group_id, r)
     worker = RolloutWorker(config, REGION, "n1")
     turns = _record_turns(worker)
-    try:
-        await _run(worker, len(sent))
-    finally:
-        RELEASE.set()
+    await _run(worker, len(sent), release_at=len(sent) - 1)  # the engine went on while the tool hung
     assert worker.groups_done == len(sent) and not worker.dead_lettered
     assert worker.episodes_failed == 4  # the raising and the hanging tool's episodes, 2 each
 
@@ -120,7 +140,8 @@ async def test_skyrl_environments_run_token_exact_episodes_and_failing_tools_end
            for d in await read_stream(config, REGION, "trajectories", len(sent), timeout_s=20)}
     assert all(isinstance(g, GroupRecord) and g.schema == "fleetrl.group/2" for g in out.values())
     template = TurnTemplate(worker.codec, sorted(worker.engine.eos_ids))
-    n_turns = {"single": 1, "gsm8k-multi": (1, 3), "guess": (1, 3), "tool": 3, "raise": 1, "hang": 1}
+    n_turns: dict[str, int | tuple[int, int]] = {"single": 1, "gsm8k-multi": (1, 3), "guess": (1, 3), "tool": 3,
+                                                 "raise": 1, "hang": 1}
     for name, g in out.items():
         assert isinstance(g, GroupRecord)
         for i, s in enumerate(g.samples):
@@ -137,7 +158,7 @@ async def test_skyrl_environments_run_token_exact_episodes_and_failing_tools_end
     for name in ("gsm8k-multi", "guess"):  # multi-turn: the environment answered and the model went on
         assert max(len(turns[f"{run_id}-{name}#{i}"]) for i in range(2)) >= 2
     # The engine never waited on the hanging tool: the other groups, turns and all, finished meanwhile.
-    assert max(g.timings.finished for n, g in out.items() if n != "hang") < out["hang"].timings.finished - 0.5
+    assert max(g.timings.finished for n, g in out.items() if n != "hang") < out["hang"].timings.finished
 
 
 def _assert_token_exact(g: GroupRecord, s: Any, episode: list[tuple[list[int], PartialSample]],
@@ -166,9 +187,7 @@ def _assert_token_exact(g: GroupRecord, s: Any, episode: list[tuple[list[int], P
 async def test_env_errors_dead_letter_the_group_when_configured(
         run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, qwen2_folder: pathlib.Path) -> None:
     from fleet_testkit import read_stream
-    from skyrl_envs import RELEASE
 
-    RELEASE.clear()
     config = _config(run_id, tansu_bootstrap, tmp_path / "store", qwen2_folder, "dead_letter")
     _publish_folder(config)
     await ensure_topics(config, REGION)
@@ -178,10 +197,7 @@ async def test_env_errors_dead_letter_the_group_when_configured(
         for r in sent:
             await producer.send("prompts", r.group_id, r)
     worker = RolloutWorker(config, REGION, "n1")
-    try:
-        await _run(worker, len(sent))
-    finally:
-        RELEASE.set()
+    await _run(worker, len(sent), release_at=len(sent) - 1)
     assert worker.groups_done == 1 and worker.dead_lettered == {"env_error": 3}
     out = await read_stream(config, REGION, "trajectories", 1, timeout_s=20)
     assert [d.record.group_id for d in out] == [f"{run_id}-tool"]
@@ -189,8 +205,41 @@ async def test_env_errors_dead_letter_the_group_when_configured(
 
     reasons = {d.key.decode() if d.key else "": d.message for d in await read_dead_letters(config, REGION)}
     assert "KeyError" in reasons[f"{run_id}-raise"]
-    assert "timed out after 1.0s" in reasons[f"{run_id}-hang"]
+    assert "RuntimeError: the lookup of" in reasons[f"{run_id}-hang"]  # a tool error, after the others ended
     assert "not a skyrl-gym environment id" in reasons[f"{run_id}-unknown"]
+
+
+@pytest.mark.parametrize("on_error", ["failure_reward", "dead_letter"])
+async def test_tool_timeout_ends_a_hanging_tools_episodes(
+        on_error: str, run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, qwen2_folder: pathlib.Path) -> None:
+    """`env.tool_timeout_s` bounds an environment call: a tool that never returns (the test lets it go only
+    at the end) ends its episodes with the failure reward, or dead-letters its group. The group runs alone,
+    so the short timeout races nothing: whichever call of its episodes it cuts, the outcome is the same."""
+    from fleet_testkit import read_stream
+    from structlog.testing import capture_logs
+
+    from fleetrl.broker import read_dead_letters
+
+    config = _config(run_id, tansu_bootstrap, tmp_path / "store", qwen2_folder, on_error, tool_timeout_s=1.0)
+    _publish_folder(config)
+    await ensure_topics(config, REGION)
+    hang = _prompt(config, "hang", None, mode="hang")
+    async with Producer(config, REGION, "test-dispatcher") as producer:
+        await producer.send("prompts", hang.group_id, hang)
+    worker = RolloutWorker(config, REGION, "n1")
+    with capture_logs() as logs:
+        await _run(worker, 1)
+    if on_error == "dead_letter":
+        assert worker.groups_done == 0 and worker.dead_lettered == {"env_error": 1}
+        reasons = {d.key.decode() if d.key else "": d.message for d in await read_dead_letters(config, REGION)}
+        assert "timed out after 1.0s (env.tool_timeout_s)" in reasons[hang.group_id]
+        return
+    assert worker.groups_done == 1 and not worker.dead_lettered and worker.episodes_failed == 2
+    failed = [e["error"] for e in logs if e["event"] == "worker.episode_failed"]
+    assert len(failed) == 2 and all("timed out after 1.0s (env.tool_timeout_s)" in e for e in failed)
+    (g,) = [d.record for d in await read_stream(config, REGION, "trajectories", 1, timeout_s=20)]
+    assert isinstance(g, GroupRecord) and g.group_id == hang.group_id
+    assert all(s.reward == -1.0 and s.finish_reason == "abort" for s in g.samples)
 
 
 async def test_episode_handed_over_mid_way_restarts_on_another_worker(

@@ -18,6 +18,17 @@ from fleetrl.rollout.rewards import CustomRewards, GroupInput, load_function
 
 HERE = str(pathlib.Path(__file__).parent)
 CHAT = [{"role": "user", "content": "Say red."}]
+TIMEOUT_S = 5.0  # an ordinary call never reaches it; the slow one blocks until the test lets it go
+
+
+@pytest.fixture(autouse=True)
+def _slow_reward() -> Iterator[None]:
+    """`picky`'s slow call blocks until the test lets it go (well past `reward.timeout_s`)."""
+    import reward_fns
+
+    reward_fns.RELEASE_SLOW.clear()
+    yield
+    reward_fns.RELEASE_SLOW.set()
 
 
 def _rewards(*fns: tuple[str, float], signature: str = "trl", **extra: Any) -> CustomRewards:
@@ -59,13 +70,18 @@ async def test_arguments_are_what_trl_passes() -> None:
 @pytest.mark.parametrize(("mode", "message"), [
     ("raise", r"reward_fns:picky: ValueError: cannot score 2 completions$"),
     ("nan", r"reward_fns:picky: reward 0 is nan, not finite"),
-    ("slow", r"reward_fns:picky: TimeoutError: took longer than reward.timeout_s=0.5"),
+    ("slow", r"reward_fns:picky: TimeoutError: took longer than reward.timeout_s=5.0$"),
     ("short", r"reward_fns:picky: returned 1 rewards for 2 completions"),
 ])
 async def test_a_failing_reward_raises_reward_error(mode: str, message: str) -> None:
-    r = _rewards(("reward_fns:picky", 1.0), timeout_s=0.5)
-    with pytest.raises(RewardError, match=message):
-        await r.score("keywords", _group(["a", "b"], mode=mode))
+    import reward_fns
+
+    r = _rewards(("reward_fns:picky", 1.0), timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(RewardError, match=message):
+            await r.score("keywords", _group(["a", "b"], mode=mode))
+    finally:
+        reward_fns.RELEASE_SLOW.set()  # the slow call's thread returns (after its timeout fired)
     assert r.stats["reward_fns:picky"].errors == 1
     assert (await r.score("keywords", _group(["a", "b"], mode="ok"))).rewards == [1.0, 1.0]  # the next one is scored
 
@@ -136,7 +152,7 @@ async def test_remote_reward_endpoint_with_a_retry(endpoint: _Endpoint) -> None:
 async def test_remote_reward_gives_up_after_its_retries() -> None:
     e = _Endpoint(fail_first=10)
     try:
-        r = _rewards(url=e.url, retries=1, timeout_s=2)
+        r = _rewards(url=e.url, retries=1, timeout_s=TIMEOUT_S)  # each attempt gets its 503 at once
         with pytest.raises(RewardError, match=r"url: HTTP 503 .* \(after 2 attempts\)"):
             await r.score("keywords", _group(["a"]))
     finally:

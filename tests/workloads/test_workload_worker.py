@@ -1,7 +1,11 @@
 """The rollout worker on a local Hugging Face folder (Qwen2, bf16 shards) with chat rows and TRL-style rewards,
 against real tansu: it renders each chat prompt with the tokenizer's chat template (the ids the group
 carries are `apply_chat_template`'s), and a reward that raises, overruns its timeout, returns NaN or the
-wrong number of rewards dead-letters its group with reason `reward_error` while the others go through."""
+wrong number of rewards dead-letters its group with reason `reward_error` while the others go through.
+
+`reward.timeout_s` is generous (an ordinary reward call never reaches it) and the slow reward blocks until
+the test lets it go, after the worker dead-lettered its group: it overruns the timeout however fast the
+machine, and the others never race it however slow."""
 
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ def _config(run_id: str, bootstrap: str, store: pathlib.Path, model: pathlib.Pat
         "algorithm": {"n_samples": 3, "max_new_tokens": 6},
         "dataset": {"task": "keywords", "max_prompt_tokens": 64},  # a label: prompts from the test
         "reward": {"functions": [{"fn": "reward_fns:picky"}, {"fn": "reward_fns:keyword_reward", "weight": 0.5}],
-                   "python_path": [str(HERE)], "timeout_s": 1.0},
+                   "python_path": [str(HERE)], "timeout_s": 5.0},
         "hub": {"home_store": store.as_uri(), "threads": 2, "poll_interval_s": 0.1},
         "kafka": {"partitions": {"prompts": 2, "partials": 1, "trajectories": 2, "dead_letter": 1}},
         "rollout": {"weight_fallback_poll_s": 0.2, "idle_poll_s": 0.1, "handover_timeout_s": 15.0,
@@ -58,9 +62,11 @@ def _prompt(config: FleetConfig, i: int, mode: str) -> PromptRecord:
 
 async def test_chat_rows_render_with_the_template_and_failing_rewards_dead_letter(
         run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, qwen2_folder: pathlib.Path) -> None:
+    import reward_fns
     from fleet_testkit import read_stream
     from transformers import AutoTokenizer
 
+    reward_fns.RELEASE_SLOW.clear()
     config = _config(run_id, tansu_bootstrap, tmp_path / "store", qwen2_folder)
     _publish_folder(config)
     await ensure_topics(config, REGION)
@@ -77,6 +83,7 @@ async def test_chat_rows_render_with_the_template_and_failing_rewards_dead_lette
                 assert not task.done(), "the worker stopped"
                 await asyncio.sleep(0.1)
     finally:
+        reward_fns.RELEASE_SLOW.set()  # the slow call's thread returns (its group was dead-lettered)
         stop.set()
         await asyncio.wait_for(task, timeout=30)
     # max_prompt_tokens counts the rendered prompt: the long one never reaches the engine
