@@ -327,11 +327,16 @@ class Consumer:
         levels = [[tp for tp in assigned if tp.topic == topic] for topic in self._topics]
         for i, tps in enumerate(levels[:-1]):
             if tps and await self._has_backlog(tps):
-                lower = [tp for level in levels[i + 1 :] for tp in level]
-                c.pause(*lower)
-                c.resume(*tps)
-                return await self._getmany(tps, max_records, timeout_s)
-        c.resume(*assigned)
+                # A rebalance may have revoked some meanwhile (a spot region changes members every few
+                # seconds): pausing or resuming a partition no longer held is an error in aiokafka.
+                held = c.assignment()
+                mine = [tp for tp in tps if tp in held]
+                if not mine:
+                    continue
+                c.pause(*(tp for level in levels[i + 1 :] for tp in level if tp in held))
+                c.resume(*mine)
+                return await self._getmany(mine, max_records, timeout_s)
+        c.resume(*c.assignment())
         raw = await self._getmany((), max_records, timeout_s)
         return self._keep_highest(raw)
 
@@ -353,11 +358,27 @@ class Consumer:
         with translated(f"read end offsets of {tps[0].topic}"):
             ends = await bounded(c.end_offsets(tps), self.config.kafka.request_timeout_s, "end offsets")
             for tp in tps:
+                if tp not in c.assignment():  # revoked during an await (aiokafka asserts on it)
+                    continue
                 # tansu with S3 storage under-reports ListOffsets; the fetched high watermark is right.
                 end = max(ends[tp], c.highwater(tp) or 0)
-                if await bounded(c.position(tp), self.config.kafka.request_timeout_s, "position") < end:
+                position = await self._position(tp)
+                if position is not None and position < end:
                     return True
         return False
+
+    async def _position(self, tp: TopicPartition) -> int | None:
+        """This member's read position in `tp`; None once a rebalance has revoked it (its new owner reads it)."""
+        try:
+            async with asyncio.timeout(self.config.kafka.request_timeout_s):
+                with translated("position"):
+                    try:
+                        return await self._c.position(tp)
+                    except IllegalStateError:
+                        return None
+        except TimeoutError as exc:
+            raise KafkaError(f"position: no answer within {self.config.kafka.request_timeout_s:.1f} s",
+                             retriable=True) from exc
 
     async def read_to_end(self) -> bool:
         """Whether this member holds partitions and has read (been handed) every record of each that
@@ -390,12 +411,13 @@ class Consumer:
         c = self._c
         total: int | None = None
         for tp in c.assignment():
+            if tp not in c.assignment():  # revoked during the await of an earlier one
+                continue
             end = c.highwater(tp)
             if end is None:
                 continue
-            try:
-                position = await bounded(c.position(tp), self.config.kafka.request_timeout_s, "position")
-            except IllegalStateError:  # revoked by a rebalance meanwhile: its new owner reports it
+            position = await self._position(tp)
+            if position is None:  # revoked by a rebalance meanwhile: its new owner reports it
                 continue
             total = (total or 0) + max(0, end - position)
         return total
