@@ -101,6 +101,7 @@ class Consumer:
         heartbeat_interval_s: float = 1.0,
         max_poll_interval_s: float = 600.0,
         on_assigned: Callable[[set[TP]], None] | None = None,
+        join_in_background: bool = False,
     ) -> None:
         if not streams or len(set(streams)) != len(streams) or "dead-letter" in streams:
             raise ValueError(f"streams must be distinct data streams, got {streams!r}")
@@ -117,6 +118,10 @@ class Consumer:
         self._dead_count = 0
         self._pending_seeks: dict[TP, int] = {}
         self._on_assigned_hook = on_assigned
+        self._join_in_background = join_in_background
+        """`start()` returns once connected, the group joined in the background (polls return nothing until
+        the first assignment), instead of waiting for the first assignment within the request timeout: in a
+        group whose members change every few seconds a join can take longer than that."""
         """Told each new assignment (every partition this member now owns) after a rebalance."""
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -141,13 +146,16 @@ class Consumer:
             fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
             partition_assignment_strategy=(_assignor(self.config.kafka.partition_assignment, self.client_id),),
         )
-        self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
+        if not self._join_in_background:  # subscribed before start: start() waits for the first assignment
+            self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
         try:
             await connect(self._consumer.start(), self.config, self.region,
                           f"start consumer {self.client_id!r} of group {self.group!r} (region {self.region!r})")
         except BaseException:
             await self.close()
             raise
+        if self._join_in_background:
+            self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
         return self
 
     async def close(self) -> None:

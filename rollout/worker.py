@@ -178,8 +178,8 @@ class RolloutWorker:
                             on_dead_letter=self._count_dead_letter) as producer:
             self.producer = producer
             async with Consumer(self.config, self.region, ["partials", "prompts"], rollout_group(self.config.run),
-                                limits, producer, self.client_id, priority=True,
-                                on_assigned=self._on_assigned) as consumer:
+                                limits, producer, self.client_id, priority=True, on_assigned=self._on_assigned,
+                                join_in_background=True) as consumer:
                 self.consumer = consumer
                 if not await self.weights.load_first(lambda: stop.is_set() or bool(preempted and preempted.is_set())):
                     return
