@@ -119,6 +119,8 @@ class Consumer:
         self._pending_seeks: dict[TP, int] = {}
         self._on_assigned_hook = on_assigned
         self._join_in_background = join_in_background
+        self.rebalance_waits = 0
+        """Polls that came back empty because a rebalance outlasted their bound (`consumer.rebalance_slow`)."""
         """`start()` returns once connected, the group joined in the background (polls return nothing until
         the first assignment), instead of waiting for the first assignment within the request timeout: in a
         group whose members change every few seconds a join can take longer than that."""
@@ -353,10 +355,25 @@ class Consumer:
     ) -> dict[TopicPartition, list[ConsumerRecord[Any, Any]]]:
         what = f"poll group {self.group!r} (region {self.region!r})"
         bound = timeout_s + self.config.kafka.request_timeout_s
-        result: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await bounded(
-            self._c.getmany(*tps, timeout_ms=int(timeout_s * 1000), max_records=max_records), bound, what
-        )
+        try:
+            result: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await bounded(
+                self._c.getmany(*tps, timeout_ms=int(timeout_s * 1000), max_records=max_records), bound, what
+            )
+        except KafkaError as exc:
+            # aiokafka's getmany waits, unbounded, for a rebalance in progress to assign; in a group whose
+            # members change every few seconds (a spot region) one can outlast the bound. That is no
+            # broker failure: nothing was read, and the next poll waits again.
+            if not (isinstance(exc.__cause__, TimeoutError) and self._rebalancing()):
+                raise
+            self.rebalance_waits += 1
+            log.warning("consumer.rebalance_slow", group=self.group, client_id=self.client_id, waited_s=bound)
+            return {}
         return result
+
+    def _rebalancing(self) -> bool:
+        """Whether this member is between a revocation and its next assignment (aiokafka's subscription state)."""
+        subscription = getattr(self._c, "_subscription", None)
+        return bool(getattr(subscription, "reassignment_in_progress", False))
 
     async def _has_backlog(self, tps: list[TopicPartition]) -> bool:
         """Whether any of `tps` holds records past this member's read position, as of now: the end is

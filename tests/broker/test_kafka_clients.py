@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from broker_testkit import fleet_yaml, make_config, make_group, make_prompt, poll_until
 
 from fleetrl import devstack
@@ -130,6 +133,61 @@ async def test_a_priority_poll_survives_partitions_revoked_under_it(
             assert not await kept._has_backlog(gone)  # not held: nothing for this member to read
             polled = await kept.poll(max_records=4, timeout_s=1.0)  # reads on, from what it still holds
             assert {d.tp for d in polled} <= kept.assignment()
+
+
+class _HeldRevoke(ConsumerRebalanceListener):
+    """A member that does not rejoin until the test lets it: the group's rebalance waits for it."""
+
+    def __init__(self) -> None:
+        self.release, self.revoking = asyncio.Event(), asyncio.Event()
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        if not revoked:  # the first join revokes nothing
+            return
+        self.revoking.set()
+        await asyncio.wait_for(self.release.wait(), timeout=60)
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        pass
+
+
+async def test_a_poll_that_a_rebalance_outlasts_comes_back_empty(run_id: str, tansu_bootstrap: str) -> None:
+    """aiokafka's getmany waits, unbounded, while a rebalance assigns; in a region whose members change
+    every few seconds one outlasted the poll's bound and the worker died of "no answer" (cost bench).
+    Here an old member holds the rebalance in its revocation until the test releases it, so the new
+    member's polls meet a rebalance longer than their bound by construction: they come back empty
+    (counted, `consumer.rebalance_slow`) and the member lives on. (Its join itself is held too, past
+    the 5 s request timeout this test sets to keep polls short; tansu then did not take it in within
+    a minute after the old member left, which is why the fleet's request timeout stays far above a
+    join's hold.)"""
+    data = fleet_yaml(run_id, tansu_bootstrap)
+    data["kafka"]["request_timeout_s"] = 5.0  # a poll's bound: 5 s + its own wait
+    config = make_config(data)
+    await ensure_topics(config, "r1")
+    limits = RecordLimits.from_config(config)
+    group, streams = rollout_group(run_id), list[Stream](["partials", "prompts"])
+    held = _HeldRevoke()
+    old = AIOKafkaConsumer(bootstrap_servers=tansu_bootstrap, group_id=group, session_timeout_ms=30_000,
+                           rebalance_timeout_ms=30_000,
+                           partition_assignment_strategy=(type("StickyOld", (StickyPartitionAssignor,), {}),))
+    old.subscribe([topic_name(run_id, t) for t in streams], listener=held)
+    try:
+        await asyncio.wait_for(old.start(), timeout=60)  # joined and assigned
+        async with (
+            Producer(config, "r1", "test-producer") as producer,
+            Consumer(config, "r1", streams, group, limits, producer, "new", join_in_background=True) as new,
+        ):
+            for _ in range(6):  # the old member holds the rebalance: each poll outlasts its bound
+                assert await new.poll(max_records=10, timeout_s=0.2) == []
+                if new.rebalance_waits:
+                    break
+            assert held.revoking.is_set() and new.rebalance_waits >= 1 and not new.assignment()
+            waits = new.rebalance_waits
+            assert await new.poll(max_records=10, timeout_s=0.2) == []  # still held: empty again, alive
+            assert new.rebalance_waits == waits + 1
+    finally:
+        held.release.set()
+        await old.stop()
 
 
 async def test_seek_resumes_from_checkpointed_offsets(fleet_config: FleetConfig, limits: RecordLimits) -> None:
