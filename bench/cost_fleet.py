@@ -31,6 +31,9 @@ of discount x spot life instead of the seeds.
                                 sampled (preempted work regenerated, duplicates, stale groups; the
                                 tokens in flight at the window's two ends cancel out)
     paid_idle_share             the hybrid's paid node-seconds with no engine up (replacements loading)
+    start_to_first_group_s      median seconds from a replacement's spawn to its first finished group; each
+                                fleet's line also gives the phases before it (agent up, engine built,
+                                consumer joined, first weights, loop)
 
 EMULATED, and said so in the output: GPU speed (a sleep after each decoding step of the real torch
 engine), completion lengths (a long tail by prompt), the link delay home <-> region, and the prices
