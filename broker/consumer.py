@@ -41,6 +41,8 @@ from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 
 log = get_logger(__name__)
+MAX_REBALANCE_WAITS = 2
+"""Polls in a row a rebalance may outlast before the member gives up (the second one raises)."""
 EXPECTED_SCHEMA: dict[str, str] = {"prompts": SCHEMA_PROMPT, "partials": SCHEMA_PARTIAL, "trajectories": SCHEMA_GROUP}
 # Decoding is cheap (numpy views over the bytes, a few reductions a group: 0.24 ms for a group of 16 x
 # 1,024 tokens, 0.13 MB), but a batch of many MB still blocks the loop for a while: above this many
@@ -120,6 +122,7 @@ class Consumer:
         self._on_assigned_hook = on_assigned
         self._join_in_background = join_in_background
         self.rebalance_waits = 0
+        self._waits_in_a_row = 0
         """Polls that came back empty because a rebalance outlasted their bound (`consumer.rebalance_slow`)."""
         """`start()` returns once connected, the group joined in the background (polls return nothing until
         the first assignment), instead of waiting for the first assignment within the request timeout: in a
@@ -362,12 +365,18 @@ class Consumer:
         except KafkaError as exc:
             # aiokafka's getmany waits, unbounded, for a rebalance in progress to assign; in a group whose
             # members change every few seconds (a spot region) one can outlast the bound. That is no
-            # broker failure: nothing was read, and the next poll waits again.
-            if not (isinstance(exc.__cause__, TimeoutError) and self._rebalancing()):
+            # broker failure: nothing was read, and the next poll waits again. A member still waiting
+            # after MAX_REBALANCE_WAITS bounds in a row is stuck (tansu was seen holding a churning
+            # group's rebalance for minutes): the error goes up, and a new member (a restarted worker)
+            # joins afresh.
+            if not (isinstance(exc.__cause__, TimeoutError) and self._rebalancing()) \
+                    or self._waits_in_a_row + 1 >= MAX_REBALANCE_WAITS:
                 raise
+            self._waits_in_a_row += 1
             self.rebalance_waits += 1
             log.warning("consumer.rebalance_slow", group=self.group, client_id=self.client_id, waited_s=bound)
             return {}
+        self._waits_in_a_row = 0
         return result
 
     def _rebalancing(self) -> bool:

@@ -28,6 +28,7 @@ from fleetrl.broker import (
     trainer_group,
 )
 from fleetrl.broker.clients import stop_client
+from fleetrl.broker.errors import KafkaError
 from fleetrl.broker.lag import end_offsets
 from fleetrl.config import FleetConfig
 
@@ -156,7 +157,8 @@ async def test_a_poll_that_a_rebalance_outlasts_comes_back_empty(run_id: str, ta
     every few seconds one outlasted the poll's bound and the worker died of "no answer" (cost bench).
     Here an old member holds the rebalance in its revocation until the test releases it, so the new
     member's polls meet a rebalance longer than their bound by construction: they come back empty
-    (counted, `consumer.rebalance_slow`) and the member lives on. (Its join itself is held too, past
+    (counted, `consumer.rebalance_slow`) and the member lives on; one still held at the next bound
+    (`MAX_REBALANCE_WAITS`) raises, so that a stuck member is replaced. (Its join itself is held too, past
     the 5 s request timeout this test sets to keep polls short; tansu then did not take it in within
     a minute after the old member left, which is why the fleet's request timeout stays far above a
     join's hold.)"""
@@ -181,10 +183,11 @@ async def test_a_poll_that_a_rebalance_outlasts_comes_back_empty(run_id: str, ta
                 assert await new.poll(max_records=10, timeout_s=0.2) == []
                 if new.rebalance_waits:
                     break
-            assert held.revoking.is_set() and new.rebalance_waits >= 1 and not new.assignment()
-            waits = new.rebalance_waits
-            assert await new.poll(max_records=10, timeout_s=0.2) == []  # still held: empty again, alive
-            assert new.rebalance_waits == waits + 1
+            assert held.revoking.is_set() and new.rebalance_waits == 1 and not new.assignment()
+            # Still held at the next bound: stuck, not slow. The error goes up (the worker restarts
+            # and joins as a new member) instead of waiting on a rebalance that may never end.
+            with pytest.raises(KafkaError, match="no answer"):
+                await new.poll(max_records=10, timeout_s=0.2)
     finally:
         held.release.set()
         await old.stop()
