@@ -122,8 +122,8 @@ class Consumer:
         self._on_assigned_hook = on_assigned
         self._join_in_background = join_in_background
         self.rebalance_waits = 0
-        self._waits_in_a_row = 0
         """Polls that came back empty because a rebalance outlasted their bound (`consumer.rebalance_slow`)."""
+        self._waits_in_a_row = 0
         """`start()` returns once connected, the group joined in the background (polls return nothing until
         the first assignment), instead of waiting for the first assignment within the request timeout: in a
         group whose members change every few seconds a join can take longer than that."""
@@ -403,16 +403,14 @@ class Consumer:
 
     async def _position(self, tp: TopicPartition) -> int | None:
         """This member's read position in `tp`; None once a rebalance has revoked it (its new owner reads it)."""
-        try:
-            async with asyncio.timeout(self.config.kafka.request_timeout_s):
-                with translated("position"):
-                    try:
-                        return await self._c.position(tp)
-                    except IllegalStateError:
-                        return None
-        except TimeoutError as exc:
-            raise KafkaError(f"position: no answer within {self.config.kafka.request_timeout_s:.1f} s",
-                             retriable=True) from exc
+
+        async def held() -> int | None:
+            try:
+                return await self._c.position(tp)
+            except IllegalStateError:  # caught before bounded() turns it into a KafkaError
+                return None
+
+        return await bounded(held(), self.config.kafka.request_timeout_s, "position")
 
     async def read_to_end(self) -> bool:
         """Whether this member holds partitions and has read (been handed) every record of each that
