@@ -78,6 +78,8 @@ class CostPlan:
     """A spot node's life: it is preempted this long after it started (0: never)."""
     warm_s: float = 60.0
     """The measured window opens at the first step this long after the trainer started (both fleets)."""
+    session_timeout_s: float = 6.0
+    """`rollout.group_session_timeout_s` of both fleets (tansu holds every join for half of it)."""
     rebalance_lead_s: float = 0.0
     """The replacement starts this long before the notice (EC2's rebalance recommendation, which capacity
     rebalancing acts on, may come before the interruption notice); 0: at the notice."""
@@ -179,6 +181,7 @@ class CostRun(Run):
         # last wills for agents that were alive.
         config["mqtt"]["heartbeat_interval_s"] = 5
         config["rollout"]["max_groups_in_flight"] = GROUPS_IN_FLIGHT
+        config["rollout"]["group_session_timeout_s"] = self.plan.session_timeout_s
         layout = self._layout()
         spot_price = round((1.0 - self.plan.discount) * self.plan.price, 6)
         for region in config["regions"]:
@@ -435,6 +438,7 @@ def main(args: Any) -> None:
     life = args.spot_preempt_every
     plan = CostPlan(price=args.price, discount=args.discount, od_nodes=args.od_nodes, base_nodes=args.base_nodes,
                     spot_preempt_every_s=life, rebalance_lead_s=args.rebalance_lead,
+                    session_timeout_s=args.session_timeout,
                     warm_s=20.0 if args.quick else max(life, 30.0))
     if plan.spot_nodes < 1:
         raise SystemExit(f"the budget of {plan.od_nodes - plan.base_nodes} on-demand node(s) buys no spot node at "

@@ -615,6 +615,9 @@ def main() -> None:
     cost.add_argument("--base-nodes", type=int, default=1,
                       help="on-demand nodes of the hybrid; the rest of the budget buys spot nodes (default 1)")
     cost.add_argument("--price", type=float, default=2.0, help="on-demand dollars per node-hour (default 2.0)")
+    cost.add_argument("--session-timeout", type=float, default=2.0,
+                      help="rollout.group_session_timeout_s of both fleets (default 2; tansu holds every join for "
+                           "half of it, and the spot region's group changes members every few seconds)")
     cost.add_argument("--rebalance-lead", type=float, default=0.0,
                       help="start a spot node's replacement this many seconds before its notice (EC2 capacity "
                            "rebalancing on a rebalance recommendation; default 0: at the notice)")

@@ -129,6 +129,11 @@ class Consumer:
         group whose members change every few seconds a join can take longer than that."""
         """Told each new assignment (every partition this member now owns) after a rebalance."""
 
+    @property
+    def timeouts(self) -> tuple[float, float, float]:
+        """(session timeout, heartbeat interval, max poll interval) of this member, in seconds."""
+        return self._timeouts
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> Consumer:

@@ -132,6 +132,9 @@ class RolloutWorker:
         # so a worker that sat idle (drained, starved) reports what it does now, not its lifetime mean
         self._rate_samples: deque[tuple[float, int]] = deque([(self._started, self.engine.tokens_sampled)])
         self._admitting = True
+        self._polling = False  # the intake is inside a poll
+        self.polls_cancelled = 0
+        """Polls cut short by a preemption (their records stay in Kafka for the partition's next owner)."""
         self._work_arrived = asyncio.Event()
         self.env_cfg = config.dataset.env
         self._env_pool: ThreadPoolExecutor | None = None
@@ -179,7 +182,8 @@ class RolloutWorker:
             self.producer = producer
             async with Consumer(self.config, self.region, ["partials", "prompts"], rollout_group(self.config.run),
                                 limits, producer, self.client_id, priority=True, on_assigned=self._on_assigned,
-                                join_in_background=True) as consumer:
+                                join_in_background=True, session_timeout_s=self.cfg.group_session_timeout_s,
+                                heartbeat_interval_s=min(1.0, self.cfg.group_session_timeout_s / 4)) as consumer:
                 self.consumer = consumer
                 if not await self.weights.load_first(lambda: stop.is_set() or bool(preempted and preempted.is_set())):
                     return
@@ -190,7 +194,7 @@ class RolloutWorker:
                 finally:
                     poller.cancel()
                     self._admitting = False
-                await self._stop_intake(intake)
+                await self._stop_intake(intake, reason)
                 await self._bounded_handover(reason)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -249,7 +253,12 @@ class RolloutWorker:
                     await self.consumer.skim()
                 await asyncio.sleep(_IDLE_WAKE_S)
             else:
-                for d in await self.consumer.poll(free, self.cfg.idle_poll_s):
+                self._polling = True
+                try:
+                    deliveries = await self.consumer.poll(free, self.cfg.idle_poll_s)
+                finally:
+                    self._polling = False
+                for d in deliveries:
                     self._take_on(d)
             if self.consumer.dead_count > dead_before:
                 await self._commit_dead_letters()
@@ -310,8 +319,19 @@ class RolloutWorker:
         self._waiting = [job for job in self._waiting if (job.delivery.tp, job.delivery.offset) not in released]
         log.info("worker.released", groups=before - len(self._waiting), offsets=len(released))
 
-    async def _stop_intake(self, intake: asyncio.Task[None]) -> None:
-        """Let a poll in progress finish (its records join the handover); cancel one that hangs."""
+    async def _stop_intake(self, intake: asyncio.Task[None], reason: str) -> None:
+        """Let a poll in progress finish (its records join the handover); cancel one that hangs.
+
+        On a preemption a poll is cancelled at once: its records would only be handed over unstarted,
+        and uncommitted they are read again by their partition's next owner; a poll held by a rebalance
+        (a spot region's group changes members every few seconds) kept the going node, paid, and its
+        partials waiting, for up to half the handover bound."""
+        if reason == "preempted" and self._polling:
+            intake.cancel()
+            await asyncio.wait([intake], timeout=self.config.kafka.request_timeout_s)
+            self.polls_cancelled += 1
+            log.info("worker.poll_cancelled", reason=reason)
+            return
         try:
             await asyncio.wait_for(intake, timeout=self.handover_timeout_s / 2)
         except TimeoutError:

@@ -475,6 +475,13 @@ class RolloutConfig(Model):
     """How long a worker waits for a prompt's `min_version` before handing it back."""
     max_groups_in_flight: int = Field(4, ge=1)
     """Groups a worker decodes concurrently (their samples share the engine's batch)."""
+    group_session_timeout_s: float = Field(6.0, ge=1.0, le=300.0)
+    """Session timeout of a worker's membership of its region's consumer group (heartbeats every quarter
+    of it, at most every second): a worker silent this long is dropped and its partitions move. Kafka
+    refuses less than its brokers' `group.min.session.timeout.ms` (6 s unless set). tansu, the embedded
+    broker, holds every join for half of it, so in a region of preemptible nodes, whose group changes
+    members every few seconds, a shorter one (2 s) makes each rebalance shorter (docs/rollout.md,
+    "Rebalances")."""
     weight_fallback_poll_s: float = Field(120.0, gt=0)
     """Fallback only: how often a worker reads its region store's `latest` by itself. Workers pull a new
     version when the region's replica announcement (`fleetrl/<run>/replicas/<region>`, or the policy

@@ -69,7 +69,7 @@ async def _run_worker_until(config: FleetConfig, node: str, done: Any, timeout_s
 
 
 async def test_n_prompts_become_n_groups(run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path) -> None:
-    config = make_config(fleet_dict(run_id, tansu_bootstrap, tmp_path / "store"))
+    config = make_config(fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", group_session_timeout_s=8.0))
     publish_tiny(config)
     await setup_topics(config)
     sent = prompts(config, 6, max_new_tokens=8)
@@ -86,6 +86,7 @@ async def test_n_prompts_become_n_groups(run_id: str, tansu_bootstrap: str, tmp_
             assert s.finish_reason in ("stop", "length") and 0.0 <= s.reward <= 1.0
             assert np.isfinite(s.logprobs).all() and (s.logprobs <= 0).all()
     assert worker.groups_handed_over == 0
+    assert worker.consumer.timeouts[:2] == (8.0, 1.0)  # rollout.group_session_timeout_s; beats at most 1 s apart
     # Everything was committed: a new member of the rollout group finds no work.
     again = await read_stream(config, "prompts", 1, timeout_s=2, group=f"fleetrl.{run_id}.rollout")
     assert again == []
@@ -398,3 +399,38 @@ async def test_prompts_sent_ahead_wait_beside_the_decoding_slots_while_versions_
     out = groups(await read_stream(config, "trajectories", 4, timeout_s=20))
     ahead_out = [g for g in out if g.group_id in ahead_ids]
     assert len(ahead_out) == 2 and all((s.versions == 2).all() for g in ahead_out for s in g.samples)
+
+
+async def test_a_preemption_cuts_the_poll_short_and_leaves_its_prompts_to_the_next_owner(
+    run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path
+) -> None:
+    """A node told of its preemption does not wait for its poll (a rebalance can hold one for seconds,
+    the node paid all along): the poll is cancelled, and a prompt that reaches the partitions after the
+    notice stays in Kafka, uncommitted, for the partition's next owner. Before, the poll (here one of
+    60 s on an idle worker) went on, took the prompt, and handed it over as a partial of no tokens."""
+    config = make_config(fleet_dict(run_id, tansu_bootstrap, tmp_path / "store", idle_poll_s=60.0,
+                                    handover_timeout_s=150.0))
+    publish_tiny(config)
+    await setup_topics(config)
+    worker, stop, preempted = RolloutWorker(config, REGION, "spot"), asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(worker.run(stop, preempted))
+    loop = asyncio.get_running_loop()
+    try:
+        deadline = loop.time() + 60
+        while not (getattr(worker, "consumer", None) is not None and worker.consumer.assignment()):
+            assert loop.time() < deadline and not task.done(), "the worker never polled an assignment"
+            await asyncio.sleep(0.05)
+        preempted.set()
+        deadline = loop.time() + 10  # the poll (60 s) would outlast this unless cut short
+        while not getattr(worker, "polls_cancelled", 0) and loop.time() < deadline and not task.done():
+            await asyncio.sleep(0.05)
+        sent = prompts(config, 1, max_new_tokens=4)
+        await send_prompts(config, sent)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=120)
+    assert worker.groups_handed_over == 0 and worker.groups_done == 0
+    assert worker.polls_cancelled == 1
+    assert await _rollout_lag(config) == 1  # the prompt waits, uncommitted, for whoever owns its partition next
+    again = await read_stream(config, "prompts", 1, timeout_s=20, group=f"fleetrl.{run_id}.rollout")
+    assert [d.record.group_id for d in again] == [sent[0].group_id]
