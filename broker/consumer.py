@@ -30,6 +30,7 @@ from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitio
 from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.protocol.group import LeaveGroupRequest
 
+from fleetrl.broker.assignor import RendezvousAssignor
 from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, stop_client, translated
 from fleetrl.broker.codec import decode_record
 from fleetrl.broker.errors import KafkaError, RecordError
@@ -527,6 +528,8 @@ def _assignor(kind: str, client_id: str) -> type[AbstractPartitionAssignor]:
     process (tests, a trainer's several groups) would otherwise describe each other's partitions."""
     if kind == "round_robin":
         return RoundRobinPartitionAssignor
+    if kind == "rendezvous":
+        return RendezvousAssignor
     return type(f"Sticky_{client_id}", (StickyPartitionAssignor,), {})
 
 

@@ -171,13 +171,16 @@ class KafkaConfig(Model):
     """How long a consumer's fetch waits on the broker for data before it answers empty; a record that
     lands meanwhile may wait for the end of it (tansu, a worker's two topics), so this is latency per
     hop. `bench/fetch_wait.py`: p50 223 ms at the client default 500, 24 ms at 100, 13 ms at 50."""
-    partition_assignment: Literal["sticky", "round_robin"] = "sticky"
-    """How a consumer group spreads partitions over its members. `sticky` moves only what a member joining
-    or leaving must move (a region of preemptible nodes changes members every few seconds, and a
-    partition that moves re-delivers its uncommitted prompts to the new owner); `round_robin` is
-    aiokafka's default, which reshuffles nearly every partition on each change. Every member of a group
-    must use the same: tansu cannot negotiate between two (InconsistentGroupProtocol), so changing it
-    on a running fleet means restarting its rollout workers together."""
+    partition_assignment: Literal["rendezvous", "sticky", "round_robin"] = "rendezvous"
+    """How a consumer group spreads partitions over its members. A region of preemptible nodes changes
+    members every few seconds, and a partition that moves re-delivers its uncommitted prompts to the new
+    owner. `rendezvous` (broker/assignor.py) moves only what a member joining or leaving must move (in
+    most cases) and joins with the same metadata every time; `sticky` (aiokafka's) moves as little but
+    sends each member's last assignment with every join, and tansu starts a new generation whenever a
+    member of a formed group joins with changed metadata, which kept churning groups rebalancing for
+    minutes; `round_robin` (aiokafka's default) reshuffles nearly every partition on each change. Every
+    member of a group must use the same: tansu cannot negotiate between two (InconsistentGroupProtocol),
+    so changing it on a running fleet means restarting its rollout workers together."""
     retries: int = Field(5, ge=0)
     """Bounded retries of retriable errors, exponential backoff."""
     retry_backoff_s: float = Field(0.2, gt=0)

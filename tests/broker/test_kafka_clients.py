@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
 from broker_testkit import fleet_yaml, make_config, make_group, make_prompt, poll_until
 
 from fleetrl import devstack
@@ -27,6 +26,7 @@ from fleetrl.broker import (
     topic_name,
     trainer_group,
 )
+from fleetrl.broker.assignor import RendezvousAssignor
 from fleetrl.broker.clients import stop_client
 from fleetrl.broker.errors import KafkaError
 from fleetrl.broker.lag import end_offsets
@@ -171,7 +171,7 @@ async def test_a_poll_that_a_rebalance_outlasts_comes_back_empty(run_id: str, ta
     held = _HeldRevoke()
     old = AIOKafkaConsumer(bootstrap_servers=tansu_bootstrap, group_id=group, session_timeout_ms=30_000,
                            rebalance_timeout_ms=30_000,
-                           partition_assignment_strategy=(type("StickyOld", (StickyPartitionAssignor,), {}),))
+                           partition_assignment_strategy=(RendezvousAssignor,))  # the fleet's default
     old.subscribe([topic_name(run_id, t) for t in streams], listener=held)
     try:
         await asyncio.wait_for(old.start(), timeout=60)  # joined and assigned
