@@ -523,9 +523,10 @@ class Consumer:
 
 
 def _assignor(kind: str, client_id: str) -> type[AbstractPartitionAssignor]:
-    """The group's assignment strategy. aiokafka's sticky assignor keeps the member's last assignment
-    and generation on the class, so each consumer gets a subclass of its own: two consumers of one
-    process (tests, a trainer's several groups) would otherwise describe each other's partitions."""
+    """The group's assignment strategy (`kafka.partition_assignment`; rendezvous: broker/assignor.py).
+    aiokafka's sticky assignor keeps the member's last assignment and generation on the class, so each
+    consumer gets a subclass of its own: two consumers of one process (tests, a trainer's several
+    groups) would otherwise describe each other's partitions."""
     if kind == "round_robin":
         return RoundRobinPartitionAssignor
     if kind == "rendezvous":
