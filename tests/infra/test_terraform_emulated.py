@@ -11,11 +11,11 @@ path (the default) is planned here against moto too, and applied by the mocked `
 moto its access log; a failed command names the requests the AWS SDK sent again (the log's `retrying request`
 lines and moto's request recorder), the sign of the race that `serial_moto.py` removes.
 
-4-5 min on 2 shared cores (235-301 s in four runs while other work shared the cores; ~2.5 min
-of CPU): a plan of the MSK variant 20-60 s; apply ~90-110 s, of which the provider waits 55 s for
-the buckets' lifecycle rules to settle; the second plan ~15-20 s; destroy 57-138 s, mostly 10 s
-polls of instances and volumes one after another. Each terraform command is bounded by
-STEP_TIMEOUT_S, the test by its timeout mark.
+2.5-5 min on 2 shared cores (138-152 s in three runs alone, ~1.5 min of CPU; 164-256 s in 13 runs beside two busy
+loops; 235-301 s in four earlier runs while other work shared the cores): a plan of the MSK variant
+8-60 s; apply 70-110 s, of which the provider waits 55 s for the buckets' lifecycle rules to settle;
+the second plan 11-32 s; destroy 48-138 s, mostly 10 s polls of instances and volumes one after
+another. Each terraform command is bounded by STEP_TIMEOUT_S, the test by its timeout mark.
 """
 
 from __future__ import annotations
