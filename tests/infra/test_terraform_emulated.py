@@ -7,24 +7,27 @@ off (moto has neither MSK's CreateConfiguration nor MonitorInstances), loads the
 fleet.yaml with `fleetrl config check`, plans again (only moto's known omissions may show as
 changes: MOTO_OMISSIONS), destroys, and checks that nothing is left in state or in moto. The MSK
 path (the default) is planned here against moto too, and applied by the mocked `terraform test`
-(test_terraform_cli.py).
+(test_terraform_cli.py). Each terraform command writes the provider's debug log into the test's folder, and
+moto its access log; a failed command names the requests the AWS SDK sent again (the log's `retrying request`
+lines and moto's request recorder), the sign of the race that `serial_moto.py` removes.
 
-4-5 min on 2 shared cores (235-301 s in four runs while other work shared the cores; ~2.5 min
-of CPU): a plan of the MSK variant 20-60 s; apply ~90-110 s, of which the provider waits 55 s for
-the buckets' lifecycle rules to settle; the second plan ~15-20 s; destroy 57-138 s, mostly 10 s
-polls of instances and volumes one after another. Each terraform command is bounded by
-STEP_TIMEOUT_S, the test by its timeout mark.
+2.5-5 min on 2 shared cores (138-152 s in three runs alone, ~1.5 min of CPU; 164-256 s in 13 runs beside two busy
+loops; 235-301 s in four earlier runs while other work shared the cores): a plan of the MSK variant
+8-60 s; apply 70-110 s, of which the provider waits 55 s for the buckets' lifecycle rules to settle;
+the second plan 11-32 s; destroy 48-138 s, mostly 10 s polls of instances and volumes one after
+another. Each terraform command is bounded by STEP_TIMEOUT_S, the test by its timeout mark.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -132,7 +135,7 @@ def moto_endpoint(tmp_path: pathlib.Path) -> Iterator[str]:
     serial, port = pathlib.Path(__file__).with_name("serial_moto.py"), devstack.free_port()
     env = {"MOTO_RECORDER_FILEPATH": str(tmp_path / "moto-requests.jsonl"), "MOTO_PORT": str(port)}
     argv = [sys.executable, str(serial), "127.0.0.1", str(port)]
-    with devstack.ServerProcess("moto", argv, port, env=env) as server:
+    with devstack.ServerProcess("moto", argv, port, env=env, log_path=tmp_path / "moto.log") as server:
         yield f"http://127.0.0.1:{server.port}"
 
 
@@ -274,14 +277,19 @@ def _count(pattern: str, text: str) -> int:
     return int(found.group(1))
 
 
-def _run(moto_endpoint: str, tf: Callable[..., str], *args: str) -> str:
-    """`tf(*args)`; a failure says which requests the AWS SDK sent more than once (moto's recorder), the
-    sign of the race that `serial_moto.py` removes."""
-    try:
-        return tf(*args)
-    except AssertionError as exc:
-        repeated = _retried(_recorder(moto_endpoint, "download-recording"))
-        raise AssertionError(f"{exc}\nrequests the SDK sent more than once: {repeated or 'none'}") from exc
+def _sdk_retries(provider_log: pathlib.Path) -> list[str]:
+    """`<time> <service>/<operation>, attempt N` of each request the AWS SDK repeated, from a provider debug
+    log. The SDK logs no cause: an attempt with no `HTTP Response Received` lost its answer on the way in."""
+    text = provider_log.read_text(errors="replace") if provider_log.exists() else ""
+    return [f"{t} {what}" for t, what in re.findall(r"^(\S+) \[DEBUG\] [^:]*: retrying request ([^:]+):", text, re.M)]
+
+
+def _diagnosis(moto_endpoint: str, provider_log: pathlib.Path) -> str:
+    """What a failed terraform command leaves to explain a repeated request: the SDK's retries (provider log) and
+    the requests moto's recorder saw more than once (`amz-sdk-request: attempt=N`, N > 1)."""
+    repeated = _retried(_recorder(moto_endpoint, "download-recording"))
+    return (f"SDK retries in {provider_log}: {_sdk_retries(provider_log) or 'none'}\n"
+            f"requests the SDK sent more than once (moto's recorder): {repeated or 'none'}")
 
 
 @pytest.mark.timeout(900)
@@ -297,12 +305,20 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
     terraform.init(env_dir, plugin_dir)
 
+    steps = itertools.count(1)
+
     def tf(*args: str) -> str:
-        t0 = time.monotonic()
-        out = terraform.run(*args, "-no-color", "-input=false", cwd=env_dir, env=env, timeout_s=STEP_TIMEOUT_S).stdout
+        """terraform `args`, the provider debug log in tmp_path; a failure says which requests the SDK repeated."""
+        t0, log = time.monotonic(), tmp_path / f"provider-{next(steps)}-{args[0]}.log"
+        try:
+            out = terraform.run(*args, "-no-color", "-input=false", cwd=env_dir, timeout_s=STEP_TIMEOUT_S,
+                                env={**env, "TF_LOG_PROVIDER": "DEBUG", "TF_LOG_PATH": str(log)}).stdout
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{_diagnosis(moto_endpoint, log)}") from exc
         waits = re.findall(r"^(\S+): (?:Creation|Destruction|Modifications) complete after (\d+m)?(\d+)s", out, re.M)
         slow = sorted(((int(m[:-1] or 0) * 60 + int(s), a) for a, m, s in waits), reverse=True)[:4]
-        print(f"terraform {args[0]}: {time.monotonic() - t0:.0f} s; longest waits: {slow}")
+        print(f"terraform {args[0]}: {time.monotonic() - t0:.0f} s; SDK retries: {_sdk_retries(log) or 'none'}; "
+              f"longest waits: {slow}")
         return out
 
     # MSK and detailed monitoring (the defaults) as far as moto goes: a plan, which reads the account.
@@ -315,7 +331,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     print(f"msk plan: {to_add} to add, {msk_clusters} MSK clusters")
     assert msk_clusters == 2
 
-    applied = _run(moto_endpoint, tf, "apply", "-auto-approve", "-var-file=emulated.tfvars.json")
+    applied = tf("apply", "-auto-approve", "-var-file=emulated.tfvars.json")
     added = _count(r"Apply complete! Resources: (\d+) added", applied)
     managed = [a for a in terraform.run("state", "list", cwd=env_dir, env=env).stdout.split()
                if not a.startswith("data.") and ".data." not in a]
@@ -372,7 +388,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
 
     # The second plan has just refreshed every resource: destroy what the state holds, without another refresh.
     _recorder(moto_endpoint, "start-recording")
-    destroyed = _run(moto_endpoint, tf, "destroy", "-auto-approve", "-refresh=false", "-var-file=emulated.tfvars.json")
+    destroyed = tf("destroy", "-auto-approve", "-refresh=false", "-var-file=emulated.tfvars.json")
     gone = _count(r"Destroy complete! Resources: (\d+) destroyed", destroyed)
     print(f"destroy: {gone} destroyed ({time.monotonic() - started:.0f} s in all)")
     assert gone == added
