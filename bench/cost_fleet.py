@@ -78,7 +78,7 @@ class CostPlan:
     """A spot node's life: it is preempted this long after it started (0: never)."""
     warm_s: float = 60.0
     """The measured window opens at the first step this long after the trainer started (both fleets)."""
-    session_timeout_s: float = 6.0
+    session_timeout_s: float = 2.0
     """`rollout.group_session_timeout_s` of both fleets (tansu holds every join for half of it)."""
     rebalance_lead_s: float = 0.0
     """The replacement starts this long before the notice (EC2's rebalance recommendation, which capacity
