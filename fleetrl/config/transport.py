@@ -178,9 +178,10 @@ class KafkaConfig(Model):
     leaving must move (3 of 32 on average) and joins with the same metadata every time; `sticky`
     (aiokafka's) moves the fewest but sends each member's last assignment with every join, and tansu
     starts a new generation whenever a member of a formed group joins with changed metadata, which kept
-    churning groups rebalancing for minutes; `round_robin` (aiokafka's default) reshuffles nearly every partition on each change. Every
-    member of a group must use the same: tansu cannot negotiate between two (InconsistentGroupProtocol),
-    so changing it on a running fleet means restarting its rollout workers together."""
+    churning groups rebalancing for minutes; `round_robin` (aiokafka's default) reshuffles nearly every
+    partition on each change. Every member of a group must use the same: tansu cannot negotiate between
+    two (InconsistentGroupProtocol), so changing it on a running fleet means restarting its rollout
+    workers together."""
     retries: int = Field(5, ge=0)
     """Bounded retries of retriable errors, exponential backoff."""
     retry_backoff_s: float = Field(0.2, gt=0)
