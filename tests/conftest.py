@@ -12,11 +12,17 @@ tests/README.md; the grouping and ordering rules are the hooks at the end of thi
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import pathlib
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
+import slowdown
 
 from fleetrl import devstack
 
@@ -116,10 +122,30 @@ def _weight(item: pytest.Item) -> int:
     return 3 * ("e2e" in marks) + 2 * ("slow" in marks) + ("integration" in marks)
 
 
+def _spread_fleets(units: list[str], fleet_units: set[str], slots: int) -> list[str]:
+    """`units` (heaviest first) with the units that start a whole fleet spread out: `slots` of them first,
+    the rest evenly among the others. A worker that takes a fleet unit while every slot is held waits for
+    one (`pytest_runtest_protocol` below), so a queue of fleet units only would idle the other workers."""
+    fleets = [u for u in units if u in fleet_units]
+    others = [u for u in units if u not in fleet_units]
+    head, rest = fleets[:slots], fleets[slots:]
+    if not rest:
+        return head + others
+    gap = len(others) / (len(rest) + 1)
+    out = list(head)
+    for i, unit in enumerate(rest):
+        out += others[round(i * gap):round((i + 1) * gap)]
+        out.append(unit)
+    return out + others[round(len(rest) * gap):]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist (`-n`): group the tests that share setup (an explicit `xdist_group` mark wins), and
-    start the heaviest groups first. Without xdist nothing changes: the order stays the file order."""
+    """Every test's pytest-timeout bound scaled by the machine's slowdown (tests/slowdown.py). Under xdist
+    (`-n`) also: group the tests that share setup (an explicit `xdist_group` mark wins), start the
+    heaviest groups first and spread the ones that start a whole fleet. Without xdist the order stays the
+    file order."""
+    _scale_timeouts(config, items)
     if not hasattr(config, "workerinput"):
         return
     for item in items:
@@ -131,4 +157,87 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         heaviest[unit] = max(heaviest.get(unit, 0), _weight(item))
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (-heaviest[_unit_of(item)], order[id(item)]))
+    units = list(dict.fromkeys(_unit_of(item) for item in items))
+    fleet_units = {_unit_of(item) for item in items if _starts_a_fleet(item)}
+    rank = {unit: i for i, unit in enumerate(_spread_fleets(units, fleet_units, slowdown.fleet_slots()))}
+    items.sort(key=lambda item: (rank[_unit_of(item)], order[id(item)]))
 
+
+# -- a machine slower than the reference (tests/slowdown.py) ------------------------------------------------
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The process that starts the others measures the machine once; workers and subprocesses inherit the
+    factor through the environment (FLEETRL_TEST_SLOWDOWN), and the fleet slots' lock folder likewise."""
+    if hasattr(config, "workerinput"):
+        return
+    slowdown.ensure_factor()
+    if not os.environ.get(SLOTS_ENV):
+        os.environ[SLOTS_ENV] = tempfile.mkdtemp(prefix="fleetrl-fleet-slots-")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    how = "measured" if os.environ.get(slowdown.MEASURED_ENV) == "1" else f"set by {slowdown.ENV}"
+    return (f"fleetrl: machine slowdown {slowdown.factor():.2f}x the reference ({how}); every deadline "
+            f"is scaled by it; {slowdown.fleet_slots()} fleet slot(s) on {len(os.sched_getaffinity(0))} core(s)")
+
+
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-timeout's bound of each test (its `timeout` mark, else the ini's `timeout`) times the factor."""
+    factor = slowdown.factor()
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        base = default
+        if mark is not None:
+            base = float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
+        if base > 0 and factor != 1.0:
+            item.add_marker(pytest.mark.timeout(base * factor), append=False)
+
+
+SLOTS_ENV = "FLEETRL_TEST_FLEET_SLOTS_DIR"
+SLOT_WAIT_BOUND_S = 3600.0
+"""How long a fleet test waits for a slot (scaled) before it runs anyway, with a warning: a bound that
+only a hung holder reaches, and never a failure of the waiting test."""
+
+
+def _starts_a_fleet(item: pytest.Item) -> bool:
+    return item.get_closest_marker("e2e") is not None or item.get_closest_marker("fleet") is not None
+
+
+@contextlib.contextmanager
+def _fleet_slot(item: pytest.Item) -> Iterator[None]:
+    """Hold one of the suite's `slowdown.fleet_slots()` fleet slots (an flock on one of N files shared by
+    every worker) while the test runs; the lock goes with the process if it dies."""
+    folder = pathlib.Path(os.environ.get(SLOTS_ENV) or tempfile.gettempdir())
+    files = [open(folder / f"slot-{i}", "a+") for i in range(slowdown.fleet_slots())]  # noqa: SIM115
+    try:
+        deadline = time.monotonic() + slowdown.scaled(SLOT_WAIT_BOUND_S)
+        held = None
+        while held is None and time.monotonic() < deadline:
+            for f in files:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                held = f
+                break
+            else:
+                time.sleep(0.2)
+        if held is None:
+            item.warn(pytest.PytestWarning(f"no fleet slot free after {slowdown.scaled(SLOT_WAIT_BOUND_S):.0f} s: "
+                                           "running without one"))
+        yield
+    finally:
+        for f in files:
+            f.close()  # closing releases the lock
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test that starts a whole fleet waits for a fleet slot before its setup, and so before
+    pytest-timeout's clock starts: the wait is not part of its bound."""
+    if not _starts_a_fleet(item):
+        yield
+        return
+    with _fleet_slot(item):
+        yield
