@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 4
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: install refresh test test-fast test-changed test-profile demo demo-hf demo-tools lint lint-infra bench clean
+.PHONY: install refresh test test-slow test-fast test-changed test-profile demo demo-hf demo-tools lint lint-infra bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
@@ -34,6 +34,13 @@ refresh: $(STAMP)
 
 test: refresh
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
+
+# The suite on a machine SLOWDOWN times slower than this one, emulated with a CPU quota (a cgroup: needs
+# root, and cgroup v1 or v2 with the cpu controller; tests/cpu_quota.sh). Every deadline scales by the
+# slowdown the suite measures at its start (tests/slowdown.py), so it must pass there as here.
+SLOWDOWN ?= 2.5
+test-slow: refresh
+	tests/cpu_quota.sh $(SLOWDOWN) $(MAKE) --no-print-directory test
 
 test-fast: refresh
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -m "not slow and not e2e and not integration" $(PYTEST_ARGS)

@@ -7,7 +7,9 @@ has acted on are kept here until a checkpoint covers them; only then are they co
 
 A region whose cluster cannot be reached when the trainer starts does not stop it: the others are
 used, and the missing one is retried in the background every `kafka.request_timeout_s` (its groups
-wait in its own Kafka meanwhile; the dispatcher sends it nothing until it is connected).
+wait in its own Kafka meanwhile; the dispatcher sends it nothing until it is connected). When no region
+answers, the trainer waits for the first with backoff, within `trainer.start_timeout_s`, instead of
+exiting: a restart during a partition is a transient outage, not a fatal error.
 
 `regions[].emulate_link_delay_s` emulates a slow link between home and a region on one machine: a
 prompt is held that long before it is produced, and a fetched trajectory that long before the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +34,11 @@ from fleetrl.log import get_logger
 
 log = get_logger(__name__)
 
+
+START_BACKOFF_S = 1.0
+START_BACKOFF_MAX_S = 15.0
+"""Backoff of a starting trainer that no region answers yet: 1, 2, 4, 8, 15, 15 ... s, within
+`trainer.start_timeout_s`."""
 
 DeadLetterHook = Callable[[str, str], None]
 """Called with (region, reason) for each record the trainer dead-lettered."""
@@ -53,13 +61,8 @@ class RegionClients:
         """Per region: its poll still in flight (see `poll`)."""
 
     async def __aenter__(self) -> RegionClients:
-        names = [r.name for r in self.config.regions]
-        results = await asyncio.gather(*(self._open(n) for n in names), return_exceptions=True)
-        failures = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, BaseException)}
+        failures = await self._open_first()
         for name, exc in failures.items():
-            if not isinstance(exc, KafkaError) or len(failures) == len(names):
-                await self._close_all()
-                raise exc
             log.warning("trainer.region_unreachable", region=name, error=str(exc))
         if failures:
             self._reopen = asyncio.create_task(self._reopen_loop(), name="trainer-region-reopen")
@@ -69,6 +72,36 @@ class RegionClients:
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self._close_all()
+
+    async def _open_first(self) -> dict[str, KafkaError]:
+        """Open every region's clients; while none answers (a partition, brokers restarting), retry them all
+        with backoff, within `trainer.start_timeout_s`, as a restarted unit would. Returns the regions
+        still unreachable once at least one answered; raises what is not a KafkaError at once, and a
+        KafkaError naming the setting when the bound passes."""
+        names = [r.name for r in self.config.regions]
+        loop = asyncio.get_running_loop()
+        bound_s = self.config.trainer.start_timeout_s
+        deadline, delay_s = loop.time() + bound_s, START_BACKOFF_S
+        for attempt in itertools.count(1):
+            results = await asyncio.gather(*(self._open(n) for n in names), return_exceptions=True)
+            failures = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, BaseException)}
+            fatal = [exc for exc in failures.values() if not isinstance(exc, KafkaError)]
+            if fatal:
+                await self._close_all()
+                raise fatal[0]
+            if len(failures) < len(names):
+                return {n: exc for n, exc in failures.items() if isinstance(exc, KafkaError)}
+            left_s = deadline - loop.time()
+            if left_s <= 0:
+                detail = "; ".join(f"{n}: {exc}" for n, exc in failures.items())
+                raise KafkaError(f"no region's Kafka answered within trainer.start_timeout_s={bound_s:g} "
+                                 f"({attempt} attempts): {detail}") from failures[names[0]]
+            wait_s = min(delay_s, left_s)
+            log.warning("trainer.waiting_for_regions", attempt=attempt, retry_in_s=round(wait_s, 1),
+                        left_s=round(left_s, 1), errors={n: str(exc) for n, exc in failures.items()})
+            await asyncio.sleep(wait_s)
+            delay_s = min(2 * delay_s, START_BACKOFF_MAX_S)
+        raise AssertionError("unreachable")  # itertools.count never ends
 
     async def _open(self, name: str) -> None:
         run = self.config.run

@@ -621,6 +621,10 @@ class TrainerConfig(Model):
     """torch intra-op threads of the learner on CPU."""
     drain_timeout_s: float = Field(30.0, gt=0)
     """On SIGTERM, the time allowed to finish the step, checkpoint and commit."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """How long a starting trainer waits for its first region's Kafka when none answers (a partition, a
+    broker restarting), retrying with backoff and logging `trainer.waiting_for_regions`, before it exits
+    with a fatal error. One region is enough to start; the others join when they answer."""
     publish_in_background: bool = True
     """Encode, upload and announce each version while the next step trains (one publish in flight,
     versions in order); False publishes inline, between the step and the next."""
