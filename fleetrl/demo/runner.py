@@ -58,6 +58,7 @@ from fleetrl.demo.procs import (
     write_config,
 )
 from fleetrl.demo.relay import Relay, RelayHub
+from fleetrl.demo.supervision import START_LIMIT, OnFailure
 from fleetrl.demo.view import LogTail, Progress, RegionView
 
 _POLL_S = 0.5
@@ -122,6 +123,8 @@ class Demo:
         self.moto_port: int | None = None
         self.fuzz_stopped = False
         self._terminate_at: float | None = None
+        self.on_failure = OnFailure()
+        """Restart=on-failure of the trainer, agents and replicators (fleetrl/demo/supervision.py)."""
 
     def run(self) -> int:
         t0 = time.monotonic()
@@ -324,13 +327,14 @@ class Demo:
                     self.chaos.stop()  # the last step is done: let the trainer drain and exit in peace
                 self._end_when_done()
                 self.chaos.tick()
+                self._restart_failed()
                 self._order_fuzz()
                 rc = self.trainer.returncode()
-                if rc is not None and not self.chaos.expected_down(self.trainer):
+                if rc is not None and not self._down_on_purpose(self.trainer):
                     self._read_logs(live)
-                    if rc != 0:
-                        raise self._failed(self.trainer)
-                    return
+                    if rc == 0:
+                        return
+                    self._supervise(self.trainer)
                 self._check_alive()
                 if self.progress.step != last_step:
                     last_step, last_change = self.progress.step, time.monotonic()
@@ -452,12 +456,33 @@ class Demo:
 
     def _check_alive(self) -> None:
         for child in self.children:
-            if (child is not self.trainer and child.returncode() is not None and not self.chaos.expected_down(child)
+            if (child is not self.trainer and child.returncode() is not None and not self._down_on_purpose(child)
                     and child is not self.fuzzer):
-                raise self._failed(child)
+                if child.returncode() == 0:
+                    raise self._failed(child)  # a daemon that leaves on its own while the run goes on
+                self._supervise(child)
         for server in self.servers:
             if server.returncode() is not None and not self.chaos.expected_down(server):
                 raise self._failed(server)
+
+    def _down_on_purpose(self, child: Child) -> bool:
+        return self.chaos.expected_down(child) or self.on_failure.waiting(child)
+
+    def _supervise(self, child: Child) -> None:
+        """`child` exited non-zero by itself: restart it as its unit's Restart=on-failure would, or raise
+        once it has failed too often in a row (supervision.START_LIMIT)."""
+        restart = self.on_failure.failed(child)
+        if restart is None:
+            raise self._failed(child)
+        self.console.print(f"  {child.name} (pid {child.pid}) exited with code {child.returncode()}: restarting it "
+                           f"in {restart.delay_s:.0f} s (failure {restart.failure} of {START_LIMIT} in a row), "
+                           f"as its unit's Restart=on-failure would; log {child.log_path}")
+
+    def _restart_failed(self) -> None:
+        for child in self.on_failure.due():
+            child.restart()
+            self.restarted(child)
+            self.console.print(f"  restarted {child.name:<20} pid {child.pid}")
 
     @staticmethod
     def _failed(child: Child) -> ChildFailed:
