@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import pathlib
+import shutil
 import tempfile
 import time
 import uuid
@@ -172,7 +173,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     slowdown.ensure_factor()
     if not os.environ.get(SLOTS_ENV):
-        os.environ[SLOTS_ENV] = tempfile.mkdtemp(prefix="fleetrl-fleet-slots-")
+        os.environ[SLOTS_ENV] = folder = tempfile.mkdtemp(prefix="fleetrl-fleet-slots-")
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
