@@ -1,37 +1,19 @@
 """Configuration of a FleetRL run: the models of `fleet.yaml` and their loader (DESIGN.md §7)."""
 
-from fleetrl.config.errors import ConfigError, SecretError
-from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
-from fleetrl.config.models import (
-    AgentConfig,
-    AlgorithmConfig,
-    DatasetColumns,
-    DatasetConfig,
+from fleetrl.config.agent import AgentConfig
+from fleetrl.config.algorithm import AlgorithmConfig
+from fleetrl.config.dataset import DatasetColumns, DatasetConfig, EnvConfig
+from fleetrl.config.engine import (
     EngineConfig,
     EngineEmulation,
-    EnvConfig,
-    FleetConfig,
-    HubConfig,
-    KafkaClusterConfig,
-    KafkaConfig,
-    LearnerEmulation,
-    LoraAdapterConfig,
-    ModelConfig,
-    MqttConfig,
-    NodeConfig,
-    RegionConfig,
-    RewardConfig,
-    RewardFunctionConfig,
-    RolloutConfig,
-    SigningConfig,
     SpeculativeConfig,
-    StoreConfig,
-    TinyModelConfig,
-    TopicPartitions,
     TorchEngineConfig,
-    TrainerConfig,
     VllmEngineConfig,
 )
+from fleetrl.config.errors import ConfigError, SecretError
+from fleetrl.config.fleet import FleetConfig
+from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
+from fleetrl.config.policy import LoraAdapterConfig, ModelConfig
 from fleetrl.config.preemption import PreemptionConfig
 from fleetrl.config.pricing import (
     AwsSpotPriceConfig,
@@ -41,7 +23,21 @@ from fleetrl.config.pricing import (
     PlacementConfig,
     PriceConfig,
 )
+from fleetrl.config.region import NodeConfig, RegionConfig
+from fleetrl.config.reward import RewardConfig, RewardFunctionConfig
+from fleetrl.config.rollout import RolloutConfig
 from fleetrl.config.secrets import Secret, SecretField, register_all, secret_fields
+from fleetrl.config.tiny_model import TinyModelConfig
+from fleetrl.config.trainer import LearnerEmulation, TrainerConfig
+from fleetrl.config.transport import (
+    HubConfig,
+    KafkaClusterConfig,
+    KafkaConfig,
+    MqttConfig,
+    SigningConfig,
+    StoreConfig,
+    TopicPartitions,
+)
 
 __all__ = [
     "AgentConfig",

@@ -14,8 +14,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from fleetrl.config.base import ReferenceProblem
 from fleetrl.config.errors import ConfigError
-from fleetrl.config.models import FleetConfig, ReferenceProblem
+from fleetrl.config.fleet import FleetConfig
 from fleetrl.config.pricing import FilePriceConfig
 
 ENV_PREFIX = "FLEETRL_"

@@ -1,7 +1,7 @@
 """Config of the transports FleetRL runs over: object stores, the hub, Kafka, MQTT.
 
-These describe endpoints and wire behaviour; `models.py` holds the run itself (model, algorithm,
-regions, trainer) and composes them.
+These describe endpoints and wire behaviour; the other section modules hold the run itself (model,
+algorithm, regions, trainer) and `fleet.py` composes them all.
 """
 
 from __future__ import annotations
