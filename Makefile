@@ -80,9 +80,17 @@ demo-tools: refresh
 	HF_HUB_OFFLINE=1 $(PY) -m fleetrl.demo.hf_inputs examples/tools --rows tools
 	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.tools.yaml
 
+# ruff, mypy, then the structure (docs/architecture.md): the package layering as import-linter contracts
+# (pyproject.toml), file sizes and file-level import circles (tools/structure.py). Each runs even when
+# one before it failed, so one `make lint` shows every finding; it fails if any did. mypy and
+# lint-imports run from /tmp so that `fleetrl` is the installed tree with its subpackages, not ./fleetrl.
 lint: refresh
-	$(VENV)/bin/ruff check fleetrl broker hub rollout trainer regions tests bench
-	cd /tmp && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --python-executable $(CURDIR)/$(PY) -p fleetrl
+	@rc=0; \
+	echo "ruff"; $(VENV)/bin/ruff check fleetrl broker hub rollout trainer regions tests bench tools || rc=1; \
+	echo "mypy"; (cd /tmp && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache --python-executable $(CURDIR)/$(PY) -p fleetrl) || rc=1; \
+	echo "lint-imports (pyproject.toml [tool.importlinter])"; (cd /tmp && $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml) || rc=1; \
+	echo "tools/structure.py"; $(PY) tools/structure.py . || rc=1; \
+	exit $$rc
 
 # checkov pins an old boto3, so it lives in its own virtual environment.
 lint-infra:

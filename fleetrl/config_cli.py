@@ -10,7 +10,7 @@ import argparse
 import json
 
 from fleetrl.config import FleetConfig
-from fleetrl.config.reference import render_reference
+from fleetrl.config.reference import render_page, render_reference
 
 __all__ = ["check", "reference", "render_reference"]
 
@@ -32,16 +32,18 @@ BEGIN, END = "<!-- BEGIN config-reference -->\n", "<!-- END config-reference -->
 
 
 def reference(args: argparse.Namespace, config: None) -> int:
-    """Print the reference, or with `--update FILE` rewrite it between the markers in FILE."""
+    """Print the reference; with `--update FILE`, rewrite the table between the markers of FILE, or, in a
+    file without them, write the whole page (docs/config.md: `render_page`)."""
     if args.update:
         import pathlib
 
         path = pathlib.Path(args.update)
-        text = path.read_text()
-        if BEGIN not in text or END not in text:
-            raise ValueError(f"{path}: no {BEGIN.strip()} ... {END.strip()} markers")
-        head, rest = text.split(BEGIN, 1)
-        path.write_text(head + BEGIN + render_reference() + END + rest.split(END, 1)[1])
+        text = path.read_text() if path.exists() else ""
+        if BEGIN in text and END in text:
+            head, rest = text.split(BEGIN, 1)
+            path.write_text(head + BEGIN + render_reference() + END + rest.split(END, 1)[1])
+        else:
+            path.write_text(render_page())
         print(f"updated the configuration reference in {path}")
         return 0
     print(render_reference(), end="")
