@@ -10,7 +10,7 @@ from typing import Any
 
 from fleetrl.config import SecretError, SecretField, StoreConfig
 from fleetrl.hub.errors import ObjectExists, ObjectNotFound, StoreError
-from fleetrl.hub.stores import ObjectInfo, ObjectStore
+from fleetrl.hub.store_api import ObjectInfo, ObjectStore
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}
