@@ -186,7 +186,8 @@ def dlq_show(args: argparse.Namespace, config: FleetConfig) -> int:
 def dlq_replay(args: argparse.Namespace, config: FleetConfig) -> int:
     """Re-produce chosen dead letters (or --all) of one region to their original topics."""
     if bool(args.offsets) == bool(args.all):
-        print("fleetrl: dlq replay needs either --offset PARTITION:OFFSET (repeatable) or --all", file=sys.stderr)
+        print(f"{args.command_prog}: error: argument --offset: give --offset PARTITION:OFFSET (repeatable) or "
+              f"--all, one of them", file=sys.stderr)
         return 2
     positions: list[tuple[int, int]] = args.offsets  # PARTITION:OFFSET pairs, parsed by fleetrl/cli_args.py
     region = args.region

@@ -100,10 +100,12 @@ def export(args: argparse.Namespace, config: FleetConfig) -> int:
 
 
 def verify(args: argparse.Namespace, config: FleetConfig) -> int:
+    if (args.hub_version is None) == (not args.all):
+        print(f"{args.command_prog}: error: argument version: give a version (a number or 'latest') or --all, "
+              f"one of them", file=sys.stderr)
+        return 2
     if args.all:
         return _verify_all(args, config)
-    if args.hub_version is None:
-        raise HubError("fleetrl hub verify: give a version (a number or 'latest'), or --all")
     with Hub.from_config(config, store=args.store) as hub:
         version = _version(hub, args.hub_version)
         with _progress(f"verify v{version}", hub.reader.bytes_to_read(version)) as progress:

@@ -136,6 +136,26 @@ def test_a_name_the_config_lacks_is_refused_once_it_is_read(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.yaml"]  # no store, no output
 
 
+EITHER = [
+    (["hub", "verify"], "version", "give a version"),
+    (["hub", "verify", "1", "--all"], "version", "one of them"),
+    (["topics", "dlq", "replay", "--region", "local-a"], "--offset", "or --all"),
+    (["topics", "dlq", "replay", "--region", "local-a", "--all", "--offset", "0:1"], "--offset", "one of them"),
+]
+
+
+@pytest.mark.parametrize(("argv", "argument", "says"), EITHER, ids=[" ".join(c[0]) for c in EITHER])
+def test_one_of_two_arguments_is_asked_for_before_anything_is_reached(
+        argv: list[str], argument: str, says: str, fleet_file: pathlib.Path, tmp_path: pathlib.Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main([*argv, "--config", str(fleet_file)])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"fleetrl {' '.join(argv[:2])}") and f": error: argument {argument}: " in err, err
+    assert says in err and sorted(p.name for p in tmp_path.iterdir()) == ["fleet.yaml"]
+
+
 DEMO = [
     (["--until-faults"], "--until-faults", "no fault to wait for"),
     (["--kill-only", "broker"], "--kill-only", "needs --durable"),
