@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleetrl import cli_args as types
+from fleetrl import cli_args
 from fleetrl.cli_args import OneLineParser, check_names, refusal_line
 
 Handler = Callable[[argparse.Namespace, Any], int]
@@ -30,7 +30,7 @@ def _common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
     if config:
         p.add_argument("--config", "-c", default="fleet.yaml", help="fleet.yaml of the run (default: %(default)s)")
     p.add_argument("--log-json", action="store_true", help="log JSON events (default: JSON unless on a TTY)")
-    p.add_argument("--log-level", default="INFO", type=types.log_level, help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--log-level", default="INFO", type=cli_args.log_level, help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--debug", action="store_true", help="show tracebacks of fatal errors")
 
 
@@ -61,7 +61,7 @@ def _add_config(sub: Any) -> None:
     _json(p)
     p = _cmd(config, "reference", "fleetrl.config_cli:reference", "print the configuration reference (Markdown)",
              config=False)
-    p.add_argument("--update", metavar="FILE", type=types.existing_file,
+    p.add_argument("--update", metavar="FILE", type=cli_args.existing_file,
                    help="rewrite the reference between the markers in FILE")
 
 
@@ -80,10 +80,10 @@ def _add_topics(sub: Any) -> None:
     p = _cmd(dlq, "show", "fleetrl.broker.cli:dlq_show", "print dead-lettered records with their reasons")
     _region(p)
     _json(p)
-    p.add_argument("--limit", type=types.positive_int, default=50, help="at most this many records per region")
+    p.add_argument("--limit", type=cli_args.positive_int, default=50, help="at most this many records per region")
     p = _cmd(dlq, "replay", "fleetrl.broker.cli:dlq_replay", "re-produce chosen dead letters to their topic")
     _region(p, required=True)
-    p.add_argument("--offset", dest="offsets", type=types.partition_offset, action="append", default=[],
+    p.add_argument("--offset", dest="offsets", type=cli_args.partition_offset, action="append", default=[],
                    help="PARTITION:OFFSET of a dead letter to replay (repeatable)")
     p.add_argument("--all", action="store_true", help="replay every dead letter of the region")
     p.add_argument("--dry-run", action="store_true", help="show what would be replayed")
@@ -93,14 +93,14 @@ def _add_topics(sub: Any) -> None:
 def _add_hub(sub: Any) -> None:
     hub = _group(sub, "hub", "the tensor hub: versions in object stores", "hub_command")
     p = _cmd(hub, "publish", "fleetrl.hub.cli:publish", "publish a safetensors file or folder as the next version")
-    p.add_argument("path", type=types.existing_path, help="a .safetensors file or a folder of them")
+    p.add_argument("path", type=cli_args.existing_path, help="a .safetensors file or a folder of them")
     p = _cmd(hub, "pull", "fleetrl.hub.cli:pull", "materialize a version into a safetensors file")
     # dest differs from the name: `args.version` is the top-level --version flag
-    p.add_argument("hub_version", metavar="version", type=types.version, help="version number or 'latest'")
-    p.add_argument("out", type=types.output_file, help="output .safetensors path")
+    p.add_argument("hub_version", metavar="version", type=cli_args.version, help="version number or 'latest'")
+    p.add_argument("out", type=cli_args.output_file, help="output .safetensors path")
     p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "verify", "fleetrl.hub.cli:verify", "check signature and every hash of a version")
-    p.add_argument("hub_version", metavar="version", nargs="?", type=types.version,
+    p.add_argument("hub_version", metavar="version", nargs="?", type=cli_args.version,
                    help="version number or 'latest'")
     p.add_argument("--store", default="home",
                    help="store to read from; with --all also a comma list or 'all' (default: %(default)s)")
@@ -111,12 +111,12 @@ def _add_hub(sub: Any) -> None:
     _json(p)
     p = _cmd(hub, "export", "fleetrl.export_cli:export",
              "write a version as a Hugging Face model folder (a LoRA adapter version: as a peft adapter folder)")
-    p.add_argument("--version", dest="hub_version", required=True, type=types.version,
+    p.add_argument("--version", dest="hub_version", required=True, type=cli_args.version,
                    help="version number or 'latest'")
-    p.add_argument("--out", required=True, type=types.new_path, help="the folder to write (must not exist)")
+    p.add_argument("--out", required=True, type=cli_args.new_path, help="the folder to write (must not exist)")
     p.add_argument("--merged", action="store_true",
                    help="a LoRA adapter version: merge it into its base and write a full Hugging Face folder")
-    p.add_argument("--max-shard-size", default="5GB", type=types.byte_size,
+    p.add_argument("--max-shard-size", default="5GB", type=cli_args.byte_size,
                    help="largest safetensors shard (default: %(default)s)")
     p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "gc", "fleetrl.hub.cli:gc", "delete objects no retained version needs")
@@ -127,7 +127,7 @@ def _add_hub(sub: Any) -> None:
 def _add_daemons(sub: Any) -> None:
     p = _cmd(sub, "trainer", "fleetrl.trainer_cli:run_trainer", "run the central trainer (daemon)")
     p.set_defaults(workload=("model", "task", "dataset"))
-    p.add_argument("--steps", type=types.positive_int, default=None,
+    p.add_argument("--steps", type=cli_args.positive_int, default=None,
                    help="stop after this many steps (default: config)")
     p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
     p.set_defaults(workload=("model", "task", "reward"))
@@ -145,10 +145,10 @@ def _add_daemons(sub: Any) -> None:
 def _add_operations(sub: Any) -> None:
     p = _cmd(sub, "status", "fleetrl.broker.fleet_status:status", "fleet view from the MQTT retained state")
     _json(p)
-    p.add_argument("--wait-s", type=types.non_negative_seconds, default=2.0,
+    p.add_argument("--wait-s", type=cli_args.non_negative_seconds, default=2.0,
                    help="how long to collect retained messages, at most: it shows the fleet as soon as it has the "
                         "policy and a heartbeat of every node the config lists (and what else came with them)")
-    p.add_argument("--watch", type=types.positive_seconds, default=None, metavar="S",
+    p.add_argument("--watch", type=cli_args.positive_seconds, default=None, metavar="S",
                    help="stay connected and redraw every S seconds (Ctrl-C ends it)")
     ctl = sub.add_parser("control", help="send a command to every node of a region").add_subparsers(
         dest="command_name", metavar="COMMAND", required=True
@@ -209,30 +209,30 @@ def build_parser() -> argparse.ArgumentParser:
                 "replicator per region and one agent per node as processes; prints progress, runs the audit and "
                 "a summary, and stops everything it started (also on Ctrl-C or a failure). Every run starts "
                 "fresh: the work directory's stores, checkpoints and logs are wiped first (there is no resume).")
-    p.add_argument("--steps", type=types.positive_int, default=None,
+    p.add_argument("--steps", type=cli_args.positive_int, default=None,
                    help="optimizer steps (default: algorithm.max_steps)")
-    p.add_argument("--workdir", default=None, type=types.folder_to_make,
+    p.add_argument("--workdir", default=None, type=cli_args.folder_to_make,
                    help="folder for stores, checkpoints and logs, WIPED at the start of each run "
                         "(default: .fleetrl/demo next to the config; a non-empty folder the demo did not make "
                         "is refused)")
-    p.add_argument("--duration", type=types.positive_seconds, default=None, metavar="S",
+    p.add_argument("--duration", type=cli_args.positive_seconds, default=None, metavar="S",
                    help="stop the trainer (SIGTERM: it drains and checkpoints) after S s, then audit as usual")
-    p.add_argument("--out", default=None, metavar="DIR", type=types.folder_to_make,
+    p.add_argument("--out", default=None, metavar="DIR", type=cli_args.folder_to_make,
                    help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
     chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")
-    chaos.add_argument("--kill-every", type=types.positive_seconds, default=None, metavar="S",
+    chaos.add_argument("--kill-every", type=cli_args.positive_seconds, default=None, metavar="S",
                        help="SIGKILL a process (trainer, agent, worker, replicator; with --durable a region's "
                             "broker; the kinds take turns) every S s and restart it, as systemd would")
     chaos.add_argument("--kill-only", default=None, metavar="KIND[,KIND]", type=_kill_kinds,
                        help="kill only these kinds: trainer, agent, worker, replicator, broker (default: all)")
-    chaos.add_argument("--preempt-every", type=types.positive_seconds, default=None, metavar="S",
+    chaos.add_argument("--preempt-every", type=cli_args.positive_seconds, default=None, metavar="S",
                        help="send a random live node a preemption notice every S s and start a replacement node")
     chaos.add_argument("--partition", action="append", default=None, metavar="REGION:START:SECONDS",
                        type=_partition, help="cut REGION's links home (Kafka to the trainer, MQTT, the home "
                                              "store) from START s for SECONDS s; repeatable")
-    chaos.add_argument("--fuzz-rate", type=types.fraction, default=0.0, metavar="R",
+    chaos.add_argument("--fuzz-rate", type=cli_args.fraction, default=0.0, metavar="R",
                        help="fraction of hostile records in prompts and trajectories, from a fuzzing producer")
-    chaos.add_argument("--fuzz-records", type=types.positive_int, default=None, metavar="N",
+    chaos.add_argument("--fuzz-records", type=cli_args.positive_int, default=None, metavar="N",
                        help="send exactly N hostile records (at --fuzz-rate among the valid ones, else all at "
                             "once) and end the run once every one is dead-lettered, however long that takes")
     chaos.add_argument("--until-faults", action="store_true",
