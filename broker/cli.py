@@ -38,8 +38,7 @@ def _console() -> Console:
 
 
 def _regions(args: argparse.Namespace, config: FleetConfig) -> list[str]:
-    if getattr(args, "region", None):
-        config.region(args.region)  # KeyError names the known regions
+    if getattr(args, "region", None):  # one fleet.yaml names (`fleetrl.cli` refused any other)
         return [args.region]
     return [r.name for r in config.regions]
 
@@ -184,28 +183,14 @@ def dlq_show(args: argparse.Namespace, config: FleetConfig) -> int:
     return code
 
 
-def _positions(specs: list[str]) -> list[tuple[int, int]]:
-    out = []
-    for spec in specs:
-        partition, sep, offset = spec.partition(":")
-        if not sep or not partition.isdigit() or not offset.isdigit():
-            raise ValueError(f"--offset {spec!r} must be PARTITION:OFFSET, e.g. 0:12")
-        out.append((int(partition), int(offset)))
-    return out
-
-
 def dlq_replay(args: argparse.Namespace, config: FleetConfig) -> int:
     """Re-produce chosen dead letters (or --all) of one region to their original topics."""
     if bool(args.offsets) == bool(args.all):
-        print("fleetrl: dlq replay needs either --offset PARTITION:OFFSET (repeatable) or --all", file=sys.stderr)
+        print(f"{args.command_prog}: error: argument --offset: give --offset PARTITION:OFFSET (repeatable) or "
+              f"--all, one of them", file=sys.stderr)
         return 2
-    try:
-        positions = _positions(args.offsets)
-    except ValueError as exc:
-        print(f"fleetrl: {exc}", file=sys.stderr)
-        return 2
+    positions: list[tuple[int, int]] = args.offsets  # PARTITION:OFFSET pairs, parsed by fleetrl/cli_args.py
     region = args.region
-    config.region(region)
 
     async def run() -> list[DeadLetter]:
         letters = await read_dead_letters(config, region, limit=_REPLAY_ALL_LIMIT)
@@ -233,7 +218,6 @@ def control(args: argparse.Namespace, config: FleetConfig) -> int:
     """Send drain / resume / stop to every node of a region over the control plane."""
     from fleetrl.broker.control import ControlCommand
 
-    config.region(args.region)  # an unknown region is a usage error, not a silent publish
     command = ControlCommand(cmd=args.command_name, reason=args.reason)
 
     async def send() -> None:

@@ -3,7 +3,10 @@
 The whole argument tree is declared here with argparse and nothing heavy imported, so `--help`
 answers at once; each sub-command names its handler as `"module:function"`, imported only when that
 command runs. A handler takes `(args, config)` and returns an exit code. Fatal errors end as one
-clear line on stderr and a non-zero exit (2 for a bad config or usage, 1 otherwise).
+clear line on stderr and a non-zero exit (2 for a bad config or usage, 1 otherwise). A bad argument
+is refused before any work starts, by its `type=` (fleetrl/cli_args.py) as argparse parses, or, when
+only the config or a store can tell (`--region`, `--store`, a version), once they are read: one line
+naming the argument, exit 2.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from fleetrl import cli_args
+from fleetrl.cli_args import OneLineParser, check_names, refusal_line
 
 Handler = Callable[[argparse.Namespace, Any], int]
 ALL_CHECKS = ("model", "task", "reward", "dataset")
@@ -24,14 +30,14 @@ def _common(p: argparse.ArgumentParser, *, config: bool = True) -> None:
     if config:
         p.add_argument("--config", "-c", default="fleet.yaml", help="fleet.yaml of the run (default: %(default)s)")
     p.add_argument("--log-json", action="store_true", help="log JSON events (default: JSON unless on a TTY)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--log-level", default="INFO", type=cli_args.log_level, help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--debug", action="store_true", help="show tracebacks of fatal errors")
 
 
 def _cmd(sub: Any, name: str, handler: str, help: str, *, config: bool = True) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
     _common(p, config=config)
-    p.set_defaults(handler=handler, needs_config=config)
+    p.set_defaults(handler=handler, needs_config=config, command_prog=p.prog)
     return p
 
 
@@ -55,7 +61,8 @@ def _add_config(sub: Any) -> None:
     _json(p)
     p = _cmd(config, "reference", "fleetrl.config_cli:reference", "print the configuration reference (Markdown)",
              config=False)
-    p.add_argument("--update", metavar="FILE", help="rewrite the reference between the markers in FILE")
+    p.add_argument("--update", metavar="FILE", type=cli_args.existing_file,
+                   help="rewrite the reference between the markers in FILE")
 
 
 def _add_topics(sub: Any) -> None:
@@ -73,10 +80,10 @@ def _add_topics(sub: Any) -> None:
     p = _cmd(dlq, "show", "fleetrl.broker.cli:dlq_show", "print dead-lettered records with their reasons")
     _region(p)
     _json(p)
-    p.add_argument("--limit", type=int, default=50, help="at most this many records per region")
+    p.add_argument("--limit", type=cli_args.positive_int, default=50, help="at most this many records per region")
     p = _cmd(dlq, "replay", "fleetrl.broker.cli:dlq_replay", "re-produce chosen dead letters to their topic")
     _region(p, required=True)
-    p.add_argument("--offset", dest="offsets", type=str, action="append", default=[],
+    p.add_argument("--offset", dest="offsets", type=cli_args.partition_offset, action="append", default=[],
                    help="PARTITION:OFFSET of a dead letter to replay (repeatable)")
     p.add_argument("--all", action="store_true", help="replay every dead letter of the region")
     p.add_argument("--dry-run", action="store_true", help="show what would be replayed")
@@ -86,14 +93,15 @@ def _add_topics(sub: Any) -> None:
 def _add_hub(sub: Any) -> None:
     hub = _group(sub, "hub", "the tensor hub: versions in object stores", "hub_command")
     p = _cmd(hub, "publish", "fleetrl.hub.cli:publish", "publish a safetensors file or folder as the next version")
-    p.add_argument("path", help="a .safetensors file or a folder of them")
+    p.add_argument("path", type=cli_args.existing_path, help="a .safetensors file or a folder of them")
     p = _cmd(hub, "pull", "fleetrl.hub.cli:pull", "materialize a version into a safetensors file")
     # dest differs from the name: `args.version` is the top-level --version flag
-    p.add_argument("hub_version", metavar="version", help="version number or 'latest'")
-    p.add_argument("out", help="output .safetensors path")
+    p.add_argument("hub_version", metavar="version", type=cli_args.version, help="version number or 'latest'")
+    p.add_argument("out", type=cli_args.output_file, help="output .safetensors path")
     p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "verify", "fleetrl.hub.cli:verify", "check signature and every hash of a version")
-    p.add_argument("hub_version", metavar="version", nargs="?", help="version number or 'latest'")
+    p.add_argument("hub_version", metavar="version", nargs="?", type=cli_args.version,
+                   help="version number or 'latest'")
     p.add_argument("--store", default="home",
                    help="store to read from; with --all also a comma list or 'all' (default: %(default)s)")
     p.add_argument("--all", action="store_true",
@@ -103,11 +111,13 @@ def _add_hub(sub: Any) -> None:
     _json(p)
     p = _cmd(hub, "export", "fleetrl.export_cli:export",
              "write a version as a Hugging Face model folder (a LoRA adapter version: as a peft adapter folder)")
-    p.add_argument("--version", dest="hub_version", required=True, help="version number or 'latest'")
-    p.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    p.add_argument("--version", dest="hub_version", required=True, type=cli_args.version,
+                   help="version number or 'latest'")
+    p.add_argument("--out", required=True, type=cli_args.new_path, help="the folder to write (must not exist)")
     p.add_argument("--merged", action="store_true",
                    help="a LoRA adapter version: merge it into its base and write a full Hugging Face folder")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: %(default)s)")
+    p.add_argument("--max-shard-size", default="5GB", type=cli_args.byte_size,
+                   help="largest safetensors shard (default: %(default)s)")
     p.add_argument("--store", default="home", help="store to read from (default: %(default)s)")
     p = _cmd(hub, "gc", "fleetrl.hub.cli:gc", "delete objects no retained version needs")
     p.add_argument("--store", default="home", help="store to collect (default: %(default)s)")
@@ -117,7 +127,8 @@ def _add_hub(sub: Any) -> None:
 def _add_daemons(sub: Any) -> None:
     p = _cmd(sub, "trainer", "fleetrl.trainer_cli:run_trainer", "run the central trainer (daemon)")
     p.set_defaults(workload=("model", "task", "dataset"))
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: config)")
+    p.add_argument("--steps", type=cli_args.positive_int, default=None,
+                   help="stop after this many steps (default: config)")
     p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
     p.set_defaults(workload=("model", "task", "reward"))
     _region(p, required=True)
@@ -134,10 +145,10 @@ def _add_daemons(sub: Any) -> None:
 def _add_operations(sub: Any) -> None:
     p = _cmd(sub, "status", "fleetrl.broker.fleet_status:status", "fleet view from the MQTT retained state")
     _json(p)
-    p.add_argument("--wait-s", type=float, default=2.0,
+    p.add_argument("--wait-s", type=cli_args.non_negative_seconds, default=2.0,
                    help="how long to collect retained messages, at most: it shows the fleet as soon as it has the "
                         "policy and a heartbeat of every node the config lists (and what else came with them)")
-    p.add_argument("--watch", type=float, default=None, metavar="S",
+    p.add_argument("--watch", type=cli_args.positive_seconds, default=None, metavar="S",
                    help="stay connected and redraw every S seconds (Ctrl-C ends it)")
     ctl = sub.add_parser("control", help="send a command to every node of a region").add_subparsers(
         dest="command_name", metavar="COMMAND", required=True
@@ -174,8 +185,20 @@ def _partition(text: str) -> Any:
     return parse_partition(text)
 
 
+def _kill_kinds(text: str) -> tuple[str, ...]:
+    from fleetrl.demo.chaos import parse_kill_only
+
+    return parse_kill_only(text)
+
+
+def _crash_points(text: str) -> tuple[str, ...]:
+    from fleetrl.demo.chaos import parse_crash_at
+
+    return parse_crash_at(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fleetrl", description="Cross-region, asynchronous RL post-training over message brokers."
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -186,29 +209,30 @@ def build_parser() -> argparse.ArgumentParser:
                 "replicator per region and one agent per node as processes; prints progress, runs the audit and "
                 "a summary, and stops everything it started (also on Ctrl-C or a failure). Every run starts "
                 "fresh: the work directory's stores, checkpoints and logs are wiped first (there is no resume).")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: algorithm.max_steps)")
-    p.add_argument("--workdir", default=None,
+    p.add_argument("--steps", type=cli_args.positive_int, default=None,
+                   help="optimizer steps (default: algorithm.max_steps)")
+    p.add_argument("--workdir", default=None, type=cli_args.folder_to_make,
                    help="folder for stores, checkpoints and logs, WIPED at the start of each run "
                         "(default: .fleetrl/demo next to the config; a non-empty folder the demo did not make "
                         "is refused)")
-    p.add_argument("--duration", type=float, default=None, metavar="S",
+    p.add_argument("--duration", type=cli_args.positive_seconds, default=None, metavar="S",
                    help="stop the trainer (SIGTERM: it drains and checkpoints) after S s, then audit as usual")
-    p.add_argument("--out", default=None, metavar="DIR",
+    p.add_argument("--out", default=None, metavar="DIR", type=cli_args.folder_to_make,
                    help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
     chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")
-    chaos.add_argument("--kill-every", type=float, default=None, metavar="S",
+    chaos.add_argument("--kill-every", type=cli_args.positive_seconds, default=None, metavar="S",
                        help="SIGKILL a process (trainer, agent, worker, replicator; with --durable a region's "
                             "broker; the kinds take turns) every S s and restart it, as systemd would")
-    chaos.add_argument("--kill-only", default=None, metavar="KIND[,KIND]",
+    chaos.add_argument("--kill-only", default=None, metavar="KIND[,KIND]", type=_kill_kinds,
                        help="kill only these kinds: trainer, agent, worker, replicator, broker (default: all)")
-    chaos.add_argument("--preempt-every", type=float, default=None, metavar="S",
+    chaos.add_argument("--preempt-every", type=cli_args.positive_seconds, default=None, metavar="S",
                        help="send a random live node a preemption notice every S s and start a replacement node")
     chaos.add_argument("--partition", action="append", default=None, metavar="REGION:START:SECONDS",
                        type=_partition, help="cut REGION's links home (Kafka to the trainer, MQTT, the home "
                                              "store) from START s for SECONDS s; repeatable")
-    chaos.add_argument("--fuzz-rate", type=float, default=0.0, metavar="R",
+    chaos.add_argument("--fuzz-rate", type=cli_args.fraction, default=0.0, metavar="R",
                        help="fraction of hostile records in prompts and trajectories, from a fuzzing producer")
-    chaos.add_argument("--fuzz-records", type=int, default=None, metavar="N",
+    chaos.add_argument("--fuzz-records", type=cli_args.positive_int, default=None, metavar="N",
                        help="send exactly N hostile records (at --fuzz-rate among the valid ones, else all at "
                             "once) and end the run once every one is dead-lettered, however long that takes")
     chaos.add_argument("--until-faults", action="store_true",
@@ -219,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="regions' tansu keep their log in S3 (a moto server), surviving a broker kill")
     chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and the fuzzer")
     chaos.add_argument("--crash-at", action="append", default=None, metavar="POINT[@N][,POINT...]",
+                       type=_crash_points,
                        help="crash the process that reaches each named crash point there (SIGKILL) and restart "
                             "it; each process kind runs its points in order (docs/crashpoints.md); repeatable")
     for add in (_add_config, _add_topics, _add_hub, _add_daemons, _add_operations, _add_units):
@@ -254,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             source = getattr(args, "file", None) or args.config
             config = load_config(source)
             register_all(config)  # from here on, no log event or error line shows a configured secret
+            check_names(args, config, str(source))
             if getattr(args, "workload", None):
                 from fleetrl.workload import check_workload
 
@@ -265,6 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
+        refusal = refusal_line(args.command_prog, exc)
+        if refusal is not None:  # an argument that the config or a store refuses (fleetrl/cli_args.py)
+            print(redact(refusal), file=sys.stderr)
+            return 2
         if args.debug:
             raise
         print(redact(f"fleetrl: error: {type(exc).__name__}: {exc}"), file=sys.stderr)

@@ -16,7 +16,7 @@ import sys
 from fleetrl.config import FleetConfig, load_config
 from fleetrl.demo.procs import default_workdir
 from fleetrl.hub.cli import export as hub_export
-from fleetrl.hub.errors import HubError, SignatureError
+from fleetrl.hub.errors import HubError, SignatureError, UnknownVersion
 from fleetrl.hub.publisher import read_latest
 from fleetrl.hub.signing import load_keys
 from fleetrl.hub.stores import open_store
@@ -33,6 +33,8 @@ def export(args: argparse.Namespace, config: FleetConfig) -> int:
         config = load_config(demo)
     try:
         return hub_export(args, config)
+    except UnknownVersion:
+        raise  # a bad --version: refused as such, naming what the store holds
     except (SignatureError, HubError) as exc:
         if demo is None and _misses_run(config):
             raise type(exc)(f"{exc}; {_HINT}") from exc

@@ -16,6 +16,7 @@ from fleetrl.hub.errors import (
     ObjectNotFound,
     SignatureError,
     StoreError,
+    UnknownVersion,
     VersionConflict,
 )
 from fleetrl.hub.hub import Changed, Hub, StoreCheck
@@ -52,6 +53,7 @@ __all__ = [
     "StoreCheck",
     "StoreError",
     "TensorEntry",
+    "UnknownVersion",
     "VersionConflict",
     "VersionHints",
     "open_store",

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fleetrl.config import FleetConfig
-from fleetrl.hub.errors import HubError
+from fleetrl.hub.errors import HubError, UnknownVersion
 from fleetrl.hub.hub import Hub
 from fleetrl.hub.reader import Progress
 from fleetrl.hub.replicator import Holding, Replicator, VersionHints
@@ -40,16 +40,24 @@ def _progress(label: str, total: int | None) -> Iterator[Progress]:
         yield lambda n: bar.advance(task, n)
 
 
-def _version(hub: Hub, text: str) -> int:
-    if text == "latest":
+def _version(hub: Hub, asked: int | str, argument: str = "version") -> int:
+    """The version `asked` (a number or 'latest', as fleetrl/cli_args.py parsed it); a number the store
+    does not hold is refused as the bad `argument` it is (UnknownVersion), naming what the store has."""
+    if asked == "latest":
         latest = hub.latest()
         if latest is None:
             raise HubError(f"{hub.store.where(hub.run + '/latest')}: no version published yet")
         return latest
     try:
-        return int(text)
+        version = int(asked)
     except ValueError:
-        raise HubError(f"version {text!r} is neither a number nor 'latest'") from None
+        raise HubError(f"version {asked!r} is neither a number nor 'latest'") from None
+    held = hub.versions()
+    if version not in held:
+        has = f"it holds no version of run {hub.run!r}" if not held else (
+            f"newest is {held[-1]}" if version > held[0] else f"oldest is {held[0]}, newest is {held[-1]}")
+        raise UnknownVersion(f"{version} not in store {hub.store.name!r} ({has})", argument=argument)
+    return version
 
 
 def _load_safetensors(path: pathlib.Path) -> dict[str, Any]:
@@ -85,17 +93,19 @@ def export(args: argparse.Namespace, config: FleetConfig) -> int:
     from fleetrl.hub.export import export_version
 
     with Hub.from_config(config, store=args.store) as hub:
-        summary = export_version(hub, config, _version(hub, args.hub_version), args.out, args.max_shard_size,
-                                 merged=args.merged)
+        summary = export_version(hub, config, _version(hub, args.hub_version, "--version"), args.out,
+                                 args.max_shard_size, merged=args.merged)
     print(json.dumps(summary))
     return 0
 
 
 def verify(args: argparse.Namespace, config: FleetConfig) -> int:
+    if (args.hub_version is None) == (not args.all):
+        print(f"{args.command_prog}: error: argument version: give a version (a number or 'latest') or --all, "
+              f"one of them", file=sys.stderr)
+        return 2
     if args.all:
         return _verify_all(args, config)
-    if args.hub_version is None:
-        raise HubError("fleetrl hub verify: give a version (a number or 'latest'), or --all")
     with Hub.from_config(config, store=args.store) as hub:
         version = _version(hub, args.hub_version)
         with _progress(f"verify v{version}", hub.reader.bytes_to_read(version)) as progress:

@@ -10,7 +10,8 @@
     ├── SignatureError            an unsigned or mis-signed manifest, or a missing key
     ├── LeaseLost                 a replicator's lease was taken over
     ├── BaseMismatch              a LoRA adapter version whose base the reader does not hold
-    └── CodecError                a tensor the codec cannot encode (dtype, shape)
+    ├── CodecError                a tensor the codec cannot encode (dtype, shape)
+    └── UnknownVersion            a version a command names that the store holds no manifest of
 
 Messages name the store and key, and the tensor where one is at fault, so that an operator knows
 which object to look at.
@@ -73,3 +74,12 @@ class BaseMismatch(HubError):
 
 class CodecError(HubError):
     """A tensor the codec cannot handle."""
+
+
+class UnknownVersion(HubError):
+    """A version named on the command line that the store does not hold. `argument` is the flag that
+    named it: `fleetrl` refuses it as a bad argument (one line naming the flag, exit 2)."""
+
+    def __init__(self, message: str, *, argument: str) -> None:
+        super().__init__(message)
+        self.argument = argument

@@ -42,6 +42,7 @@ from typing import Any
 import psutil
 
 from fleetrl import crashpoints
+from fleetrl.cli_args import ArgumentRefused, kinds
 from fleetrl.demo.procs import Child, DemoError
 
 KILL_KINDS = ("trainer", "agent", "worker", "replicator", "broker")
@@ -81,6 +82,24 @@ def parse_partition(text: str) -> Partition:
     return p
 
 
+def parse_kill_only(text: str) -> tuple[str, ...]:
+    """`KIND[,KIND]`, each one of `KILL_KINDS`."""
+    return kinds(KILL_KINDS, text)
+
+
+def parse_crash_at(text: str) -> tuple[str, ...]:
+    """`POINT[@N][,POINT...]`: named crash points (`fleetrl.crashpoints`) that a demo process reaches."""
+    try:
+        armed = crashpoints.parse(text)
+    except crashpoints.CrashPointError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{crashpoints.ENV_POINTS}: ")) from None
+    outside = sorted({a.point for a in armed if crashpoints.POINTS[a.point].kind not in CRASH_KINDS})
+    if outside:
+        raise argparse.ArgumentTypeError(f"{outside} are not reached by a demo process (the gc points are "
+                                         f"reached by `fleetrl hub gc`)")
+    return tuple(e.strip() for e in text.split(",") if e.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class FaultPlan:
     kill_every_s: float | None = None
@@ -99,39 +118,22 @@ class FaultPlan:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FaultPlan:
+        """The plan of the parsed arguments, whose types (fleetrl/cli.py) checked each one; what only
+        their combination can tell is refused here (`ArgumentRefused`: exit 2 before anything starts)."""
         rate = float(getattr(args, "fuzz_rate", 0.0) or 0.0)
-        if not 0.0 <= rate < 1.0:
-            raise DemoError(f"--fuzz-rate {rate}: must be in [0, 1) (the fraction of hostile records)")
         records = getattr(args, "fuzz_records", None)
-        if records is not None and records <= 0:
-            raise DemoError(f"--fuzz-records {records}: must be > 0 (the number of hostile records to send)")
-        for name in ("kill_every", "preempt_every"):
-            value = getattr(args, name, None)
-            if value is not None and value <= 0:
-                raise DemoError(f"--{name.replace('_', '-')} {value}: must be > 0 seconds")
-        only = tuple(k.strip() for k in (getattr(args, "kill_only", None) or ",".join(KILL_KINDS)).split(","))
-        unknown = sorted(set(only) - set(KILL_KINDS))
-        if unknown:
-            raise DemoError(f"--kill-only {','.join(only)}: unknown kind(s) {unknown}; kinds: {list(KILL_KINDS)}")
+        only = tuple(getattr(args, "kill_only", None) or KILL_KINDS)
         if "broker" in only and getattr(args, "kill_only", None) and not getattr(args, "durable", False):
-            raise DemoError("--kill-only broker needs --durable: a broker on memory storage loses its log when killed")
-        crash_at = tuple(e.strip() for text in (getattr(args, "crash_at", None) or ()) for e in text.split(",")
-                         if e.strip())
-        try:
-            armed = crashpoints.parse(",".join(crash_at))
-        except crashpoints.CrashPointError as exc:
-            raise DemoError(f"--crash-at: {exc}") from None
-        outside = sorted({a.point for a in armed if crashpoints.POINTS[a.point].kind not in CRASH_KINDS})
-        if outside:
-            raise DemoError(f"--crash-at: {outside} are not reached by a demo process (the gc points are reached "
-                            f"by `fleetrl hub gc`)")
+            raise ArgumentRefused("--kill-only", "broker needs --durable: a broker on memory storage loses its log "
+                                                 "when killed")
+        crash_at = tuple(e for entries in (getattr(args, "crash_at", None) or ()) for e in entries)
         until = bool(getattr(args, "until_faults", False))
         plan = cls(getattr(args, "kill_every", None), getattr(args, "preempt_every", None),
                    tuple(getattr(args, "partition", None) or ()), rate, int(records or 0),
                    bool(getattr(args, "durable", False)), int(getattr(args, "seed", 0) or 0), only, crash_at, until)
         if until and not (plan.kill_every_s or plan.preempt_every_s or plan.partitions or plan.crash_at):
-            raise DemoError("--until-faults: no fault to wait for; add --kill-every, --preempt-every, --partition "
-                            "or --crash-at")
+            raise ArgumentRefused("--until-faults", "no fault to wait for; add --kill-every, --preempt-every, "
+                                                    "--partition or --crash-at")
         return plan
 
     @property

@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.live import Live
 
 from fleetrl import devstack
+from fleetrl.cli_args import ArgumentRefused
 from fleetrl.config import FleetConfig, SecretField, StoreConfig
 from fleetrl.demo.books import DeadLetterTally, run_audit, verify_stores
 from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
@@ -136,7 +137,8 @@ class Demo:
         names = {r.name for r in self.config.regions}
         for p in self.plan.partitions:
             if p.region not in names:
-                raise DemoError(f"--partition {p.region}: no such region in {self.source}; regions: {sorted(names)}")
+                raise ArgumentRefused("--partition", f"{p.region!r} not in {self.source} "
+                                                     f"(regions: {', '.join(sorted(names))})")
         check_free(ports, self.source)
         config_path = pathlib.Path(self.args.config)
         default = default_workdir(config_path)

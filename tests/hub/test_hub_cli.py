@@ -77,5 +77,5 @@ def test_publish_pull_verify_ls_gc_and_replicate_once(
         obj.write_bytes(obj.read_bytes()[:-3])
     assert main(["hub", "verify", "4", *cfg]) == 1
     assert "IntegrityError" in capsys.readouterr().err
-    assert main(["hub", "pull", "7", str(tmp_path / "x.safetensors"), *cfg]) == 1
-    assert "ObjectNotFound" in capsys.readouterr().err
+    assert main(["hub", "pull", "7", str(tmp_path / "x.safetensors"), *cfg]) == 2  # a bad argument (issue 47)
+    assert "argument version: 7 not in store 'home' (newest is 4)" in capsys.readouterr().err
