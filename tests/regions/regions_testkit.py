@@ -35,9 +35,10 @@ def fleet_dict(run_id: str, bootstrap: str, mqtt_port: int, store: pathlib.Path)
                     "min_version_wait_s": 60.0},
         # hang detection is not what these tests check: its bounds are ones only a hang reaches, also
         # for a worker that takes minutes to import torch on cores shared with a whole suite (60 s
-        # was reached at load ~25, and the worker was restarted as hung)
+        # was reached at load ~25, and the worker was restarted as hung); so they are scaled by the
+        # machine's slowdown like the tests' own hang bounds
         "agent": {"progress_interval_s": 0.5, "restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0,
-                  "crashloop_after": 2, "hang_timeout_s": 90.0, "start_timeout_s": 180.0},
+                  "crashloop_after": 2, "hang_timeout_s": scaled(90.0), "start_timeout_s": scaled(180.0)},
         "regions": [{"name": REGION, "kafka": bootstrap, "store": store.as_uri(),
                      "engine": {"kind": "torch", "max_batch": 8}}],
     }
