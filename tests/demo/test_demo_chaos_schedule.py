@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.demo.chaos import RECOVER_S, Chaos, FaultLog, FaultPlan
 from fleetrl.demo.procs import Child
@@ -63,7 +64,7 @@ def fleet(tmp_path: pathlib.Path) -> Iterator[Fleet]:
     for c in f.children:
         if c.proc is not None:
             c.proc.kill()
-            c.proc.wait(timeout=10)
+            c.proc.wait(timeout=scaled(10))
         if c._log is not None:
             c._log.close()
 
