@@ -31,8 +31,9 @@ class Fleet:
         (workdir / "notices").mkdir()
 
     def start(self, name: str) -> Child:
-        child = Child(name, [sys.executable, "-c", "import time; time.sleep(30)"], self.workdir / f"{name}.log",
-                      {}).start()
+        # a lifetime that outlasts any test here (they kill their children by pid)
+        child = Child(name, [sys.executable, "-c", f"import time; time.sleep({scaled(30)})"],
+                      self.workdir / f"{name}.log", {}).start()
         self.children.append(child)
         return child
 
