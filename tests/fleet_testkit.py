@@ -9,6 +9,7 @@ import asyncio
 import itertools
 
 import torch
+from slowdown import scaled
 
 from fleetrl.broker import Consumer, Delivery, Producer, PromptRecord, RecordLimits, Sampling, Stream, trainer_group
 from fleetrl.config import FleetConfig
@@ -45,9 +46,13 @@ async def produce_prompts(config: FleetConfig, region: str, records: list[Prompt
 
 
 async def read_stream(config: FleetConfig, region: str, stream: Stream, n: int, timeout_s: float,
-                      group: str | None = None, distinct: bool = False) -> list[Delivery]:
+                      group: str | None = None, distinct: bool = False, *, scale: bool = True) -> list[Delivery]:
     """Read `n` records of a stream with a fresh consumer group (bounded wait), and whatever follows
     within half a second: anything beyond n would be a duplicate the test must see.
+
+    `timeout_s` is a hang bound written for the reference machine and scaled by the machine's slowdown
+    (tests/slowdown.py). `scale=False`: it is instead the window of a test that asserts that nothing
+    arrives, taken as written.
 
     `distinct`: `n` records of different keys. A redone group may legitimately arrive twice (at least
     once delivery: a worker killed between its produce and its commit), and counting that duplicate
@@ -59,7 +64,7 @@ async def read_stream(config: FleetConfig, region: str, stream: Stream, n: int, 
     ) as consumer:
         got: list[Delivery] = []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = loop.time() + (scaled(timeout_s) if scale else timeout_s)
         while len({d.key for d in got} if distinct else got) < n and loop.time() < deadline:
             got += await consumer.poll(max_records=100, timeout_s=0.3)
         got += await consumer.poll(max_records=100, timeout_s=0.5)

@@ -6,6 +6,7 @@ import asyncio
 import pathlib
 
 import pytest
+from slowdown import scaled
 
 from fleetrl import devstack
 
@@ -31,7 +32,7 @@ async def test_mqtt_broker_round_trips_a_retained_message(mqtt_server: devstack.
         await client.publish(topic, b"hello", qos=1, retain=True)
     async with aiomqtt.Client("127.0.0.1", mqtt_server.port) as client:
         await client.subscribe(topic, qos=1)
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(scaled(5)):
             async for message in client.messages:
                 if message.topic.matches(topic):
                     assert message.payload == b"hello"
@@ -60,7 +61,7 @@ def test_stop_ends_only_the_started_process() -> None:
 def test_start_failure_names_the_server() -> None:
     server = devstack.ServerProcess("nothing", ["false"], devstack.free_port())
     with pytest.raises(devstack.DevStackError, match="nothing"):
-        server.start(ready_timeout_s=2)
+        server.start(ready_timeout_s=scaled(2))
 
 
 def test_free_ports_of_processes_side_by_side_never_overlap() -> None:
@@ -71,7 +72,7 @@ def test_free_ports_of_processes_side_by_side_never_overlap() -> None:
 
     draw = "from fleetrl import devstack; print(*(devstack.free_port() for _ in range(100)))"
     procs = [subprocess.Popen([sys.executable, "-c", draw], stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    drawn = [set(map(int, p.communicate(timeout=60)[0].split())) for p in procs]
+    drawn = [set(map(int, p.communicate(timeout=scaled(60))[0].split())) for p in procs]
     assert all(len(ports) == 100 for ports in drawn)
     assert not (drawn[0] & drawn[1]) and not (drawn[0] & drawn[2]) and not (drawn[1] & drawn[2])
     ephemeral_low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

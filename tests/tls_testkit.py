@@ -22,6 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from slowdown import scaled
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,13 @@ class TlsRelay:
 
     def start(self) -> TlsRelay:
         self._thread.start()
-        self._server = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=10)
+        self._server = asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=scaled(10))
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
     async def _listen(self) -> asyncio.Server:
         return await asyncio.start_server(self._relay, "127.0.0.1", self.port, ssl=self._context,
-                                          ssl_handshake_timeout=10)
+                                          ssl_handshake_timeout=scaled(10))
 
     async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -104,7 +105,8 @@ class TlsRelay:
         self._writers.add(client_w)
         server_w: asyncio.StreamWriter | None = None
         try:
-            server_r, server_w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.target_port), 5)
+            server_r, server_w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.target_port),
+                                                      scaled(5))
             self._writers.add(server_w)
             pipes = [asyncio.ensure_future(self._pipe(client_r, server_w)),
                      asyncio.ensure_future(self._pipe(server_r, client_w))]
@@ -147,9 +149,9 @@ class TlsRelay:
                 await asyncio.sleep(0)
 
         if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=scaled(10))
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=scaled(10))
         self._loop.close()
 
     def __enter__(self) -> TlsRelay:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from slowdown import scaled
 
 from fleetrl.broker import ControlCommand, GroupRecord, PromptRecord, Sample, Sampling, floats, ids
 from fleetrl.config import FleetConfig, parse_config
@@ -66,18 +67,20 @@ def make_prompt(group_id: str, run: str = "run", task: str = "reverse") -> Promp
 
 
 async def poll_until(consumer: Any, n: int, timeout_s: float = 30.0, max_records: int = 100) -> list[Any]:
-    """Poll until `n` deliveries arrived (or the deadline passed); returns what arrived."""
+    """Poll until `n` deliveries arrived (or the deadline passed); returns what arrived. `timeout_s`, as
+    every bound of these helpers, is the reference machine's figure, scaled by the machine's slowdown."""
     got: list[Any] = []
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    deadline = loop.time() + scaled(timeout_s)
     while len(got) < n and loop.time() < deadline:
         got += await consumer.poll(max_records=max_records, timeout_s=0.5)
     return got
 
 
 async def wait_for(predicate: Callable[[], Any], timeout_s: float, step_s: float = 0.05) -> bool:
+    """Whether `predicate()` holds within `timeout_s` (scaled), checked every `step_s`."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    deadline = loop.time() + scaled(timeout_s)
     while loop.time() < deadline:
         if predicate():
             return True
@@ -95,7 +98,7 @@ async def commands_listening(commands: Any, operator: Any, region: str, timeout_
     place is lost; waiting for a probe instead of a fixed sleep keeps that from deciding a test."""
     pending = asyncio.ensure_future(anext(commands))
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(scaled(timeout_s)):
             while True:
                 await operator.send_control(region, ControlCommand(cmd="resume", reason=PROBE))
                 done, _ = await asyncio.wait({pending}, timeout=0.5)
@@ -108,7 +111,7 @@ async def commands_listening(commands: Any, operator: Any, region: str, timeout_
 
 async def next_command(commands: Any, timeout_s: float = 10.0) -> Any:
     """The next command that is not a probe of `commands_listening` (a late one may still arrive)."""
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(scaled(timeout_s)):
         async for command in commands:
             if command.reason != PROBE:
                 return command

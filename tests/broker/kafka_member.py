@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for slowdown
+from slowdown import scaled  # the suite's slowdown factor, inherited through the environment
 
 from fleetrl.broker import Consumer, Producer, RecordLimits
 from fleetrl.config import load_config
@@ -24,11 +28,11 @@ async def main(path: str, group: str, n: int) -> None:
     ) as consumer:
         got: list[str] = []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
+        deadline = loop.time() + scaled(60)
         while len(got) < n and loop.time() < deadline:
             got += [d.key or "" for d in await consumer.poll(max_records=100, timeout_s=0.5)]
         print(json.dumps(sorted(got)), flush=True)
-        await asyncio.sleep(120)  # holding the records, uncommitted, until SIGKILL
+        await asyncio.sleep(scaled(120))  # holding the records, uncommitted, until SIGKILL
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import random
 
 import pytest
 from aiokafka.structs import TopicPartition
+from slowdown import scaled
 
 from fleetrl.broker import Consumer, Producer, RecordLimits, ensure_topics, rollout_group
 from fleetrl.broker.assignor import RendezvousAssignor, rendezvous
@@ -118,14 +119,14 @@ async def test_a_member_joining_again_starts_no_new_generation_on_tansu(
                      on_assigned=lambda _: joins.append(1)) as a, \
             Consumer(config, "r1", ["prompts"], group, limits, producer, "b", heartbeat_interval_s=0.3) as b:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 40
+        deadline = loop.time() + scaled(40)
         while not (a.assignment() and b.assignment()
                    and len(a.assignment() | b.assignment()) == config.kafka.partitions.prompts):
             assert loop.time() < deadline, "the group never settled"
             await asyncio.gather(a.poll(10, 0.2), b.poll(10, 0.2))
         generation, before = a._c._coordinator.generation, len(joins)
         a._c._coordinator.request_rejoin()
-        deadline = loop.time() + 40
+        deadline = loop.time() + scaled(40)
         while len(joins) == before:
             assert loop.time() < deadline, "a never joined again"
             await asyncio.gather(a.poll(10, 0.2), b.poll(10, 0.2))

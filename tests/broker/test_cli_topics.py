@@ -20,6 +20,7 @@ from broker_testkit import (
     poll_until,
     write_config,
 )
+from slowdown import scaled
 
 from fleetrl import devstack
 from fleetrl.broker import (
@@ -206,13 +207,13 @@ def test_status_shows_policy_and_nodes(
             await cp.heartbeat("r1", "n2", Heartbeat(state="offline", version=6))
 
     asyncio.run(publish())
-    run = Run("status", "--config", str(path), "--json", "--wait-s", "20")
+    run = Run("status", "--config", str(path), "--json", "--wait-s", str(scaled(20)))
     code, fleet = run.code, run.json
     assert code == 0
     assert fleet["policy"]["version"] == 7
     assert [(n["node"], n["state"], n["version"]) for n in fleet["nodes"]] == [("n1", "up", 7), ("n2", "offline", 6)]
     assert [e["state"] for e in fleet["nodes"][0]["engines"]] == ["up", "crashloop"]
-    table = Run("status", "--config", str(path), "--wait-s", "20")
+    table = Run("status", "--config", str(path), "--wait-s", str(scaled(20)))
     assert table.code == 0
     out = table.out
     assert "policy version 7" in out and "n1" in out and "offline" in out

@@ -11,6 +11,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from broker_testkit import fleet_yaml, make_config, make_group, make_prompt, poll_until
+from slowdown import scaled
 
 from fleetrl import devstack
 from fleetrl.broker import (
@@ -126,7 +127,7 @@ async def test_a_priority_poll_survives_partitions_revoked_under_it(
             Consumer(fleet_config, "r1", streams, rollout_group(run), limits, producer, "visitor",
                      priority=True) as visitor,
         ):
-            deadline = asyncio.get_running_loop().time() + 60
+            deadline = asyncio.get_running_loop().time() + scaled(60)
             while kept.assignment() & visitor.assignment() or not kept.assignment():
                 assert asyncio.get_running_loop().time() < deadline, "the group never settled"
                 await kept.poll(max_records=1, timeout_s=0.2)
@@ -146,7 +147,7 @@ class _HeldRevoke(ConsumerRebalanceListener):
         if not revoked:  # the first join revokes nothing
             return
         self.revoking.set()
-        await asyncio.wait_for(self.release.wait(), timeout=60)
+        await asyncio.wait_for(self.release.wait(), timeout=scaled(60))
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         pass
@@ -174,7 +175,7 @@ async def test_a_poll_that_a_rebalance_outlasts_comes_back_empty(run_id: str, ta
                            partition_assignment_strategy=(RendezvousAssignor,))  # the fleet's default
     old.subscribe([topic_name(run_id, t) for t in streams], listener=held)
     try:
-        await asyncio.wait_for(old.start(), timeout=60)  # joined and assigned
+        await asyncio.wait_for(old.start(), timeout=scaled(60))  # joined and assigned
         async with (
             Producer(config, "r1", "test-producer") as producer,
             Consumer(config, "r1", streams, group, limits, producer, "new", join_in_background=True) as new,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from broker_testkit import VOCAB, fleet_yaml, make_config, make_group, poll_until
+from slowdown import scaled
 from structlog.testing import capture_logs
 
 from fleetrl import devstack
@@ -103,7 +104,7 @@ async def _unread_lag(run: str, producer: Producer, consumer: Consumer, member_l
                                                                             n_tokens=3)) for i in range(3)))
     seen: int | None = None
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 15
+    deadline = loop.time() + scaled(15)
     while seen != 3 and loop.time() < deadline:
         await asyncio.sleep(0.1)
         seen = await consumer.lag()
@@ -195,7 +196,7 @@ async def _flood(bootstrap: str, n_bad: int) -> tuple[list[Delivery], int, list[
             delivered: list[Delivery] = []
             polls = attempts = 0
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + 120
+            deadline = loop.time() + scaled(120)
             while not delivered and attempts < 4 * n_bad and loop.time() < deadline:
                 dead_before = consumer.dead_count
                 got = await consumer.poll(max_records=1, timeout_s=0.5)
@@ -246,7 +247,7 @@ async def _skim(bootstrap: str) -> tuple[list[int], list[str], int]:
 
             async def skim_until(n: int) -> None:  # the first fetch may not have answered yet
                 loop = asyncio.get_running_loop()
-                deadline = loop.time() + 20
+                deadline = loop.time() + scaled(20)
                 while sum(producer.dead_lettered.values()) < n and loop.time() < deadline:
                     await consumer.skim()
                     await asyncio.sleep(0.05)
@@ -289,7 +290,7 @@ async def _room(bootstrap: str) -> tuple[list[str], list[str], int]:
         async with Consumer(config, "r1", ["trajectories"], trainer_group(config.run),
                             RecordLimits.from_config(config), producer, "room-consumer") as consumer:
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
+            deadline = loop.time() + scaled(20)
             first: list[Delivery] = []
             while not first and loop.time() < deadline:
                 first = await consumer.poll(max_records=2, timeout_s=0.5)

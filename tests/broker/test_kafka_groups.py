@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from broker_testkit import fleet_yaml, make_config, make_prompt, poll_until, write_config
+from slowdown import scaled
 
 from fleetrl.broker import Consumer, Producer, RecordLimits, ensure_topics, rollout_group
 from fleetrl.config import FleetConfig
@@ -27,7 +28,7 @@ async def test_two_members_split_the_partitions(fleet_config: FleetConfig, limit
             Consumer(fleet_config, "r1", ["prompts"], group, limits, producer, "a", heartbeat_interval_s=0.3) as a, \
             Consumer(fleet_config, "r1", ["prompts"], group, limits, producer, "b", heartbeat_interval_s=0.3) as b:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 40
+        deadline = loop.time() + scaled(40)
         while loop.time() < deadline and not (a.assignment() and b.assignment()):
             await asyncio.gather(a.poll(10, 0.2), b.poll(10, 0.2))
         assert a.assignment() and b.assignment(), "the second member never got partitions"
@@ -60,11 +61,11 @@ async def test_member_killed_before_commit_leaves_its_records_to_the_group(
     member = subprocess.Popen([sys.executable, str(HERE / "kafka_member.py"), str(path), group, "10"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        line = await asyncio.wait_for(asyncio.to_thread(member.stdout.readline), timeout=60)  # type: ignore[union-attr]
+        line = await asyncio.wait_for(asyncio.to_thread(member.stdout.readline), timeout=scaled(60))  # type: ignore[union-attr]
         assert json.loads(line) == sorted(f"p{i}" for i in range(10))
     finally:
         os.kill(member.pid, signal.SIGKILL)
-        member.wait(timeout=10)
+        member.wait(timeout=scaled(10))
         member.stdout.close()  # type: ignore[union-attr]
     async with Producer(config, "r1", "dlq") as dlq, Consumer(
         config, "r1", ["prompts"], group, limits, dlq, "survivor", heartbeat_interval_s=0.3

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from broker_testkit import fleet_yaml, make_config, make_group, make_prompt, poll_until
+from slowdown import scaled
 from tls_testkit import Pki, TlsRelay, make_pki, settle_tls_connections
 
 from fleetrl import devstack
@@ -107,7 +108,7 @@ async def test_every_kafka_client_connects_over_tls(run_id: str, tls_kafka: TlsR
             await c.commit(got)
     assert await group_lag(config, "r1") is not None  # `topics lag`
     assert await read_dead_letters(config, "r1") == []  # `topics dlq show` (and replay's reader)
-    view = await read_topics(config, timeout_s=30)  # `fleetrl audit`
+    view = await read_topics(config, timeout_s=scaled(30))  # `fleetrl audit`
     assert "g-tls-1" in view.dispatched and "g-tls-1" in view.arrived
     assert tls_kafka.connections > before
 
@@ -122,7 +123,7 @@ async def test_each_kafka_client_refuses_an_untrusted_certificate(
         "consumer": lambda: _consumer_starts(config),
         "lag": lambda: group_lag(config, "r1"),
         "dlq": lambda: read_dead_letters(config, "r1"),
-        "audit": lambda: read_topics(config, timeout_s=30),
+        "audit": lambda: read_topics(config, timeout_s=scaled(30)),
     }
     with pytest.raises(KafkaError) as info:
         await calls[client]()

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from broker_testkit import commands_listening, fleet_yaml, make_config, next_command, wait_for, write_config
+from slowdown import scaled
 
 from fleetrl import devstack
 from fleetrl.broker import ControlCommand, ControlPlane, ControlPlaneError, Heartbeat, PolicyAnnouncement
@@ -37,7 +38,7 @@ async def test_late_subscriber_sees_the_retained_policy(run_id: str, mqtt_server
         await trainer.announce_policy(_policy(2))
         await trainer.announce_policy(_policy(3))
     async with ControlPlane(config, f"{run_id}-late") as late:
-        announced = await late.wait_for_policy(3, timeout_s=10)
+        announced = await late.wait_for_policy(3, timeout_s=scaled(10))
     assert announced == _policy(3)
 
 
@@ -50,13 +51,13 @@ async def test_killed_node_is_marked_offline_by_its_last_will(
         with subprocess.Popen([sys.executable, str(HERE / "mqtt_node.py"), str(path), "r1", "n7"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as node:
             try:
-                line = await asyncio.wait_for(asyncio.to_thread(node.stdout.readline), 30)  # type: ignore[union-attr]
+                line = await asyncio.wait_for(asyncio.to_thread(node.stdout.readline), scaled(30))  # type: ignore[union-attr]
                 assert line.strip() == "ready"
                 assert await wait_for(lambda: ("r1", "n7") in observer.nodes, 10)
                 assert observer.nodes[("r1", "n7")].state == "up"
             finally:
                 os.kill(node.pid, signal.SIGKILL)
-                node.wait(timeout=10)
+                node.wait(timeout=scaled(10))
         assert await wait_for(lambda: observer.nodes[("r1", "n7")].state == "offline", 10)
     # The offline state is retained: a client that connects later sees it too.
     async with ControlPlane(config, f"{run_id}-later") as later:
@@ -92,7 +93,7 @@ async def test_commands_reach_the_region_and_bad_payloads_are_ignored(
         await operator.send_control("r1", ControlCommand(cmd="drain", reason="maintenance"))
         got = await next_command(commands)
         await operator.announce_policy(_policy(1))
-        assert (await node.wait_for_policy(1, timeout_s=10)).version == 1
+        assert (await node.wait_for_policy(1, timeout_s=scaled(10))).version == 1
         await commands.aclose()
     assert got == ControlCommand(cmd="drain", reason="maintenance")
 
@@ -104,7 +105,7 @@ async def test_reconnected_client_recovers_retained_state(run_id: str, mqtt_serv
         async with ControlPlane(node_config, f"{run_id}-node") as node, \
                 ControlPlane(_config(run_id, mqtt_server.port), f"{run_id}-trainer") as trainer:
             await trainer.announce_policy(_policy(1))
-            await node.wait_for_policy(1, timeout_s=10)
+            await node.wait_for_policy(1, timeout_s=scaled(10))
             await link.cut()
             assert await wait_for(lambda: not node._connected.is_set(), 10)
             await trainer.announce_policy(_policy(2))  # while the node cannot hear it
@@ -112,7 +113,7 @@ async def test_reconnected_client_recovers_retained_state(run_id: str, mqtt_serv
             await asyncio.sleep(0.5)
             assert node.policy is not None and node.policy.version == 1
             await link.restore()
-            assert (await node.wait_for_policy(2, timeout_s=15)).version == 2
+            assert (await node.wait_for_policy(2, timeout_s=scaled(15))).version == 2
             assert await wait_for(lambda: ("r1", "n9") in node.nodes, 10)
             assert node.connections >= 2
 
@@ -184,7 +185,7 @@ async def test_a_dead_connection_task_surfaces_its_exception(
         node._dispatch = broken  # type: ignore[method-assign]
         await trainer.announce_policy(_policy(1))
         with pytest.raises(ControlPlaneError, match="bug in a handler"):
-            await node.wait_for_policy(1, timeout_s=10)
+            await node.wait_for_policy(1, timeout_s=scaled(10))
         with pytest.raises(ControlPlaneError, match="died"):
             await node.announce_policy(_policy(2))
 
@@ -196,7 +197,7 @@ async def test_a_cancel_lost_in_an_acknowledgement_wait_is_raised_again() -> Non
     from fleetrl.broker.mqtt import _raise_swallowed_cancel
 
     async def publish(ack: asyncio.Future[None], guarded: bool) -> str:
-        await asyncio.wait_for(ack, timeout=10)  # the shape of aiomqtt's PUBACK wait
+        await asyncio.wait_for(ack, timeout=scaled(10))  # the shape of aiomqtt's PUBACK wait
         if guarded:
             _raise_swallowed_cancel()
         return "returned"
@@ -208,7 +209,7 @@ async def test_a_cancel_lost_in_an_acknowledgement_wait_is_raised_again() -> Non
         await asyncio.sleep(0)  # the task now waits for its acknowledgement
         ack.set_result(None)  # the PUBACK arrives...
         task.cancel()  # ...as the agent cancels its heartbeat loop
-        await asyncio.wait({task}, timeout=5)
+        await asyncio.wait({task}, timeout=scaled(5))
         outcomes[guarded] = "cancelled" if task.cancelled() else task.result()
     assert outcomes[True] == "cancelled"
     if sys.version_info < (3, 12):  # the library behaviour this guards against is real here

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from broker_testkit import fleet_yaml, make_config, wait_for, write_config
+from slowdown import scaled
 from tls_testkit import Pki, make_pki
 
 from fleetrl import devstack
@@ -61,21 +62,21 @@ async def test_heartbeats_last_will_and_retained_policy_cross_tls_with_auth(
                         tmp_path / "fleet.yaml")
     policy = PolicyAnnouncement(version=5, manifest="r/versions/000000000005.json", anchor=0, sha256="cd" * 32,
                                 published_at=1.0)
-    async with ControlPlane(config, f"{run_id}-trainer", connect_timeout_s=30) as trainer:
+    async with ControlPlane(config, f"{run_id}-trainer", connect_timeout_s=scaled(30)) as trainer:
         await trainer.announce_policy(policy)
         with subprocess.Popen([sys.executable, str(HERE / "mqtt_node.py"), str(path), "r1", "n7"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as node:
             try:
-                line = await asyncio.wait_for(asyncio.to_thread(node.stdout.readline), 30)  # type: ignore[union-attr]
+                line = await asyncio.wait_for(asyncio.to_thread(node.stdout.readline), scaled(30))  # type: ignore[union-attr]
                 assert line.strip() == "ready"
                 assert await wait_for(lambda: ("r1", "n7") in trainer.nodes, 10)
                 assert trainer.nodes[("r1", "n7")].state == "up"
             finally:
                 os.kill(node.pid, signal.SIGKILL)
-                node.wait(timeout=10)
+                node.wait(timeout=scaled(10))
         assert await wait_for(lambda: trainer.nodes[("r1", "n7")].state == "offline", 10)  # the last will
-    async with ControlPlane(config, f"{run_id}-late", connect_timeout_s=30) as late:  # retained state, over TLS
-        assert await late.wait_for_policy(5, timeout_s=10) == policy
+    async with ControlPlane(config, f"{run_id}-late", connect_timeout_s=scaled(30)) as late:  # retained state, over TLS
+        assert await late.wait_for_policy(5, timeout_s=scaled(10)) == policy
         assert await wait_for(lambda: ("r1", "n7") in late.nodes, 10)
         assert late.nodes[("r1", "n7")].state == "offline"
 
@@ -83,7 +84,7 @@ async def test_heartbeats_last_will_and_retained_policy_cross_tls_with_auth(
 async def test_a_wrong_password_is_one_clear_line(
         run_id: str, mqtts_server: devstack.ServerProcess, pki: Pki, tmp_path: pathlib.Path) -> None:
     config = _config(run_id, mqtts_server, pki, tmp_path, password="wrong-password-x1")
-    client = ControlPlane(config, f"{run_id}-intruder", connect_timeout_s=20)
+    client = ControlPlane(config, f"{run_id}-intruder", connect_timeout_s=scaled(20))
     with pytest.raises(ControlPlaneError) as info:
         await client.__aenter__()
     message = str(info.value)
@@ -98,7 +99,7 @@ def test_a_wrong_password_ends_status_with_one_line(
     path = write_config(_yaml(run_id, mqtts_server.port, pki.ca_file, tmp_path / "mqtt-password"),
                         tmp_path / "fleet.yaml")
     out = subprocess.run([sys.executable, "-m", "fleetrl.cli", "status", "--config", str(path)],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     lines = [line for line in out.stderr.splitlines() if line.startswith("fleetrl:")]
     assert out.returncode == 1 and len(lines) == 1, out.stderr
     assert f"refused user {USER!r}" in lines[0] and "wrong-password-x2" not in out.stderr + out.stdout
@@ -108,6 +109,6 @@ async def test_an_untrusted_certificate_is_one_clear_line(
         run_id: str, mqtts_server: devstack.ServerProcess, pki: Pki, tmp_path: pathlib.Path) -> None:
     config = _config(run_id, mqtts_server, pki, tmp_path, ca_file=pki.other_ca_file)
     with pytest.raises(ControlPlaneError, match="TLS certificate not trusted") as info:
-        async with ControlPlane(config, f"{run_id}-wrong-ca", connect_timeout_s=20):
+        async with ControlPlane(config, f"{run_id}-wrong-ca", connect_timeout_s=scaled(20)):
             pass
     assert "\n" not in str(info.value) and str(pki.other_ca_file) in str(info.value)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.demo.chaos import RECOVER_S, Chaos, FaultLog, FaultPlan
 from fleetrl.demo.procs import Child
@@ -30,8 +31,9 @@ class Fleet:
         (workdir / "notices").mkdir()
 
     def start(self, name: str) -> Child:
-        child = Child(name, [sys.executable, "-c", "import time; time.sleep(30)"], self.workdir / f"{name}.log",
-                      {}).start()
+        # a lifetime that outlasts any test here (they kill their children by pid)
+        child = Child(name, [sys.executable, "-c", f"import time; time.sleep({scaled(30)})"],
+                      self.workdir / f"{name}.log", {}).start()
         self.children.append(child)
         return child
 
@@ -63,7 +65,7 @@ def fleet(tmp_path: pathlib.Path) -> Iterator[Fleet]:
     for c in f.children:
         if c.proc is not None:
             c.proc.kill()
-            c.proc.wait(timeout=10)
+            c.proc.wait(timeout=scaled(10))
         if c._log is not None:
             c._log.close()
 

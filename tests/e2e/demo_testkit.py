@@ -13,12 +13,16 @@ import sys
 from typing import Any
 
 import yaml
+from slowdown import scaled
 
 from fleetrl.devstack import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 4
 DEMO_TIMEOUT_S = 240
+"""`run_demo`'s default bound, on the reference machine: `run_demo` scales it (and every other bound it
+is given) by the machine's slowdown (tests/slowdown.py). Like every `*_TIMEOUT_S` of the e2e tests, it is
+the reference figure, since pytest's timeout marks built from them are scaled by tests/conftest.py."""
 
 
 def alive(pid: int) -> bool:
@@ -47,7 +51,7 @@ def example_config(tmp_path: pathlib.Path, example: str, *rows: str) -> tuple[di
     caller may change the returned document and write it again to the returned path."""
     inputs = tmp_path / example
     subprocess.run([sys.executable, "-m", "fleetrl.demo.hf_inputs", str(inputs), *rows], check=True,
-                   env=_env(), capture_output=True, timeout=120)
+                   env=_env(), capture_output=True, timeout=scaled(120))
     doc: dict[str, Any] = yaml.safe_load((ROOT / "examples" / f"fleet.{example}.yaml").read_text())
     doc["model"]["path"] = str(inputs / "model")
     doc["dataset"]["path"] = str(inputs / "prompts.jsonl")
@@ -94,8 +98,13 @@ def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int |
     stopped and drains) instead of `steps` steps, however fast the fleet trains: a test whose faults
     must land while the fleet trains cannot be outrun by a faster pipeline. With `steps=None` the run
     ends when its chaos options say it has done its work (`--fuzz-records`). Either way its step count
-    is then `summary["steps"]`."""
+    is then `summary["steps"]`.
+
+    `timeout_s` is a hang bound written for the reference machine: it is scaled here by the machine's
+    slowdown, and so are the bounds of the clean-up after it. `duration_s` is not (it is the run's
+    length, the test's own choice)."""
     env = _env()
+    timeout_s = scaled(timeout_s)
     out_dir = work.parent / "out"
     bound = ["--steps", str(steps if steps is not None and duration_s is None else UNBOUNDED_STEPS)]
     if duration_s is not None:
@@ -109,11 +118,11 @@ def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int |
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)  # the demo's own bounded cleanup
         try:
-            out, _ = proc.communicate(timeout=60)
+            out, _ = proc.communicate(timeout=scaled(60))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the demo and whatever it left
-            out, _ = proc.communicate(timeout=10)
-        raise AssertionError(f"demo ran over {timeout_s} s:\n{out[-4000:]}") from None
+            out, _ = proc.communicate(timeout=scaled(10))
+        raise AssertionError(f"demo ran over {timeout_s:.0f} s:\n{out[-4000:]}") from None
     assert proc.returncode == 0, out[-6000:]
     summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
     assert (out_dir / "reward.png").stat().st_size > 10_000

@@ -15,7 +15,8 @@ from demo_testkit import assert_accounted, kills_of, run_demo
 
 CHAOS_TIMEOUT_S = 420
 """A chaos run's bound: on CI's 2 idle cores the slowest took 211 s, and every fault slows a busy machine
-more than a plain run (each restart imports torch again); its SIGINT clean-up may take 60 s more."""
+more than a plain run (each restart imports torch again); its SIGINT clean-up may take 60 s more. The
+reference machine's figure: `run_demo` and the timeout mark (tests/conftest.py) scale it."""
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(CHAOS_TIMEOUT_S + 80)]
 
 

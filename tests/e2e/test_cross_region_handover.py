@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from slowdown import scaled
 
 from fleetrl import devstack
 from fleetrl.broker import ControlPlane, EngineStatus, GroupRecord, Heartbeat, ensure_topics
@@ -119,7 +120,7 @@ class Node:
         self.worker.stop_reason = "drain"
         self.stop.set()
         assert self.task is not None
-        await asyncio.wait_for(self.task, 30)
+        await asyncio.wait_for(self.task, scaled(30))
 
     async def close(self) -> None:
         self.stop.set()
@@ -127,7 +128,7 @@ class Node:
         for task in (self.task, self.beats):
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait_for(task, 30)
+                    await asyncio.wait_for(task, scaled(30))
 
 
 async def test_a_drained_region_s_partials_are_finished_in_another_region_keeping_every_token(
@@ -142,14 +143,14 @@ async def test_a_drained_region_s_partials_are_finished_in_another_region_keepin
     b: Node | None = None
     try:
         # a holds groups mid-generation (b has not started: everything dispatched waits for a or b)
-        async with asyncio.timeout(90):
+        async with asyncio.timeout(scaled(90)):
             while a.worker.engine.tokens_sampled < 2 * 2 * 4 or not a.worker._jobs:
                 await asyncio.sleep(0.05)
         await a.drain()
         handed = a.worker.groups_handed_over
         assert handed >= 1
         b = Node(config, "b")
-        result = await asyncio.wait_for(train, 180)
+        result = await asyncio.wait_for(train, scaled(180))
     finally:
         await _stop(train, a, b)
     assert result.steps == GROUPS // 2 and result.trained_groups == GROUPS
@@ -182,11 +183,12 @@ async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_o
     """An agent that leaves says `offline` with `left` only after its workers handed over. Groups still
     unread in its region's
     `prompts` have no partial coming, so they move as prompts once the trainer has read the region's
-    partials to their end: not after the handover bound, 600 s here (the test's own bound is 180 s)."""
+    partials to their end: not after the handover bound, 600 s here (the test's own bound is 180 s; both are
+    scaled by the machine's slowdown, so that the test's bound stays the shorter one)."""
     # a's groups take 12 s each (24 steps of 0.5 s): the trainer's handover consumer joins its group while a
     # still holds more than 2 of them, however long the join takes on busy cores (the drain comes once it has).
-    config = fleet(run_id, tmp_path, clusters, mqtt_server.port, handover_timeout_s=600.0, max_groups_in_flight=1,
-                   a_step_delay_s=0.5)
+    config = fleet(run_id, tmp_path, clusters, mqtt_server.port, handover_timeout_s=scaled(600.0),
+                   max_groups_in_flight=1, a_step_delay_s=0.5)
     for region in ("a", "b"):
         await ensure_topics(config, region)
     trainer = Trainer(config, reverse_prompts, Learner(config.model, config.algorithm, DistContext()))
@@ -196,7 +198,7 @@ async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_o
     try:
         # a's worker takes 2 groups (1 decoding, 1 waiting); the rest of what a holds stays in its topic.
         # The handover consumers joined their groups at start, while a lives (a join takes seconds).
-        async with asyncio.timeout(90):
+        async with asyncio.timeout(scaled(90)):
             while not a.worker.engine.tokens_sampled or sum(
                     f.region == "a" for f in trainer.dispatcher.in_flight.values()) <= 2 \
                     or not trainer.handover.ready("a"):
@@ -208,7 +210,7 @@ async def test_groups_a_preempted_region_never_started_move_once_its_nodes_are_o
         assert handed >= 1
         b.start()
         b.engine = "up"
-        result = await asyncio.wait_for(train, 180)
+        result = await asyncio.wait_for(train, scaled(180))
     finally:
         await _stop(train, a, b)
     assert result.steps == GROUPS // 2 and result.trained_groups == GROUPS

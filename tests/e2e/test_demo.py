@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 import yaml
 from demo_testkit import alive, ctrl_c_reaches_it
+from slowdown import scaled
 
 pytestmark = pytest.mark.e2e
 STEPS = 4
-DEMO_TIMEOUT_S = 150  # bound of one demo run (it takes ~20 s on 2 cores)
+DEMO_TIMEOUT_S = 150  # bound of one demo run (it takes ~20 s on 2 cores); the reference figure, scaled where used
 
 
 @pytest.fixture(autouse=True)
@@ -35,10 +36,10 @@ def _demo_reaped() -> Iterator[None]:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=scaled(60))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(10))
         if proc.stdout is not None:
             proc.stdout.close()
     _STARTED.clear()
@@ -58,8 +59,9 @@ def _demo(config: pathlib.Path, work: pathlib.Path, steps: int = STEPS) -> subpr
 
 
 def _wait_for_line(proc: subprocess.Popen[str], log: pathlib.Path, text: str, timeout_s: float = 90) -> None:
-    """Wait (bounded) until a child's log holds `text`; the demo must still be running then."""
-    deadline = time.monotonic() + timeout_s
+    """Wait (bounded: `timeout_s` on the reference machine, scaled) until a child's log holds `text`; the
+    demo must still be running then."""
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline and proc.poll() is None:
         if log.exists() and text in log.read_text(errors="replace"):
             return
@@ -70,11 +72,11 @@ def _wait_for_line(proc: subprocess.Popen[str], log: pathlib.Path, text: str, ti
 
 def _finish(proc: subprocess.Popen[str]) -> str:
     try:
-        out, _ = proc.communicate(timeout=DEMO_TIMEOUT_S)
+        out, _ = proc.communicate(timeout=scaled(DEMO_TIMEOUT_S))
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)  # the demo's own bounded cleanup first
-        out, _ = proc.communicate(timeout=60)
-        raise AssertionError(f"demo ran over {DEMO_TIMEOUT_S} s:\n{out[-4000:]}") from None
+        out, _ = proc.communicate(timeout=scaled(60))
+        raise AssertionError(f"demo ran over {scaled(DEMO_TIMEOUT_S):.0f} s:\n{out[-4000:]}") from None
     return out
 
 

@@ -15,7 +15,7 @@ import yaml
 from demo_testkit import ROOT, assert_learned, example_config, run_demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-DEMO_TIMEOUT_S = 300  # 32 steps take ~1 min on 2 cores
+DEMO_TIMEOUT_S = 300  # 32 steps take ~1 min on 2 cores (the reference figure: run_demo scales it)
 STEPS = 32
 
 

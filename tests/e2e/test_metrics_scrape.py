@@ -27,6 +27,7 @@ import pytest
 import yaml
 from demo_testkit import alive, ctrl_c_reaches_it, demo_config, kill_leftovers
 from prometheus_client.parser import text_string_to_metric_families
+from slowdown import scaled
 
 from fleetrl.broker import SCHEMA_HEADER, Producer, topic_name
 from fleetrl.config import FleetConfig, load_config
@@ -36,6 +37,7 @@ from fleetrl.metrics_doc import metric_docs
 pytestmark = pytest.mark.e2e
 START_TIMEOUT_S = 120  # until the trainer's first step on 2 shared cores (~10 s when idle)
 SCRAPE_TIMEOUT_S = 90  # until the scrapes show a working fleet
+# (both the reference machine's figures: `_wait` scales every bound it is given)
 # daemon -> (log file, event naming its metrics port)
 DAEMONS = {
     "trainer": ("trainer.log", "trainer.metrics"),
@@ -63,10 +65,10 @@ def demo(tmp_path: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], pathli
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # the demo's own bounded cleanup first
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=scaled(60))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(10))
         if proc.stdout is not None:
             proc.stdout.close()
         kill_leftovers(work)
@@ -77,6 +79,8 @@ def _events(log: pathlib.Path, event: str) -> list[dict[str, object]]:
 
 
 def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[str], timeout_s: float) -> None:
+    """Poll `check` until it holds, within `timeout_s` (the reference machine's figure, scaled)."""
+    timeout_s = scaled(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -85,12 +89,12 @@ def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen[str], tim
         if check():
             return
         time.sleep(0.2)
-    raise AssertionError(f"no {what} within {timeout_s} s")
+    raise AssertionError(f"no {what} within {timeout_s:.0f} s")
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=scaled(10)) as answer:
             return answer.status, answer.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -172,6 +176,6 @@ def test_every_daemon_serves_its_documented_metrics_and_healthz_while_the_fleet_
 
     pids: dict[str, int] = json.loads((work / "pids.json").read_text())
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=90)
+    proc.communicate(timeout=scaled(90))
     assert proc.returncode == 130
     assert [name for name, pid in pids.items() if alive(pid)] == []

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.cli import build_parser, main
 
@@ -29,7 +30,7 @@ def test_help_imports_nothing_heavy() -> None:
         "heavy = [m for m in ('torch', 'transformers', 'aiokafka', 'boto3', 'numpy') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60), check=True)
     assert out.stdout.strip() == ""
 
 
@@ -76,7 +77,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "fleet.yaml"
     bad.write_text("run: r\nregions:\n  - name: a\n    kafka: h:1\n    store: ./s\n    link_costs: {nowhere: 1}\n")
     proc = subprocess.run([sys.executable, "-m", "fleetrl.cli", "config", "check", str(bad)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1

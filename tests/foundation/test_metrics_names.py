@@ -8,6 +8,8 @@ import re
 import urllib.error
 import urllib.request
 
+from slowdown import scaled
+
 from fleetrl.metrics_doc import BEGIN, END, NAME_RE, metric_docs, registries, render
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -37,15 +39,15 @@ def test_every_daemon_serves_its_documented_names_and_healthz() -> None:
     for daemon, reg in registries().items():
         port = reg.serve(0, addr="127.0.0.1")
         try:
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=scaled(10)).read().decode()
             # prometheus_client adds a `_created` timestamp per counter and histogram: not ours to document.
             served = {n for n in re.findall(r"^# TYPE (fleetrl_\w+) ", body, re.M) if not n.endswith("_created")}
             assert {n.removesuffix("_total") for n in served} == documented[daemon], daemon
-            health = urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
+            health = urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=scaled(10))
             assert health.status == 200 and health.read() == b"ok\n"
             reg.health = lambda: (False, "learner stalled")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=scaled(10))
                 raise AssertionError("an unhealthy daemon answered 200")
             except urllib.error.HTTPError as exc:
                 assert exc.code == 503 and exc.read() == b"learner stalled\n"

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from slowdown import scaled
 
 STUCK = textwrap.dedent("""
     import asyncio, threading, sys
@@ -49,12 +50,13 @@ CLEAN = textwrap.dedent("""
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=scaled(60),
+                          check=False)
 
 
 @pytest.mark.parametrize(("mode", "status"), [("ok", 0), ("fail", 1)])
 def test_a_daemon_with_a_deaf_task_and_a_stuck_thread_still_leaves(mode: str, status: int) -> None:
-    out = _run(STUCK, mode)  # asyncio.run would wait for both forever (the 60 s timeout would fail it)
+    out = _run(STUCK, mode)  # asyncio.run would wait for both forever (the 60 s timeout, scaled, would fail it)
     assert out.returncode == status, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("{")]
     events = {e["event"]: e for e in map(json.loads, lines)}

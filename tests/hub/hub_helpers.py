@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from slowdown import scaled
 
 from fleetrl.config import FleetConfig
 
@@ -84,7 +85,9 @@ def hub_env() -> dict[str, str]:
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.1) -> None:
-    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s` (the reference machine's
+    figure, scaled by the machine's slowdown)."""
+    timeout_s = scaled(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
@@ -116,17 +119,17 @@ class ReplicatorDaemon:
         """SIGKILL: what a preempted or crashed node's replicator gets (its lease is left to expire)."""
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=scaled(10))
         self._out.close()
 
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            code = self.proc.wait(timeout=20)
+            code = self.proc.wait(timeout=scaled(20))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            code = self.proc.wait(timeout=10)
+            code = self.proc.wait(timeout=scaled(10))
         self._out.close()
         return code
 

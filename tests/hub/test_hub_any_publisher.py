@@ -20,6 +20,7 @@ import torch
 import yaml
 from hub_helpers import hub_env, same_bits, step, tiny_state
 from safetensors.torch import load_file, save_file
+from slowdown import scaled
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub, VersionConflict
@@ -52,7 +53,7 @@ def test_five_cli_processes_publish_deltas_as_small_as_one_process(
         file = tmp_path / f"v{i}.safetensors"
         save_file(state, str(file))
         done = subprocess.run([*FLEETRL, "hub", "publish", str(file), *cfg], env=hub_env(), capture_output=True,
-                              timeout=120, check=False)
+                              timeout=scaled(120), check=False)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         out = json.loads(done.stdout)
         assert out["version"] == i
@@ -73,7 +74,7 @@ def test_five_cli_processes_publish_deltas_as_small_as_one_process(
             assert hub.manifest(v).anchor == 0
             assert same_bits(hub.materialize(v), state), v
     done = subprocess.run([*FLEETRL, "hub", "pull", "latest", str(tmp_path / "out.safetensors"), *cfg],
-                          env=hub_env(), capture_output=True, timeout=120, check=False)
+                          env=hub_env(), capture_output=True, timeout=scaled(120), check=False)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert same_bits(load_file(str(tmp_path / "out.safetensors")), states[4])
 

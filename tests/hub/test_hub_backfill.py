@@ -23,6 +23,7 @@ import yaml
 from hub_helpers import ReplicatorDaemon, same_bits, step, tiny_state, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from slowdown import scaled
 
 from fleetrl.config import FleetConfig, load_config
 from fleetrl.demo.relay import Relay, RelayHub
@@ -31,9 +32,10 @@ from fleetrl.hub import manifest as mf
 
 pytestmark = pytest.mark.integration
 ANCHOR_INTERVAL = 4
-LEASE_TTL_S = 10.0
+LEASE_TTL_S = scaled(10.0)
 """The replicator's lease. Only a daemon stalled that long between two renewals loses it, so a catch-up the
-tests follow stays one pass (one route logged, holes found once) however slow the machine."""
+tests follow stays one pass (one route logged, holes found once) however slow the machine: a slower machine
+stalls longer, so it is scaled by the machine's slowdown."""
 SHORT_LEASE_TTL_S = 1.5
 """Where a test kills a daemon that holds the lease and its successor waits out the expiry; their verdicts
 hold whether or not a pass is split by a lease lost under load."""
@@ -168,7 +170,7 @@ def test_a_catch_up_killed_between_versions_goes_on_in_order_after_a_restart(
     newest = fleet.publish(10)
     crashed = ReplicatorDaemon(fleet.region_file, "b", tmp_path / "b0.log",
                                env={"FLEETRL_CRASH_AT": "hub.replicate.backfilled@2"})
-    assert crashed.proc.wait(timeout=60) == -9
+    assert crashed.proc.wait(timeout=scaled(60)) == -9
     crashed.kill()
     assert fleet.latest() == 3  # 2 and 3 copied, then the kill
     assert_whole(fleet.check())

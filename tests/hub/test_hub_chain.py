@@ -9,6 +9,7 @@ import pytest
 import torch
 from hub_helpers import same_bits, step, tiny_state
 from safetensors.torch import load_file
+from slowdown import scaled
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub, HubError, VersionConflict
@@ -119,7 +120,7 @@ def test_publishing_over_an_existing_manifest_is_a_conflict(dir_config: Callable
 def test_wait_for_version_is_bounded(dir_config: Callable[..., FleetConfig]) -> None:
     with Hub.from_config(dir_config(poll_interval_s=0.05)) as hub:
         hub.publish(tiny_state())
-        assert hub.wait_for_version(0, timeout_s=1) == 0
+        assert hub.wait_for_version(0, timeout_s=scaled(1)) == 0
         with pytest.raises(HubError) as err:
             hub.wait_for_version(3, timeout_s=0.2)
         assert err.value.retriable

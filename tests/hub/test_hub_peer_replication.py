@@ -21,6 +21,7 @@ import torch
 import yaml
 from hub_helpers import ReplicatorDaemon as Daemon
 from hub_helpers import wait_for
+from slowdown import scaled
 
 from fleetrl import devstack
 from fleetrl.broker import ControlPlane, PolicyAnnouncement
@@ -108,7 +109,8 @@ class Node:
         ]
 
     async def loaded(self, version: int, timeout_s: float) -> None:
-        async with asyncio.timeout(timeout_s):
+        """Wait until the node has `version` (within `timeout_s`, the reference machine's figure, scaled)."""
+        async with asyncio.timeout(scaled(timeout_s)):
             while self.sync.have is None or self.sync.have < version:
                 for task in self.tasks:
                     if task.done():

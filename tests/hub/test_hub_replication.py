@@ -7,11 +7,14 @@ import time
 
 import pytest
 from hub_helpers import make_config, same_bits, step, three_stores, tiny_state
+from slowdown import scaled
 
 from fleetrl.hub import DirStore, Hub, Lease, LeaseLost, Replicator, open_store
 from fleetrl.hub.stores import ObjectStore
 
-LEASE_TTL_S = 3.0
+LEASE_TTL_S = scaled(3.0)
+"""The leases' lifetime in the first test, scaled by the machine's slowdown: a's must outlive every step up
+to the sleep, which a slower machine takes longer for."""
 
 
 def test_lease_one_holder_renewal_expiry_steal_and_release(tmp_path: pathlib.Path) -> None:

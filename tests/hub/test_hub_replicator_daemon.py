@@ -14,23 +14,26 @@ from collections.abc import Callable, Iterator
 import pytest
 import yaml
 from hub_helpers import HUB_KEY, step, tiny_state
+from slowdown import scaled
 
 from fleetrl.config import load_config
 from fleetrl.hub import Hub, Lease
 
 pytestmark = pytest.mark.integration
-LEASE_TTL_S = 10.0
+LEASE_TTL_S = scaled(10.0)
 """Renewed every third of it: only a holder stalled for over 6 s on busy cores loses it (1.5 s, then 4 s, were
-not enough). The takeover after a kill waits out this much."""
+not enough), so it is scaled by the machine's slowdown (a slower machine stalls longer). The takeover after a
+kill waits out this much."""
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds, failing after `timeout_s` (already scaled by the caller)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 @pytest.fixture
@@ -57,7 +60,7 @@ def daemons(config_file: pathlib.Path) -> Iterator[list[subprocess.Popen[bytes]]
     for p in procs:  # only the processes this test started, by their pid
         if p.poll() is None:
             p.kill()
-        p.wait(timeout=10)
+        p.wait(timeout=scaled(10))
         if p.stderr is not None:
             p.stderr.close()
 
@@ -70,7 +73,7 @@ def test_one_daemon_holds_the_lease_and_the_other_takes_over_after_a_kill(
     lease = Lease(region.store, config.run, "replicator", ttl_s=LEASE_TTL_S, holder="observer")
     state = tiny_state()
     hub.publish(state)
-    wait_for(lambda: region.latest() == 0, 30, "the first version to reach the region")
+    wait_for(lambda: region.latest() == 0, scaled(30), "the first version to reach the region")
 
     def holder_pid() -> int | None:
         record = lease.current()
@@ -91,21 +94,21 @@ def test_one_daemon_holds_the_lease_and_the_other_takes_over_after_a_kill(
             renewal.append((record.generation, record.holder))
         return bool(renewal)
 
-    wait_for(renewed, 60, "a renewal of the lease")  # the lease stays with one holder while it renews
+    wait_for(renewed, scaled(60), "a renewal of the lease")  # the lease stays with one holder while it renews
     assert renewal[0][1] == first.holder and holder_pid() == holder
     assert all(p.poll() is None for p in daemons)
 
     os.kill(holder, signal.SIGKILL)
-    pids[holder].wait(timeout=10)
+    pids[holder].wait(timeout=scaled(10))
     for v in range(1, 3):
         state = step(state, v)
         hub.publish(state)
-    wait_for(lambda: region.latest() == 2, LEASE_TTL_S + 60, "the other daemon to take over and replicate")
+    wait_for(lambda: region.latest() == 2, LEASE_TTL_S + scaled(60), "the other daemon to take over and replicate")
     survivor = next(pid for pid in pids if pid != holder)
     assert holder_pid() == survivor
 
     os.kill(survivor, signal.SIGTERM)  # bounded drain, then exit 0
-    assert pids[survivor].wait(timeout=LEASE_TTL_S + 20) == 0  # past the TTL it would exit 3
+    assert pids[survivor].wait(timeout=LEASE_TTL_S + scaled(20)) == 0  # past the TTL it would exit 3
     stderr = pids[survivor].stderr.read().decode() if pids[survivor].stderr else ""
     events = [json.loads(line)["event"] for line in stderr.splitlines() if line.startswith("{")]
     assert "lease.acquired" in events and "replicator.stopped" in events

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from hub_helpers import make_config, same_bits, step, tiny_state
+from slowdown import scaled
 
 from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub, ObjectExists, ObjectNotFound, VersionConflict, open_store
@@ -88,7 +89,7 @@ def _racing(store: ObjectStore, barrier: threading.Barrier) -> ObjectStore:
     class Racing(base):  # type: ignore[valid-type,misc]
         def _create(self, key: str, data: bytes) -> None:
             if "/versions/" in key:
-                barrier.wait(timeout=20)
+                barrier.wait(timeout=scaled(20))
             super()._create(key, data)
 
     store.__class__ = Racing
@@ -111,7 +112,7 @@ def test_two_concurrent_publishers_of_one_version_exactly_one_wins(store_config:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=scaled(60))
     assert sorted(type(r).__name__ for r in results) == ["VersionConflict", "int"]
     winner = results.index(0)
     with Hub.from_config(store_config) as reader:

@@ -12,6 +12,7 @@ import uuid
 
 import boto3
 import pytest
+from slowdown import scaled
 from tf_support import TF_ROOT
 
 SCRIPT = TF_ROOT / "modules" / "node-bootstrap" / "templates" / "fetch-secrets.py"
@@ -25,7 +26,7 @@ def _run(endpoint: str, spec: dict[str, object], tmp_path: pathlib.Path) -> subp
     return subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "secrets.json"), str(tmp_path / "run" / "env"),
          "--node", "i-0abc", "--file-group", group],
-        env=env, capture_output=True, text=True, timeout=60,
+        env=env, capture_output=True, text=True, timeout=scaled(60),
     )
 
 
@@ -77,16 +78,16 @@ def test_waits_for_a_value_stored_later(s3_endpoint: str, tmp_path: pathlib.Path
     (tmp_path / "secrets.json").write_text(json.dumps({"env": {"FLEETRL_HUB_KEY": {"arn": arn, "json_key": None}}}))
     with subprocess.Popen(
         [sys.executable, str(SCRIPT), str(tmp_path / "secrets.json"), str(tmp_path / "env"), "--node", "n1",
-         "--wait-s", "30"],
+         "--wait-s", str(scaled(30))],
         env={**os.environ, "AWS_ENDPOINT_URL": s3_endpoint}, stderr=subprocess.PIPE, text=True,
     ) as proc:
         try:
             assert proc.stderr is not None
             assert "retrying" in proc.stderr.readline()  # it found no value and is waiting
             client.put_secret_value(SecretId=arn, SecretString="0123abcd")
-            assert proc.wait(timeout=30) == 0
+            assert proc.wait(timeout=scaled(30)) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(timeout=10)
+                proc.wait(timeout=scaled(10))
     assert 'FLEETRL_HUB_KEY="0123abcd"' in (tmp_path / "env").read_text()

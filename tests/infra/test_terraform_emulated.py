@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+from slowdown import scaled
 from tf_support import Terraform, copy_tree
 
 from fleetrl import devstack
@@ -42,7 +43,7 @@ ALIASES = {"home": "us-east-1", "region_a": "us-west-2", "region_b": "eu-west-1"
 CIDRS = {"home": "10.0.0.0/16", "region_a": "10.1.0.0/16", "region_b": "10.2.0.0/16"}
 # Every service the modules call (kafka: MSK, unused in external mode but configured like the rest).
 SERVICES = ("autoscaling", "ec2", "iam", "kafka", "kms", "logs", "s3", "secretsmanager", "sts")
-STEP_TIMEOUT_S = 420  # each terraform command; the test's own bound is pytest.mark.timeout below
+STEP_TIMEOUT_S = 420  # each terraform command (Terraform.run scales it); the test's own bound is its timeout mark
 # What moto does not return (or returns differently), so that a second plan wants to set it again:
 # (resource type, attribute path without list indexes) -> why. A changed attribute at or under one
 # of these paths is moto's; anything else a second plan changes is a fault of ours.
@@ -144,7 +145,7 @@ def _recorder(endpoint: str, what: str) -> bytes:
 
     method = "GET" if what == "download-recording" else "POST"
     with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/{what}", method=method),
-                                timeout=60) as reply:
+                                timeout=scaled(60)) as reply:
         return bytes(reply.read())
 
 
@@ -370,7 +371,7 @@ def test_apply_plan_destroy_against_moto(terraform: Terraform, plugin_dir: pathl
     fleet_yaml = tmp_path / "fleet.yaml"
     fleet_yaml.write_text(terraform.run("output", "-raw", "fleet_yaml", cwd=env_dir, env=env).stdout)
     check = subprocess.run([sys.executable, "-m", "fleetrl.cli", "config", "check", str(fleet_yaml)],
-                           capture_output=True, text=True, timeout=60, check=False)
+                           capture_output=True, text=True, timeout=scaled(60), check=False)
     assert check.returncode == 0, check.stdout + check.stderr
     rendered = yaml.safe_load(fleet_yaml.read_text())["regions"]
     assert rendered[0]["pools"][0] == {"capacity": "on_demand", "price": 3.4}

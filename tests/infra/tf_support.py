@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from slowdown import scaled
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TF_ROOT = REPO / "infra" / "terraform"
@@ -36,6 +37,8 @@ PLUGIN_DIR_CANDIDATES = [
     pathlib.Path.home() / ".local" / "share" / "terraform" / "plugins",
 ]
 TIMEOUT_S = 180
+"""Bound of one terraform command on the reference machine; `Terraform.run` scales every bound it is
+given by the machine's slowdown (tests/slowdown.py)."""
 
 
 def find_plugin_dir() -> pathlib.Path | None:
@@ -69,7 +72,8 @@ class Terraform:
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             [sys.executable, str(WRAPPER), *args],
-            cwd=cwd, env={**self.env(), **(env or {})}, capture_output=True, text=True, timeout=timeout_s,
+            cwd=cwd, env={**self.env(), **(env or {})}, capture_output=True, text=True,
+            timeout=scaled(timeout_s),
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"terraform {' '.join(args)} in {cwd} failed ({proc.returncode}):\n"

@@ -31,6 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any, ClassVar, Self
 
+from slowdown import scaled
+
 from fleetrl import devstack
 
 Answer = tuple[int, dict[str, str], bytes]
@@ -103,7 +105,7 @@ class MetadataServer:
             self._server.server_close()
             self._server = None
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=scaled(5))
             self._thread = None
 
     def __enter__(self) -> Self:

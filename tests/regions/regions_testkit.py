@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from fleet_testkit import produce_prompts, read_stream, reverse_prompts
 from fleet_testkit import publish_tiny as publish_tiny  # re-exported for the tests
+from slowdown import scaled
 
 from fleetrl.broker import ControlPlane, Heartbeat, PartialRecord, PolicyAnnouncement, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
@@ -34,9 +35,10 @@ def fleet_dict(run_id: str, bootstrap: str, mqtt_port: int, store: pathlib.Path)
                     "min_version_wait_s": 60.0},
         # hang detection is not what these tests check: its bounds are ones only a hang reaches, also
         # for a worker that takes minutes to import torch on cores shared with a whole suite (60 s
-        # was reached at load ~25, and the worker was restarted as hung)
+        # was reached at load ~25, and the worker was restarted as hung); so they are scaled by the
+        # machine's slowdown like the tests' own hang bounds
         "agent": {"progress_interval_s": 0.5, "restart_backoff_s": 0.2, "restart_backoff_max_s": 2.0,
-                  "crashloop_after": 2, "hang_timeout_s": 90.0, "start_timeout_s": 180.0},
+                  "crashloop_after": 2, "hang_timeout_s": scaled(90.0), "start_timeout_s": scaled(180.0)},
         "regions": [{"name": REGION, "kafka": bootstrap, "store": store.as_uri(),
                      "engine": {"kind": "torch", "max_batch": 8}}],
     }
@@ -66,13 +68,16 @@ async def send_prompts(config: FleetConfig, n: int, min_version: int) -> list[st
 
 
 async def read_partials(config: FleetConfig, n: int, timeout_s: float) -> list[PartialRecord]:
-    """Read up to n `partials` records with a fresh consumer group (bounded wait)."""
+    """Read up to n `partials` records with a fresh consumer group (bounded wait: `timeout_s` is the
+    reference machine's figure, scaled in `read_stream`)."""
     got = await read_stream(config, REGION, "partials", n, timeout_s, group=f"{config.run}-test-partials")
     return [d.record for d in got if isinstance(d.record, PartialRecord)]
 
 
 async def wait_for_beat(cp: ControlPlane, node: str, pred: Callable[[Heartbeat], bool], timeout_s: float) -> Heartbeat:
-    """The node's retained heartbeat once `pred` holds (bounded)."""
+    """The node's retained heartbeat once `pred` holds (bounded: `timeout_s` is the reference machine's
+    figure, scaled by the machine's slowdown)."""
+    timeout_s = scaled(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         beat = cp.nodes.get((REGION, node))
@@ -107,10 +112,11 @@ def engines_of(beat: Heartbeat) -> list[Any]:
 
 
 def metrics_port_from_log(log_path: pathlib.Path, timeout_s: float = 30.0) -> int:
-    """The port an agent process serves /metrics and /healthz on (it logs `agent.metrics`)."""
+    """The port an agent process serves /metrics and /healthz on (it logs `agent.metrics`; within
+    `timeout_s`, scaled)."""
     import json
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         for line in log_path.read_text().splitlines():
             if '"agent.metrics"' in line:

@@ -41,6 +41,7 @@ from regions_testkit import (
     start_agent,
     wait_for_beat,
 )
+from slowdown import scaled
 
 from fleetrl.broker import ControlCommand, ControlPlane, GroupRecord
 from fleetrl.regions import RegionAgent
@@ -56,7 +57,7 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _get(url: str) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=scaled(5)) as response:
             return int(response.status), str(response.read().decode())
     except urllib.error.HTTPError as exc:
         return int(exc.code), str(exc.read().decode())
@@ -70,7 +71,7 @@ def started() -> Iterator[dict[str, Any]]:
     for p in mine["agents"]:
         if p.poll() is None:
             p.kill()
-            p.wait(timeout=10)
+            p.wait(timeout=scaled(10))
     for pid in mine["workers"]:
         try:
             cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -122,14 +123,15 @@ async def test_two_workers_a_killed_one_is_restarted_and_its_groups_redone_and_s
         await wait_for_beat(cp, "n2", lambda b: b.state == "offline", timeout_s=30)
     status = await asyncio.to_thread(subprocess.run, [
         sys.executable, "-m", "fleetrl.cli", "status", "--json", "--config", str(tmp_path / "fleet-n1.yaml"),
-        "--wait-s", "20"], capture_output=True, text=True, timeout=60)  # ends once n1's and n2's beats are in
+        "--wait-s", str(scaled(20))],  # ends once n1's and n2's beats are in
+        capture_output=True, text=True, timeout=scaled(60))
     assert status.returncode == 0, status.stderr
     nodes = {n["node"]: n for n in json.loads(status.stdout)["nodes"]}
     assert set(nodes) == {"n1", "n2"}
     assert nodes["n1"]["state"] == "up" and [e["state"] for e in nodes["n1"]["engines"]] == ["up", "up"]
     assert nodes["n2"]["state"] == "offline"
     n1.send_signal(signal.SIGTERM)
-    assert await asyncio.to_thread(n1.wait, 60) == 0
+    assert await asyncio.to_thread(n1.wait, scaled(60)) == 0
 
 
 async def test_a_worker_that_crashes_at_start_goes_crashloop_and_the_agent_stays_up(
@@ -151,7 +153,7 @@ async def test_a_worker_that_crashes_at_start_goes_crashloop_and_the_agent_stays
         code, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics_port_from_log(log_path)}/healthz")
         assert code == 503 and json.loads(body)["engines"][0]["state"] == "crashloop"
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert await asyncio.to_thread(proc.wait, scaled(30)) == 0
         await wait_for_beat(cp, "n1", lambda b: b.state == "offline", timeout_s=10)
     events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     assert sum(e["event"] == "agent.worker_started" for e in events) >= 2  # it was retried, not given up on
@@ -192,7 +194,7 @@ async def test_drain_hands_over_unfinished_groups_then_resume_and_stop(
             await wait_for_beat(cp, "n1", lambda b: b.state == "up" and engines_of(b)[0].state == "up", timeout_s=60)
 
             await cp.send_control(REGION, ControlCommand(cmd="stop", reason="test over"))
-            assert await asyncio.wait_for(run, 60) == "stop"
+            assert await asyncio.wait_for(run, scaled(60)) == "stop"
             await wait_for_beat(cp, "n1", lambda b: b.state == "offline", timeout_s=5)
     finally:
         if not run.done():

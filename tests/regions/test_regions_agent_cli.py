@@ -9,6 +9,7 @@ import signal
 
 import pytest
 import yaml
+from slowdown import scaled
 
 from fleetrl.cli import main
 from fleetrl.regions import NoticeFileWatcher, SignalWatcher
@@ -39,7 +40,7 @@ async def test_notice_file_watcher_fires_when_the_file_appears(tmp_path: pathlib
     await asyncio.sleep(0.1)
     assert not waiting.done()
     path.write_text("spot instance-action terminate 2026-11-22T10:00:00Z")
-    notice = await asyncio.wait_for(waiting, 5)
+    notice = await asyncio.wait_for(waiting, scaled(5))
     assert notice.reason == "preempted" and "terminate" in notice.detail and str(path) in notice.detail
 
 
@@ -48,6 +49,6 @@ async def test_signal_watcher_turns_sigterm_into_a_notice() -> None:
     waiting = asyncio.create_task(watcher.wait())
     await asyncio.sleep(0)  # installed before the signal comes
     os.kill(os.getpid(), signal.SIGUSR1)
-    notice = await asyncio.wait_for(waiting, 5)
+    notice = await asyncio.wait_for(waiting, scaled(5))
     watcher.close()
     assert notice.reason == "sigterm" and notice.detail == "SIGUSR1"

@@ -29,6 +29,7 @@ from regions_testkit import (
     start_agent,
     wait_for_beat,
 )
+from slowdown import scaled
 
 from fleetrl.broker import ControlPlane, GroupRecord
 from fleetrl.rollout import RolloutWorker
@@ -50,7 +51,7 @@ def agents() -> Iterator[list[Any]]:
     for p in procs:
         if p.poll() is None:
             p.kill()
-            p.wait(timeout=10)
+            p.wait(timeout=scaled(10))
 
 
 @contextlib.contextmanager
@@ -61,17 +62,19 @@ def _server(source: str) -> Iterator[MetadataServer]:
 
 
 async def _finish_elsewhere(config: Any, n_groups: int, timeout_s: float) -> None:
+    """Run a worker until it finished `n_groups` groups (within `timeout_s`, the reference machine's
+    figure, scaled)."""
     worker = RolloutWorker(config, REGION, "finisher")
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(scaled(timeout_s)):
             while worker.groups_done < n_groups:
                 assert not task.done(), task.exception()
                 await asyncio.sleep(0.1)
     finally:
         stop.set()
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(task, scaled(30))
 
 
 @pytest.mark.parametrize("source", ["aws", "gcp", "azure"])

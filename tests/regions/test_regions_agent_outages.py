@@ -38,6 +38,7 @@ from regions_testkit import (
     start_agent,
     wait_for_beat,
 )
+from slowdown import scaled
 
 from fleetrl import devstack
 from fleetrl.broker import ControlPlane, GroupRecord
@@ -59,11 +60,11 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
     for p in mine:
         if p.poll() is None:
             p.kill()
-            p.wait(timeout=10)
+            p.wait(timeout=scaled(10))
 
 
 def _store_requests(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=scaled(5)) as response:
         text = response.read().decode()
     return {op: float(v) for op, v in re.findall(r'fleetrl_rollout_store_requests_total\{op="(\w+)"\} (\S+)', text)}
 

@@ -13,6 +13,7 @@ import pytest
 import structlog
 from metadata_servers import AwsImds, AzureImds, GcpMetadata, MetadataServer, free_port
 from pydantic import TypeAdapter, ValidationError
+from slowdown import scaled
 
 from fleetrl.config import FleetConfig
 from fleetrl.config.preemption import (
@@ -33,11 +34,13 @@ from fleetrl.regions.cloud_notices import (
 from fleetrl.regions.preemption import Notice, NoticeFileWatcher
 
 POLL_S = 0.05
-BOUND_S = 10.0  # every wait below ends well within this on 2 shared cores
+BOUND_S = 10.0  # every wait below ends well within this on 2 shared cores (the reference figure: scaled where used)
 
 
 async def until(condition: Callable[[], bool], what: str, timeout_s: float = BOUND_S) -> None:
-    """Wait for `condition` (checked every 20 ms), failing with `what` after `timeout_s`."""
+    """Wait for `condition` (checked every 20 ms), failing with `what` after `timeout_s` (the reference
+    machine's figure, scaled by the machine's slowdown)."""
+    timeout_s = scaled(timeout_s)
     async def check() -> None:
         while not condition():
             await asyncio.sleep(0.02)
@@ -45,7 +48,7 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = BOU
     try:
         await asyncio.wait_for(check(), timeout_s)
     except TimeoutError:
-        pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 async def still_waiting(task: asyncio.Task[Notice], polls: Callable[[], int], n: int = 3) -> None:
@@ -113,7 +116,7 @@ async def test_aws_notice_after_preempt_with_window_to_its_time() -> None:
             await still_waiting(task, lambda: imds.action_gets)
             posted = time.monotonic()
             imds.preempt("terminate", in_s=90)
-            notice = await asyncio.wait_for(task, BOUND_S)
+            notice = await asyncio.wait_for(task, scaled(BOUND_S))
             seen_s = time.monotonic() - posted
         finally:
             task.cancel()
@@ -131,7 +134,7 @@ async def test_aws_notice_after_preempt_with_window_to_its_time() -> None:
 async def test_aws_window_bounds(in_s: float, when: str | None, expected: float) -> None:
     with AwsImds() as imds:
         imds.preempt("stop", in_s=in_s, when=when)
-        notice = await asyncio.wait_for(AwsSpotWatcher(imds.url, poll_s=POLL_S).wait(), BOUND_S)
+        notice = await asyncio.wait_for(AwsSpotWatcher(imds.url, poll_s=POLL_S).wait(), scaled(BOUND_S))
     assert notice.window_s == expected and "stop" in notice.detail
 
 
@@ -145,7 +148,7 @@ async def test_aws_token_renewed_after_401() -> None:
             await until(lambda: imds.token_puts == 2, "a second token after the 401")
             await still_waiting(task, lambda: imds.action_gets)
             imds.preempt()
-            notice = await asyncio.wait_for(task, BOUND_S)
+            notice = await asyncio.wait_for(task, scaled(BOUND_S))
         finally:
             task.cancel()
     assert notice.reason == "preempted"
@@ -155,8 +158,9 @@ async def test_aws_token_renewed_after_401() -> None:
 async def test_aws_token_renewed_before_it_expires() -> None:
     with AwsImds() as imds:
         # renewed after 2 s: a watcher stalled for under 2 s on busy cores still renews in time (with 1 s,
-        # renewed after 0.5 s, a stall of half a second read with an expired token)
-        watcher = AwsSpotWatcher(imds.url, poll_s=POLL_S, token_ttl_s=4)
+        # renewed after 0.5 s, a stall of half a second read with an expired token); a slower machine
+        # stalls longer, so the lifetime is scaled by its slowdown
+        watcher = AwsSpotWatcher(imds.url, poll_s=POLL_S, token_ttl_s=math.ceil(scaled(4)))
         task = asyncio.create_task(watcher.wait())
         try:
             await until(lambda: imds.token_puts >= 3 or task.done(), "three tokens")
@@ -176,7 +180,7 @@ async def test_gcp_notice_after_preempt() -> None:
         try:
             await still_waiting(task, lambda: server.gets)
             server.preempt()
-            notice = await asyncio.wait_for(task, BOUND_S)
+            notice = await asyncio.wait_for(task, scaled(BOUND_S))
         finally:
             task.cancel()
     assert notice == Notice("preempted", "gcp instance/preempted is TRUE", 30)
@@ -188,7 +192,7 @@ def test_gcp_server_enforces_the_metadata_flavor_header() -> None:
     with GcpMetadata() as server:
         request = urllib.request.Request(f"{server.url}{GcpMetadata.PREEMPTED_PATH}")
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=5)
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=scaled(5))
         refused.value.close()
     assert refused.value.code == 403 and server.refused == 1 and server.gets == 0
 
@@ -207,7 +211,7 @@ async def test_azure_preempt_of_this_vm_is_the_notice_and_close_approves_it() ->
             await still_waiting(task, lambda: imds.event_gets)
             posted = time.monotonic()
             event_id = imds.preempt(resources=["node-7"], not_before_in_s=20)
-            notice = await asyncio.wait_for(task, BOUND_S)
+            notice = await asyncio.wait_for(task, scaled(BOUND_S))
             seen_s = time.monotonic() - posted
             assert imds.acks == []  # nothing approved before the agent has handed over
             watcher.close()
@@ -225,7 +229,7 @@ async def test_azure_without_a_name_any_preempt_counts_and_no_ack_when_disabled(
         imds.name_available = False
         event_id = imds.preempt(resources=["someone-else"], not_before_in_s=None)
         watcher = AzureEvictionWatcher(imds.url, poll_s=POLL_S, notice_window_s=25, acknowledge=False)
-        notice = await asyncio.wait_for(watcher.wait(), BOUND_S)
+        notice = await asyncio.wait_for(watcher.wait(), scaled(BOUND_S))
         watcher.close()
     assert watcher.vm_name is None and event_id in notice.detail
     assert notice.window_s == 25  # no NotBefore: notice_window_s
@@ -262,7 +266,7 @@ async def test_endpoint_down_then_up(server_type: type[MetadataServer], make: Ca
             with server_type(port) as server:
                 await still_waiting(task, lambda: watcher.polls)
                 server.preempt()  # type: ignore[attr-defined]
-                notice = await asyncio.wait_for(task, BOUND_S)
+                notice = await asyncio.wait_for(task, scaled(BOUND_S))
         finally:
             task.cancel()
     assert notice.reason == "preempted"
@@ -283,7 +287,7 @@ async def test_endpoint_answering_errors_is_polled_again(server_type: type[Metad
             await still_waiting(task, lambda: watcher.polls, n=3)
             server.fail_with(None)
             server.preempt()  # type: ignore[attr-defined]
-            notice = await asyncio.wait_for(task, BOUND_S)
+            notice = await asyncio.wait_for(task, scaled(BOUND_S))
         finally:
             task.cancel()
     assert notice.reason == "preempted"

@@ -11,6 +11,7 @@ import sys
 from importlib import resources
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.config.models import RolloutConfig, TrainerConfig
 from fleetrl.regions.units import UNIT_NAMES, unit_text
@@ -78,7 +79,7 @@ def test_replicator_template_takes_the_region_from_its_instance() -> None:
 def test_cli_install_writes_every_unit(tmp_path: pathlib.Path) -> None:
     done = subprocess.run([sys.executable, "-m", "fleetrl.cli", "units", "install", "--dest", str(tmp_path),
                            "--prefix", "/srv/fleetrl/venv", "--config", "/srv/fleetrl/fleet.yaml"],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=scaled(60), check=False)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(UNIT_NAMES)  # no temp files left
     assert done.stdout.split() == [str(tmp_path / n) for n in UNIT_NAMES]
@@ -89,11 +90,11 @@ def test_cli_install_writes_every_unit(tmp_path: pathlib.Path) -> None:
 
 def test_cli_prints_the_units_without_dest_and_refuses_bad_paths(tmp_path: pathlib.Path) -> None:
     done = subprocess.run([sys.executable, "-m", "fleetrl.cli", "units", "install"],
-                          capture_output=True, text=True, timeout=60, check=False)
+                          capture_output=True, text=True, timeout=scaled(60), check=False)
     assert done.returncode == 0 and done.stdout.count("[Service]") == len(UNIT_NAMES)
     for bad in (["--prefix", "relative/venv"], ["--prefix", "/opt/my venv"], ["--dest", str(tmp_path / "no")]):
         done = subprocess.run([sys.executable, "-m", "fleetrl.cli", "units", "install", *bad],
-                              capture_output=True, text=True, timeout=60, check=False)
+                              capture_output=True, text=True, timeout=scaled(60), check=False)
         assert done.returncode == 2 and done.stderr.startswith("fleetrl units: "), done.stderr
     assert list(tmp_path.iterdir()) == []
 

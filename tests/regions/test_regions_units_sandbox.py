@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.regions.units import UNIT_NAMES, install, unit_text
 
@@ -74,7 +75,7 @@ def _installed(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
 
 def _analyze(*args: str) -> subprocess.CompletedProcess[str]:
     assert SYSTEMD_ANALYZE is not None
-    return subprocess.run([SYSTEMD_ANALYZE, *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run([SYSTEMD_ANALYZE, *args], capture_output=True, text=True, timeout=scaled(60), check=False)
 
 
 @pytest.mark.parametrize("name", UNIT_NAMES)

@@ -52,9 +52,10 @@ async def send_prompts(config: FleetConfig, records: list[PromptRecord]) -> None
 
 
 async def read_stream(config: FleetConfig, stream: Stream, n: int, timeout_s: float,
-                      group: str | None = None) -> list[Delivery]:
-    """Read `n` records of a stream with a fresh consumer group (bounded wait)."""
-    return await fleet_testkit.read_stream(config, REGION, stream, n, timeout_s, group)
+                      group: str | None = None, *, scale: bool = True) -> list[Delivery]:
+    """Read `n` records of a stream with a fresh consumer group (bounded wait; `timeout_s` is the
+    reference machine's figure, scaled unless `scale=False`: see `fleet_testkit.read_stream`)."""
+    return await fleet_testkit.read_stream(config, REGION, stream, n, timeout_s, group, scale=scale)
 
 
 def groups(deliveries: list[Delivery]) -> list[GroupRecord]:

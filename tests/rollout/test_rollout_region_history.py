@@ -27,6 +27,7 @@ from rollout_testkit import (
     send_prompts,
     setup_topics,
 )
+from slowdown import scaled
 
 from fleetrl.broker import (
     SCHEMA_GROUP,
@@ -89,11 +90,13 @@ async def _produce(config: FleetConfig, records: list[GroupRecord], raw: tuple[b
 
 
 async def _until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Wait until `done()` holds, within `timeout_s` (the reference machine's figure, scaled)."""
+    timeout_s = scaled(timeout_s)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not done():
         if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         await asyncio.sleep(0.05)
 
 
@@ -168,7 +171,7 @@ async def test_the_reader_records_other_workers_answers_and_skips_bad_foreign_an
         assert not task.done()  # bad records broke nothing
     finally:
         task.cancel()
-        await asyncio.wait([task], timeout=30)
+        await asyncio.wait([task], timeout=scaled(30))
     while engine.record_observed():
         pass
     assert (feed.stats.records, feed.stats.skipped, feed.stats.own, feed.stats.responses) == (7, 3, 1, 4)
@@ -196,7 +199,7 @@ async def test_the_trainer_group_still_reads_every_record_the_reader_read(
         await _until(lambda: feed.stats.responses >= 5, 30, "the reader to read every group")
     finally:
         task.cancel()
-        await asyncio.wait([task], timeout=30)
+        await asyncio.wait([task], timeout=scaled(30))
     trainer = trainer_group(config.run)
     lag = [row for row in await group_lag(config, REGION) if row.group == trainer]
     assert sum(row.lag for row in lag) == 5 and all(row.committed is None for row in lag)  # nothing taken
@@ -221,7 +224,7 @@ async def test_a_log_tail_starts_a_window_before_each_end_or_where_it_stopped(
         got: set[tuple[int, int]] = set()
         async with LogTail(config, REGION, "trajectories", "test-tail", window=window,
                            from_offsets=from_offsets) as t:
-            async with asyncio.timeout(30):
+            async with asyncio.timeout(scaled(30)):
                 for _ in range(300):
                     if got >= expected:
                         break
@@ -274,7 +277,7 @@ async def test_a_worker_drafts_from_answers_other_workers_gave_and_not_twice_fro
                      "the worker's groups and the other worker's answers")
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(task, timeout=scaled(30))
     engine = worker.engine
     assert isinstance(engine, TorchEngine)
     stats = worker.stats()

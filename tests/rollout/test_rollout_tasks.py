@@ -6,6 +6,7 @@ import concurrent.futures
 import itertools
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.rollout import TASKS, CharTokenizer, TaskError, get_task
 from fleetrl.rollout.tasks import extract_answer
@@ -51,7 +52,7 @@ def test_math_extracts_the_standard_answer_formats() -> None:
     # math-verify reads what a regex did not: LaTeX fractions in a box, and answers off the main thread
     assert math.reward("so $\\boxed{\\frac{3}{4}}$", "0.75") == 1.0
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        assert pool.submit(math.reward, "#### 12", "12").result(timeout=30) == 1.0
+        assert pool.submit(math.reward, "#### 12", "12").result(timeout=scaled(30)) == 1.0
     assert extract_answer("no number here") is None
     with pytest.raises(TaskError, match="math"):
         math.reward("#### 1", "not a number")

@@ -31,6 +31,7 @@ from rollout_testkit import (
     send_prompts,
     setup_topics,
 )
+from slowdown import scaled
 
 from fleetrl.broker import (
     SCHEMA_HEADER,
@@ -56,15 +57,16 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def _run_worker_until(config: FleetConfig, node: str, done: Any, timeout_s: float) -> RolloutWorker:
-    """Run an in-process worker until `done(worker)` holds (bounded), then stop it (SIGTERM path)."""
+    """Run an in-process worker until `done(worker)` holds (bounded: `timeout_s` on the reference machine,
+    scaled), then stop it (SIGTERM path)."""
     worker, stop = RolloutWorker(config, REGION, node), asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    deadline = loop.time() + scaled(timeout_s)
     while not done(worker) and loop.time() < deadline and not task.done():
         await asyncio.sleep(0.05)
     stop.set()
-    await asyncio.wait_for(task, timeout=30)
+    await asyncio.wait_for(task, timeout=scaled(30))
     return worker
 
 
@@ -88,7 +90,7 @@ async def test_n_prompts_become_n_groups(run_id: str, tansu_bootstrap: str, tmp_
     assert worker.groups_handed_over == 0
     assert worker.consumer.timeouts[:2] == (8.0, 1.0)  # rollout.group_session_timeout_s; beats at most 1 s apart
     # Everything was committed: a new member of the rollout group finds no work.
-    again = await read_stream(config, "prompts", 1, timeout_s=2, group=f"fleetrl.{run_id}.rollout")
+    again = await read_stream(config, "prompts", 1, timeout_s=2, group=f"fleetrl.{run_id}.rollout", scale=False)
     assert again == []
 
 
@@ -111,7 +113,7 @@ async def test_dead_letters_are_committed_without_waiting_for_a_group(
     worker, stop = RolloutWorker(config, REGION, "n1"), asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     loop = asyncio.get_running_loop()
-    deadline, lag = loop.time() + 60, -1
+    deadline, lag = loop.time() + scaled(60), -1
     try:
         while loop.time() < deadline and not task.done():
             if sum(worker.dead_lettered.values()) == 40:
@@ -121,7 +123,7 @@ async def test_dead_letters_are_committed_without_waiting_for_a_group(
             await asyncio.sleep(0.2)
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(task, timeout=scaled(30))
     assert worker.dead_lettered == {"malformed": 40} and worker.groups_done == 0
     assert lag == 0, f"the rollout group still lags {lag} records behind its dead letters"
 
@@ -143,7 +145,7 @@ def _events(log_path: pathlib.Path) -> Iterator[dict[str, Any]]:
 
 
 def _wait_for_event(proc: subprocess.Popen[bytes], log_path: pathlib.Path, pred: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if any(pred(e) for e in _events(log_path)):
             return
@@ -161,7 +163,7 @@ def worker_procs() -> Iterator[list[subprocess.Popen[bytes]]]:
     for p in procs:
         if p.poll() is None:
             p.kill()
-            p.wait(timeout=10)
+            p.wait(timeout=scaled(10))
 
 
 async def test_sigkill_before_commit_redoes_the_prompts(
@@ -179,13 +181,13 @@ async def test_sigkill_before_commit_redoes_the_prompts(
     proc, log = _spawn_worker(config_path, "doomed", tmp_path / "doomed.log")
     worker_procs.append(proc)
     admitted: set[str] = set()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while len(admitted) < 4 and time.monotonic() < deadline and proc.poll() is None:
         admitted = {e["group_id"] for e in _events(tmp_path / "doomed.log") if e.get("event") == "worker.admitted"}
         time.sleep(0.05)
     assert len(admitted) == 4, (tmp_path / "doomed.log").read_text()[-2000:]
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
     log.close()
     publish_tiny(config, seed=1)  # version 1 arrives; a new worker redoes every prompt
     await _run_worker_until(config, "survivor", lambda w: w.groups_done >= 4, timeout_s=60)
@@ -226,7 +228,7 @@ async def test_a_member_joining_and_leaving_commits_nothing_early_and_loses_noth
     task = asyncio.create_task(worker.run(stop))
     loop = asyncio.get_running_loop()
     try:
-        deadline = loop.time() + 60
+        deadline = loop.time() + scaled(60)
         while worker.stats()["groups_in_flight"] < 8 and loop.time() < deadline and not task.done():
             await asyncio.sleep(0.05)
         assert worker.stats()["groups_in_flight"] == 8  # all admitted, all waiting for version 1
@@ -238,24 +240,25 @@ async def test_a_member_joining_and_leaving_commits_nothing_early_and_loses_noth
                 moved = visitor.assignment()
                 prompts_topic = topic_name(config.run, "prompts")
                 assert len(moved) == 3 and sum(t == prompts_topic for t, _ in moved) >= 1  # one of 4 stays at least
-                deadline = loop.time() + 30
+                deadline = loop.time() + scaled(30)
                 while worker.consumer.assignment() & moved or not worker.consumer.assignment():
                     assert loop.time() < deadline, "the worker was never re-assigned"
                     await asyncio.sleep(0.1)
                 on_moved = 2 * sum(t == prompts_topic for t, _ in moved)
-                deadline = loop.time() + 30  # the kept partitions' records come again from the committed offsets
+                # the kept partitions' records come again from the committed offsets
+                deadline = loop.time() + scaled(30)
                 while worker.redelivered < 8 - on_moved and loop.time() < deadline:
                     await asyncio.sleep(0.1)
                 assert worker.redelivered == 8 - on_moved
                 assert await _rollout_lag(config) == 8, "a prompt was committed before its group was produced"
                 assert worker.stats()["groups_in_flight"] == 8 - on_moved  # the visitor's were given up
         publish_tiny(config, seed=1)  # version 1: the worker, alone again, produces every prompt
-        deadline = loop.time() + 90
+        deadline = loop.time() + scaled(90)
         while worker.groups_done < 8 and loop.time() < deadline and not task.done():
             await asyncio.sleep(0.1)
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(task, timeout=scaled(30))
     out = groups(await read_stream(config, "trajectories", 9, timeout_s=10))
     assert sorted(g.group_id for g in out) == sorted(p.group_id for p in sent)  # each once: none lost, none twice
     assert await _rollout_lag(config) == 0
@@ -281,7 +284,7 @@ async def test_sigterm_mid_generation_hands_over_tokens_that_another_worker_keep
     _wait_for_event(proc, tmp_path / "preempted.log",
                     lambda e: e.get("event") == "worker.stats" and e["tokens_in_flight"] > 0, timeout_s=60)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+    assert proc.wait(timeout=scaled(30)) == 0
     log.close()
     # As many partials as the worker says it handed over (they may lie in both partitions).
     [stopped] = [e for e in _events(tmp_path / "preempted.log") if e.get("event") == "worker.stopped"]
@@ -349,7 +352,9 @@ async def test_deadline_and_min_version_hand_groups_back_as_partials(
         np.testing.assert_array_equal(after.completion_ids[: len(before.completion_ids)], before.completion_ids)
 
 
-WAIT_S = 10.0
+WAIT_S = scaled(10.0)
+"""The worker's `min_version_wait_s` in the test below, scaled by the machine's slowdown: the test leaves
+the worker half of it to take each new version, which a slower machine needs longer for."""
 
 
 async def test_prompts_sent_ahead_wait_beside_the_decoding_slots_while_versions_keep_coming(
@@ -377,7 +382,7 @@ async def test_prompts_sent_ahead_wait_beside_the_decoding_slots_while_versions_
     loop = asyncio.get_running_loop()
     ahead_ids = {p.group_id for p in ahead_p}
     try:
-        deadline = loop.time() + 30
+        deadline = loop.time() + scaled(30)
         while loop.time() < deadline and not task.done() and not (
                 {j.group_id for j in worker._waiting} == ahead_ids and worker.groups_done == 2):
             await asyncio.sleep(0.02)
@@ -389,12 +394,12 @@ async def test_prompts_sent_ahead_wait_beside_the_decoding_slots_while_versions_
         assert await asyncio.to_thread(publish_tiny, config, 1) == 1
         await asyncio.sleep(max(0.0, clock + WAIT_S + 0.5 - time.monotonic()))  # past the first deadline
         assert await asyncio.to_thread(publish_tiny, config, 2) == 2
-        deadline = loop.time() + 30
+        deadline = loop.time() + scaled(30)
         while worker.groups_done < 4 and loop.time() < deadline and not task.done():
             await asyncio.sleep(0.05)
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(task, timeout=scaled(30))
     assert worker.groups_done == 4 and worker.groups_handed_over == 0
     out = groups(await read_stream(config, "trajectories", 4, timeout_s=20))
     ahead_out = [g for g in out if g.group_id in ahead_ids]
@@ -416,19 +421,19 @@ async def test_a_preemption_cuts_the_poll_short_and_leaves_its_prompts_to_the_ne
     task = asyncio.create_task(worker.run(stop, preempted))
     loop = asyncio.get_running_loop()
     try:
-        deadline = loop.time() + 60
+        deadline = loop.time() + scaled(60)
         while not (getattr(worker, "consumer", None) is not None and worker.consumer.assignment()):
             assert loop.time() < deadline and not task.done(), "the worker never polled an assignment"
             await asyncio.sleep(0.05)
         preempted.set()
-        deadline = loop.time() + 10  # the poll (60 s) would outlast this unless cut short
+        deadline = loop.time() + scaled(10)  # the poll (60 s) would outlast this unless cut short
         while not getattr(worker, "polls_cancelled", 0) and loop.time() < deadline and not task.done():
             await asyncio.sleep(0.05)
         sent = prompts(config, 1, max_new_tokens=4)
         await send_prompts(config, sent)
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=120)
+        await asyncio.wait_for(task, timeout=scaled(120))
     assert worker.groups_handed_over == 0 and worker.groups_done == 0
     assert worker.polls_cancelled == 1
     assert await _rollout_lag(config) == 1  # the prompt waits, uncommitted, for whoever owns its partition next

@@ -10,6 +10,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from slowdown import scaled
 from trainer_groups import make_group
 
 from fleetrl.broker import Heartbeat, PromptRecord
@@ -48,7 +49,7 @@ class SyncFleet:
         before = len(self.sent)
         asyncio.run(asyncio.wait_for(
             self.dispatcher.dispatch(self.version, self.version, now, self.collector.is_resolved,
-                                     released=self.collector.ledger.stale_count), timeout=10))
+                                     released=self.collector.ledger.stale_count), timeout=scaled(10)))
         placed = self.sent[before:]
         for i, (region, p) in enumerate(placed):
             self.credits.on_arrival(region, now + 1.0, latency_s=1.0)

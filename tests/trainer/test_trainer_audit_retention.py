@@ -21,6 +21,7 @@ from collections.abc import Callable
 import pytest
 import yaml
 from aiokafka import AIOKafkaProducer
+from slowdown import scaled
 from trainer_groups import answer_prompts
 
 from fleetrl import devstack
@@ -46,8 +47,8 @@ async def _train(config: FleetConfig) -> None:
     trainer = Trainer(config, reverse_prompts, Learner(config.model, config.algorithm, DistContext()))
     train = asyncio.create_task(trainer.run(max_steps=STEPS))
     side = asyncio.create_task(answer_prompts(config, REGION, train.done, []))
-    await asyncio.wait_for(train, 240)
-    await asyncio.wait_for(side, 30)
+    await asyncio.wait_for(train, scaled(240))
+    await asyncio.wait_for(side, scaled(30))
 
 
 async def _replicate_with_trap(config: FleetConfig, replica: FleetConfig, marks: dict[int, int]) -> int:
@@ -74,7 +75,7 @@ async def _replicate_with_trap(config: FleetConfig, replica: FleetConfig, marks:
 
 def _audit_cli(config_file: pathlib.Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fleetrl.cli", "audit", "--config", str(config_file), *extra],
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=scaled(120), check=False)
 
 
 async def test_audit_passes_and_reports_the_watermark_after_older_records_are_gone(

@@ -9,6 +9,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.config import DatasetColumns, DatasetConfig
 from fleetrl.trainer import DatasetError, dataset_prompts, file_prompts
@@ -107,7 +108,7 @@ def test_metrics_are_served_with_units_in_their_names() -> None:
     m.publish_bytes.inc(1234)
     port = m.serve(0)
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=scaled(5)).read().decode()
     finally:
         m.close()
     assert 'fleetrl_trainer_stale_groups_dropped_total{region="eu"} 1.0' in text

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from slowdown import scaled
 from trainer_groups import HUB_KEY
 
 from fleetrl.config import FleetConfig
@@ -31,7 +32,7 @@ def _run(cmd: list[str], tmp: Path, *extra: str) -> dict[str, object]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = tmp / "out.pt"
     proc = subprocess.run([*cmd, str(WORKER), "--out", str(out), "--steps", "3", *extra], env=env, cwd=tmp,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=scaled(180))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, object] = torch.load(out)
     return result
@@ -106,7 +107,7 @@ def test_sharded_publish_matches_one_process_publish(tmp_path: Path) -> None:
         out = tmp_path / name
         out.mkdir()
         proc = subprocess.run([*launcher, str(PUBLISH_WORKER), "--out", str(out)], env=env, cwd=out,
-                              capture_output=True, text=True, timeout=180)
+                              capture_output=True, text=True, timeout=scaled(180))
         assert proc.returncode == 0, proc.stderr[-3000:]
         configs = [FleetConfig.model_validate({"run": "sharded", "hub": {"home_store": (out / s).as_uri()},
                                                "regions": [{"name": "r1", "kafka": "127.0.0.1:9",

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from slowdown import scaled
 
 from fleetrl.broker import GroupRecord, Sample, floats, ids
 from fleetrl.config import AlgorithmConfig, ModelConfig
@@ -73,7 +74,7 @@ def test_the_next_step_waits_for_a_snapshot_still_being_cast_before_it_changes_t
     def slow_take(state, dtype):  # type: ignore[no-untyped-def]
         # A cast slower than the forward and backward, however fast or slow the machine: it finishes
         # only once the update has been waiting on it for 0.3 s (30 s: the update never waited).
-        cast_may_finish.wait(timeout=30)
+        cast_may_finish.wait(timeout=scaled(30))
         return real_take(state, dtype)
 
     def fence() -> float:
@@ -86,7 +87,7 @@ def test_the_next_step_waits_for_a_snapshot_still_being_cast_before_it_changes_t
     snapshot = learner.begin_published_state()
     learner.train_step(build_step_batch([group], "grpo", 0))
     assert learner.snapshot_wait_s > 0.1  # the update waited for the cast (about 0.3 s: the timer starts first)
-    got = snapshot.result(timeout=30)
+    got = snapshot.result(timeout=scaled(30))
     assert all(torch.equal(got[k].view(torch.int16), before[k].view(torch.int16)) for k in before)
     after = learner.model.state_dict()
     assert any(not torch.equal(after[k].to(torch.bfloat16), before[k]) for k in before)  # and the step moved them

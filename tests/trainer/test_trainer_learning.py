@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from slowdown import scaled
 
 from fleetrl.broker import ensure_topics
 from fleetrl.config import FleetConfig, parse_config
@@ -76,16 +77,16 @@ async def _learn(config: FleetConfig, max_steps: int, done: Callable[[list[float
     train = asyncio.create_task(trainer.run(max_steps=max_steps, stop=stop_trainer))
     worker = asyncio.create_task(RolloutWorker(config, REGION, "node-1").run(stop_worker))
     try:
-        async with asyncio.timeout(600):
+        async with asyncio.timeout(scaled(600)):
             while not train.done() and not done(trainer.result.rewards):
                 if worker.done():
                     worker.result()  # surface why the worker stopped
                 await asyncio.sleep(0.2)
         stop_trainer.set()
-        await asyncio.wait_for(train, 60)
+        await asyncio.wait_for(train, scaled(60))
     finally:
         stop_worker.set()
-        await asyncio.wait_for(worker, 60)
+        await asyncio.wait_for(worker, scaled(60))
     return trainer.result.rewards
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
+from slowdown import scaled
 from trainer_groups import make_group
 
 from fleetrl.broker import (
@@ -62,15 +63,16 @@ async def test_trajectories_reach_the_trainer_only_after_the_link_delay(
     limits = RecordLimits.from_config(config)
     async with RegionClients(config, limits, trainer_group(config.run), {}) as clients, \
             Producer(config, REGION, "region-side") as region_side:
-        # Wait (bounded) until the consumer is assigned, so that the fetch time is what we measure.
-        for _ in range(100):
+        # Wait (bounded: 10 s on the reference machine) until the consumer is assigned, so that the fetch
+        # time is what we measure.
+        for _ in range(round(scaled(100))):
             await clients.poll(16, 0.1)
             if clients.consumers[REGION].assignment():
                 break
         await region_side.send("trajectories", "g-1", make_group("g-1", config.run, n=config.algorithm.n_samples))
         seen: list[tuple[float, float]] = []  # (first fetched by the consumer, handed to the trainer)
         fetched_at = None
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not seen and time.monotonic() < deadline:
             out = await clients.poll(16, 0.2)
             transit = clients._in_transit[REGION]
@@ -101,7 +103,7 @@ async def test_prompts_are_produced_only_after_the_link_delay(
         await clients.send(REGION, "prompts", record.group_id, record)
         sent = time.monotonic()
         got = []
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not got and time.monotonic() < deadline:
             got = await region_consumer.poll(16, 0.2)
     assert sent - t0 >= DELAY_S
@@ -144,7 +146,7 @@ async def test_admitting_many_groups_costs_one_round_trip_not_one_each(
         dispatcher = Dispatcher(config, itertools.repeat(("reverse", "abc=", "cba")), send, credits)
         sent = await dispatcher.dispatch(0, 0, time.time(), lambda gid: False, released=0)
         got: list[str] = []
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while len(got) < groups and time.monotonic() < deadline:
             got += [d.record.group_id for d in await region_consumer.poll(64, 0.2)]  # type: ignore[union-attr]
     assert groups >= 8 and sent == groups and len(spans) == groups

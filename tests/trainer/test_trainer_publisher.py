@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 import pytest
 import torch
+from slowdown import scaled
 
 from fleetrl.broker import PolicyAnnouncement
 from fleetrl.config import FleetConfig
@@ -59,7 +60,7 @@ async def test_submitted_versions_land_and_are_announced_in_order(tmp_path: path
         snapshots = {v: _weights(v) for v in range(1, 6)}
         for v, snap in snapshots.items():  # no wait between submits: each waits for the one before
             await publisher.submit(_given(snap), v)
-        last = await asyncio.wait_for(publisher.flush(), 60)
+        last = await asyncio.wait_for(publisher.flush(), scaled(60))
         assert last is not None and last.version == 5 and publisher.last == last
         assert announcer.versions == [0, 1, 2, 3, 4, 5]
         assert hub.latest() == 5
@@ -76,7 +77,7 @@ async def test_a_failed_background_publish_surfaces_at_the_next_submit(tmp_path:
         await publisher.publish(_weights(0))
         await publisher.submit(_given(_weights(1)), 7)  # version 1 is next: the hub refuses 7
         with pytest.raises(VersionConflict, match="asked to publish version 7 but the next version"):
-            await asyncio.wait_for(publisher.submit(_given(_weights(2)), 8), 60)
+            await asyncio.wait_for(publisher.submit(_given(_weights(2)), 8), scaled(60))
         assert await publisher.flush() is None  # the refused publish is not retried or left pending
         assert announcer.versions == [0] and hub.latest() == 0
 
@@ -113,7 +114,7 @@ async def test_snapshots_cast_in_the_background_publish_exactly_with_the_default
             weights["w"].add_(torch.randn(256, 64, generator=torch.Generator().manual_seed(v)) * 0.05)
             expected[v] = {k: t.to(torch.bfloat16) for k, t in weights.items()}
             await publisher.submit(lambda: asyncio.to_thread(ring.begin, weights, torch.bfloat16), v)
-        await asyncio.wait_for(publisher.flush(), 60)
+        await asyncio.wait_for(publisher.flush(), scaled(60))
         ring.close()
         assert hub.latest() == 6
         for v, want in expected.items():
@@ -133,7 +134,7 @@ class _Gated(Mapping[str, torch.Tensor]):
 
     def __iter__(self) -> Iterator[str]:
         self.reading.set()
-        assert self.gate.wait(30)
+        assert self.gate.wait(scaled(30))
         return iter(self.state)
 
     def __len__(self) -> int:
@@ -144,13 +145,13 @@ def test_fence_waits_for_the_cast_still_running() -> None:
     ring = SnapshotRing()
     gated = _Gated({"w": torch.ones(4)})
     future = ring.begin(gated, torch.bfloat16)
-    assert gated.reading.wait(30)
+    assert gated.reading.wait(scaled(30))
     fenced = threading.Event()
     fencer = threading.Thread(target=lambda: (ring.fence(), fenced.set()))
     fencer.start()
     assert not fenced.wait(0.3) and not future.done()  # the writer is held while the cast runs
     gated.gate.set()
-    assert fenced.wait(30) and future.done()
-    fencer.join(30)
+    assert fenced.wait(scaled(30)) and future.done()
+    fencer.join(scaled(30))
     assert torch.equal(future.result()["w"], torch.ones(4, dtype=torch.bfloat16))
     ring.close()

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from slowdown import scaled
 from trainer_groups import HUB_KEY, answer_prompts
 
 from fleetrl.broker import ensure_topics
@@ -41,7 +42,8 @@ def _env() -> dict[str, str]:
 async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signals | None,
                          timeout_s: float = 180.0, skip: int = 0, launcher: tuple[str, ...] = (),
                          env: dict[str, str] | None = None) -> tuple[int, list[dict[str, Any]]]:
-    """Run the daemon; on the `skip+1`-th log `event`, send `sig`. Returns (exit code, events)."""
+    """Run the daemon; on the `skip+1`-th log `event`, send `sig`. Returns (exit code, events). `timeout_s`
+    bounds the run on the reference machine (scaled by the machine's slowdown)."""
     command = [*launcher, "-m", "fleetrl.cli"] if launcher else FLEETRL
     proc = await asyncio.create_subprocess_exec(
         *command, "trainer", "--config", str(cfg), "--steps", str(STEPS), "--log-json",
@@ -50,7 +52,7 @@ async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signa
     events: list[dict[str, Any]] = []
     seen = 0
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(scaled(timeout_s)):
             while line := await proc.stderr.readline():
                 try:
                     ev = json.loads(line)
@@ -94,7 +96,7 @@ async def test_sigkill_mid_step_then_restart_trains_every_group_once(
         assert rc == 0, ev[-5:]
     finally:
         finished.set()
-        await asyncio.wait_for(rollout, 30)
+        await asyncio.wait_for(rollout, scaled(30))
     ckpt = latest(config.trainer.checkpoint_dir, config.run)
     assert ckpt is not None and ckpt.step == STEPS
     ledger = [row[0] for row in ckpt.state["collector"]["trained"]]
@@ -102,7 +104,7 @@ async def test_sigkill_mid_step_then_restart_trains_every_group_once(
     proc = await asyncio.create_subprocess_exec(
         *FLEETRL, "audit", "--config", str(cfg), "--json", stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL, env=_env())
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    out, _ = await asyncio.wait_for(proc.communicate(), scaled(60))
     report = json.loads(out)
     assert proc.returncode == 0, report["problems"]
     assert report["ok"] and not report["lost"] and not report["trained_twice"]
@@ -129,7 +131,7 @@ async def test_daemon_under_torchrun_two_ranks(make_fleet: Callable[..., FleetCo
         rc, ev = await _trainer_until(cfg, None, None, timeout_s=120, launcher=torchrun)
     finally:
         finished.set()
-        await asyncio.wait_for(rollout, 30)
+        await asyncio.wait_for(rollout, scaled(30))
     assert rc == 0, [e for e in ev if e.get("level") == "error"] or ev[-5:]
     # Both ranks write one stderr, so two simultaneous events may share a line: count raw text too.
     joined = sum(1 for e in ev if e.get("event") == "dist.joined")
@@ -189,7 +191,7 @@ async def test_sigkill_around_background_publishes_keeps_store_and_checkpoint_co
         assert any(e["event"] == "trainer.started" and e["resumed"] for e in ev)
     finally:
         finished.set()
-        await asyncio.wait_for(rollout, 30)
+        await asyncio.wait_for(rollout, scaled(30))
     version, newest = _store_matches_checkpoint(config)
     assert version == newest  # drained: the last version landed before the last checkpoint
     ckpt = latest(config.trainer.checkpoint_dir, config.run)
@@ -197,7 +199,7 @@ async def test_sigkill_around_background_publishes_keeps_store_and_checkpoint_co
     proc = await asyncio.create_subprocess_exec(
         *FLEETRL, "audit", "--config", str(cfg), "--json", stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL, env=_env())
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    out, _ = await asyncio.wait_for(proc.communicate(), scaled(60))
     report = json.loads(out)
     assert proc.returncode == 0 and report["ok"], report["problems"]
     assert report["trained"] == STEPS * config.algorithm.groups_per_step and not report["trained_twice"]
@@ -223,7 +225,7 @@ async def test_a_start_killed_before_its_first_checkpoint_takes_its_version_up_a
         assert rc == 0, ev[-5:]
     finally:
         finished.set()
-        await asyncio.wait_for(rollout, 30)
+        await asyncio.wait_for(rollout, scaled(30))
     started = next(e for e in ev if e["event"] == "trainer.started")
     assert started["version"] == 0 and not started["resumed"]
     published = [e["version"] for e in ev if e["event"] == "weights.published"]

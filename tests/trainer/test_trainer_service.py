@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from slowdown import scaled
 from trainer_groups import make_group
 
 from fleetrl.broker import (
@@ -112,10 +113,11 @@ async def test_each_valid_group_trained_once_malformed_dead_lettered_stale_count
     train_task = asyncio.create_task(trainer.run(max_steps=STEPS + 3, stop=stop))
     side = asyncio.create_task(rollout.run(lambda: train_task.done() or (
         rollout.stale_id is not None and trainer.step >= STEPS)))
-    await asyncio.wait_for(side, timeout=120)
-    # The last groups answered may still be in the topic: give the trainer (bounded) time to read them.
+    await asyncio.wait_for(side, timeout=scaled(120))
+    # The last groups answered may still be in the topic: give the trainer (bounded: 30 s on the reference
+    # machine, scaled) time to read them.
     c = trainer.collector
-    for _ in range(600):
+    for _ in range(round(scaled(600))):
         if train_task.done() or set(rollout.answered) <= {e.group_id for e in c.trained} | set(c.pending):
             break
         await asyncio.sleep(0.05)
@@ -123,7 +125,7 @@ async def test_each_valid_group_trained_once_malformed_dead_lettered_stale_count
     # the way SIGTERM does (finish the step, checkpoint, commit). A cancel could land between a step
     # and its checkpoint, and the audit below must compare with a checkpoint of every trained step.
     stop.set()
-    await asyncio.wait_for(train_task, timeout=60)  # surfaces the trainer's exception, if any
+    await asyncio.wait_for(train_task, timeout=scaled(60))  # surfaces the trainer's exception, if any
     trained = [e.group_id for e in c.trained]
     assert len(trained) == len(set(trained)) >= 2 * STEPS  # none twice
     assert rollout.stale_id is not None and set(c.stale) == {rollout.stale_id}
@@ -167,8 +169,8 @@ async def test_an_unreachable_region_does_not_stop_training(make_fleet: Callable
     answered: list[str] = []
     train = asyncio.create_task(trainer.run(max_steps=3))
     rollout = asyncio.create_task(answer_prompts(config, REGION, train.done, answered))
-    result = await asyncio.wait_for(train, 90)
-    await asyncio.wait_for(rollout, 30)
+    result = await asyncio.wait_for(train, scaled(90))
+    await asyncio.wait_for(rollout, scaled(30))
     assert result.steps == 3 and result.trained_groups == 6
     m = trainer.metrics.registry
     assert (m.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": REGION}) or 0) >= 6
@@ -186,7 +188,7 @@ class HeldLearner(Learner):
     def train_step(self, batch: StepBatch) -> StepStats:
         stats = super().train_step(batch)
         self.in_step.set()
-        self.release.wait(120)
+        self.release.wait(scaled(120))
         return stats
 
 
@@ -204,22 +206,22 @@ async def test_hostile_trajectories_are_dead_lettered_while_the_learner_steps(
     train = asyncio.create_task(trainer.run(max_steps=2))
     rollout = asyncio.create_task(answer_prompts(config, REGION, train.done, answered))
     try:
-        assert await asyncio.to_thread(learner.in_step.wait, 90), "the first step never started"
+        assert await asyncio.to_thread(learner.in_step.wait, scaled(90)), "the first step never started"
         flood = 300
         async with Producer(config, REGION, "hostile") as prod:
             await asyncio.gather(*(prod.send_raw(topic_name(config.run, "trajectories"), b"hostile-%d" % i,
                                                  b"\xc1 not msgpack %d" % i, []) for i in range(flood)))
         assert trainer.clients is not None
         consumer = trainer.clients.consumers[REGION]
-        for _ in range(600):  # bounded: 60 s
+        for _ in range(round(scaled(600))):  # bounded: 60 s on the reference machine
             if consumer.dead_count >= flood:
                 break
             await asyncio.sleep(0.1)
         assert consumer.dead_count >= flood and trainer.step == 0  # all refused, the first step still held
     finally:
         learner.release.set()
-    result = await asyncio.wait_for(train, 90)
-    await asyncio.wait_for(rollout, 30)
+    result = await asyncio.wait_for(train, scaled(90))
+    await asyncio.wait_for(rollout, scaled(30))
     assert result.steps == 2
     view = await read_topics(config)
     assert sum(1 for key, reasons in view.dead.items() if key.startswith("hostile-") and reasons == ["malformed"]) \
@@ -240,7 +242,7 @@ class StepsHeld(Learner):
         i, self._steps = self._steps, self._steps + 1
         if i < len(self.in_step):
             self.in_step[i].set()
-            self.release[i].wait(120)
+            self.release[i].wait(scaled(120))
         return stats
 
 
@@ -262,7 +264,7 @@ async def test_while_the_learner_steps_the_loop_buffers_the_next_step_and_sends_
     answered: list[str] = []
 
     async def after_step_1_started(i: int) -> None:  # the groups past step 1's own come during it
-        for _ in range(1200):  # bounded: 60 s
+        for _ in range(round(scaled(1200))):  # bounded: 60 s on the reference machine
             if i < gps or learner.in_step[0].is_set():
                 return
             await asyncio.sleep(0.05)
@@ -276,26 +278,26 @@ async def test_while_the_learner_steps_the_loop_buffers_the_next_step_and_sends_
         return sent.get_sample_value("fleetrl_trainer_groups_dispatched_total", {"region": REGION}) or 0.0
 
     async def until(what: Callable[[], bool], why: Callable[[], str]) -> None:
-        for _ in range(600):  # bounded: 60 s
+        for _ in range(round(scaled(600))):  # bounded: 60 s on the reference machine
             if what():
                 return
             await asyncio.sleep(0.1)
         raise AssertionError(why())
 
     try:
-        assert await asyncio.to_thread(learner.in_step[0].wait, 90), "the first step never started"
+        assert await asyncio.to_thread(learner.in_step[0].wait, scaled(90)), "the first step never started"
         await until(lambda: len(trainer.collector.pending) == window - gps,
                     lambda: f"the groups answered during step 1 were not taken in: {len(trainer.collector.pending)} "
                             "buffered")
         assert trainer.step == 0 and dispatched() == sent_at_start
         learner.release[0].set()
-        assert await asyncio.to_thread(learner.in_step[1].wait, 90), "the second step never started"
+        assert await asyncio.to_thread(learner.in_step[1].wait, scaled(90)), "the second step never started"
         await until(lambda: dispatched() == sent_at_start + gps,
                     lambda: f"step 1's admissions were not sent during step 2: {dispatched()} sent")
         assert trainer.step == 1  # step 2 still computing
     finally:
         for event in learner.release:
             event.set()
-    result = await asyncio.wait_for(train, 90)
-    await asyncio.wait_for(rollout, 30)
+    result = await asyncio.wait_for(train, scaled(90))
+    await asyncio.wait_for(rollout, scaled(30))
     assert result.steps == 3

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import ValidationError
+from slowdown import scaled
 
 from fleetrl.broker import GroupRecord, ensure_topics
 from fleetrl.config import AlgorithmConfig, FleetConfig, parse_config
@@ -80,10 +81,10 @@ async def test_sync_mode_trains_each_step_on_its_own_version_and_nothing_generat
     rollout = RolloutWorker(config, REGION, "node-1")
     worker = asyncio.create_task(rollout.run(stop))
     try:
-        result = await asyncio.wait_for(trainer.run(max_steps=STEPS), 300)
+        result = await asyncio.wait_for(trainer.run(max_steps=STEPS), scaled(300))
     finally:
         stop.set()
-        await asyncio.wait_for(worker, 60)
+        await asyncio.wait_for(worker, scaled(60))
     assert result.steps == STEPS and len(trained) == STEPS
     # The worker's engine-busy time (what bench/pipeline.py reads as engine idle) is real and bounded.
     stats = rollout.stats()

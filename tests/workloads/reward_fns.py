@@ -6,11 +6,14 @@ import asyncio
 import threading
 from typing import Any
 
+from slowdown import scaled
+
 RELEASE_SLOW = threading.Event()
 """Lets `picky`'s slow call return. A test sets it once the call's `reward.timeout_s` has fired: the call
 blocks past any timeout, however fast or slow the machine (and its thread would otherwise hold the exit)."""
-SLOW_BOUND_S = 60.0
-"""How long the slow call waits for `RELEASE_SLOW` at most: a bound, should a test never let it go."""
+SLOW_BOUND_S = scaled(60.0)
+"""How long the slow call waits for `RELEASE_SLOW` at most: a bound, should a test never let it go (scaled by
+the machine's slowdown, tests/slowdown.py)."""
 
 
 def _text(c: Any) -> str:

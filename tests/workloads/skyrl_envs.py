@@ -10,13 +10,15 @@ from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl_gym.tools.core import ToolGroup, tool
+from slowdown import scaled
 
 RELEASE = threading.Event()
 """Lets the hanging tool go (it then raises). A test sets it once the other groups are done, so that they
 finished while the tool hung by construction, or at its end, after `tool_timeout_s` gave the tool up (its
 thread would otherwise hold the exit)."""
-HANG_BOUND_S = 60.0
-"""How long the hanging tool waits for `RELEASE` at most: a bound, should a test never let it go."""
+HANG_BOUND_S = scaled(60.0)
+"""How long the hanging tool waits for `RELEASE` at most: a bound, should a test never let it go (scaled by
+the machine's slowdown, tests/slowdown.py)."""
 
 
 class GuessGame(BaseTextEnv):

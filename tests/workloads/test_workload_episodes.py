@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from slowdown import scaled
 
 from fleetrl.broker import SOURCE_ENV, GroupRecord, PartialSample, Producer, PromptRecord, Sampling, ensure_topics
 from fleetrl.config import FleetConfig, parse_config
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.integration
 REGION = "r1"
 HERE = pathlib.Path(__file__).parent
 TURN_TOKENS = 6
-GENEROUS_TOOL_TIMEOUT_S = 60.0  # only a hang reaches it
+GENEROUS_TOOL_TIMEOUT_S = scaled(60.0)  # only a hang reaches it: scaled like the tests' own hang bounds
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +86,7 @@ async def _run(worker: RolloutWorker, expected: int, release_at: int | None = No
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
-        async with asyncio.timeout(90):
+        async with asyncio.timeout(scaled(90)):
             while (ended := worker.groups_done + sum(worker.dead_lettered.values())) < expected:
                 assert not task.done(), "the worker stopped"
                 if release_at is not None and ended >= release_at and not RELEASE.is_set():
@@ -94,7 +95,7 @@ async def _run(worker: RolloutWorker, expected: int, release_at: int | None = No
                 await asyncio.sleep(0.1)
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(task, timeout=scaled(30))
 
 
 def _record_turns(worker: RolloutWorker) -> dict[str, list[tuple[list[int], PartialSample]]]:
@@ -259,13 +260,13 @@ async def test_episode_handed_over_mid_way_restarts_on_another_worker(
     turns = _record_turns(first)
     task = asyncio.create_task(first.run(stop))
     try:
-        async with asyncio.timeout(60):  # mid-episode: a model turn done, the game's answer awaited
+        async with asyncio.timeout(scaled(60)):  # mid-episode: a model turn done, the game's answer awaited
             while not turns:
                 assert not task.done(), "the worker stopped"
                 await asyncio.sleep(0.05)
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(task, timeout=scaled(30))
     assert first.groups_handed_over == 1 and first.groups_done == 0
     assert first.episode_tokens_discarded >= sum(len(out.completion_ids) for e in turns.values() for _, out in e) > 0
 

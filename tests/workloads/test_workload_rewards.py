@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from slowdown import scaled
 
 from fleetrl.config import RewardConfig, RewardFunctionConfig
 from fleetrl.rollout.errors import RewardError
@@ -131,7 +132,7 @@ class _Endpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=scaled(5))
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from slowdown import scaled
 
 from fleetrl.broker import ensure_topics
 from fleetrl.cli import main
@@ -63,7 +64,7 @@ async def _train(config: FleetConfig) -> list[float]:
     train = asyncio.create_task(trainer.run(max_steps=STEPS, stop=stop_trainer))
     worker = asyncio.create_task(RolloutWorker(config, REGION, "node-1").run(stop_worker))
     try:
-        async with asyncio.timeout(300):
+        async with asyncio.timeout(scaled(300)):
             while not train.done():
                 if worker.done():
                     worker.result()
@@ -71,7 +72,7 @@ async def _train(config: FleetConfig) -> list[float]:
         train.result()
     finally:
         stop_worker.set()
-        await asyncio.wait_for(worker, 60)
+        await asyncio.wait_for(worker, scaled(60))
     return trainer.result.rewards
 
 

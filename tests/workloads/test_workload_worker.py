@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from slowdown import scaled
 
 from fleetrl.broker import GroupRecord, Producer, PromptRecord, Sampling, ensure_topics, read_dead_letters
 from fleetrl.config import FleetConfig, parse_config
@@ -78,14 +79,14 @@ async def test_chat_rows_render_with_the_template_and_failing_rewards_dead_lette
     assert sorted(worker.engine.eos_ids) == [0, 2]  # both EOS ids of the generation config
     task = asyncio.create_task(worker.run(stop))
     try:
-        async with asyncio.timeout(120):
+        async with asyncio.timeout(scaled(120)):
             while worker.groups_done + sum(worker.dead_lettered.values()) < len(MODES):
                 assert not task.done(), "the worker stopped"
                 await asyncio.sleep(0.1)
     finally:
         reward_fns.RELEASE_SLOW.set()  # the slow call's thread returns (its group was dead-lettered)
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(task, timeout=scaled(30))
     # max_prompt_tokens counts the rendered prompt: the long one never reaches the engine
     assert worker.groups_done == 2 and worker.dead_lettered == {"reward_error": 4, "tokens_bound": 1}
     stats = worker.stats()["rewards"]
