@@ -12,78 +12,42 @@ commit: a consumer that dies before committing leaves its records to the next me
 
 With `priority=True` the streams are in priority order: while a higher stream (`partials`) has
 records waiting, lower ones (`prompts`) are paused and not returned.
+
+The parts: `delivery.py` decodes and checks a fetched batch, `membership.py` holds the group
+strategy, the rebalance callbacks and leaving, `positions.py` the read positions, backlog and lag;
+this module is the consume loop (fetch, sort, dead-letter, rewind), commits and seeks.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
-from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
-from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from aiokafka.coordinator.assignors.sticky.sticky_assignor import StickyPartitionAssignor
-from aiokafka.errors import CommitFailedError, IllegalStateError
-from aiokafka.protocol.group import LeaveGroupRequest
+from aiokafka.errors import CommitFailedError
 
-from fleetrl.broker.assignor import RendezvousAssignor
-from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, stop_client, translated
-from fleetrl.broker.codec import decode_record
+from fleetrl.broker import positions
+from fleetrl.broker.clients import DEAD_LETTER_SLACK_BYTES, bounded, client_kwargs, connect, stop_client
+from fleetrl.broker.delivery import EXPECTED_SCHEMA, Delivery, decode_batch, delivery
 from fleetrl.broker.errors import KafkaError, RecordError
-from fleetrl.broker.naming import SCHEMA_HEADER, Stream, topic_name
+from fleetrl.broker.membership import RebalanceListener, assignor, leave_generation_zero
+from fleetrl.broker.naming import Stream, topic_name
 from fleetrl.broker.offsets import TP, OffsetTracker
 from fleetrl.broker.producer import Producer
-from fleetrl.broker.records import SCHEMA_GROUP, SCHEMA_PARTIAL, SCHEMA_PROMPT, Record, RecordLimits
+from fleetrl.broker.records import RecordLimits
 from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
+
+__all__ = ["EXPECTED_SCHEMA", "MAX_REBALANCE_WAITS", "Consumer", "Delivery"]
 
 log = get_logger(__name__)
 MAX_REBALANCE_WAITS = 2
 """Polls in a row a rebalance may outlast before the member gives up (the second one raises)."""
-EXPECTED_SCHEMA: dict[str, str] = {"prompts": SCHEMA_PROMPT, "partials": SCHEMA_PARTIAL, "trajectories": SCHEMA_GROUP}
-# Decoding is cheap (numpy views over the bytes, a few reductions a group: 0.24 ms for a group of 16 x
-# 1,024 tokens, 0.13 MB), but a batch of many MB still blocks the loop for a while: above this many
-# bytes (about 60 ms of decoding) it runs in a thread. Not lower: a thread holds the GIL against the
-# loop and every other region's decode, and `bench/ingest.py` took in 373-417 groups/s with 1 MB here
-# against 483-543 with every batch decoded on the loop.
-_DECODE_IN_THREAD_BYTES = 32 << 20
 # How many records one poll may read on while the ones it read were refused (see `Consumer.poll`).
 _REFILL_RECORDS = 4096
 _REFILL_BATCH = 512
-
-
-def _check_schema_header(headers: Any, expect: str) -> None:
-    """Every record carries its schema in the `fleetrl-schema` header too (DESIGN.md §3): one without
-    it did not come from a FleetRL producer."""
-    found = [v for k, v in (headers or ()) if k == SCHEMA_HEADER]
-    if not found:
-        raise RecordError("missing_header", f"no {SCHEMA_HEADER} header", field=SCHEMA_HEADER)
-    if found[0] != expect.encode():
-        raise RecordError("wrong_schema", f"header {SCHEMA_HEADER} is {found[0]!r}, expected {expect!r}",
-                          field=SCHEMA_HEADER)
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One decoded, bounds-checked record and where it came from."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: str | None
-    record: Record
-    headers: dict[str, bytes]
-    stream: Stream
-    size: int = 0
-    """Bytes of the record's value as it crossed the wire (uncompressed): what its link carried."""
-
-    @property
-    def tp(self) -> TP:
-        return (self.topic, self.partition)
 
 
 class Consumer:
@@ -121,14 +85,14 @@ class Consumer:
         self._dead_count = 0
         self._pending_seeks: dict[TP, int] = {}
         self._on_assigned_hook = on_assigned
+        """Told each new assignment (every partition this member now owns) after a rebalance."""
         self._join_in_background = join_in_background
-        self.rebalance_waits = 0
-        """Polls that came back empty because a rebalance outlasted their bound (`consumer.rebalance_slow`)."""
-        self._waits_in_a_row = 0
         """`start()` returns once connected, the group joined in the background (polls return nothing until
         the first assignment), instead of waiting for the first assignment within the request timeout: in a
         group whose members change every few seconds a join can take longer than that."""
-        """Told each new assignment (every partition this member now owns) after a rebalance."""
+        self.rebalance_waits = 0
+        """Polls that came back empty because a rebalance outlasted their bound (`consumer.rebalance_slow`)."""
+        self._waits_in_a_row = 0
 
     @property
     def timeouts(self) -> tuple[float, float, float]:
@@ -155,10 +119,10 @@ class Consumer:
             heartbeat_interval_ms=int(heartbeat * 1000),
             max_poll_interval_ms=int(max_poll * 1000),
             fetch_max_wait_ms=self.config.kafka.fetch_max_wait_ms,
-            partition_assignment_strategy=(_assignor(self.config.kafka.partition_assignment, self.client_id),),
+            partition_assignment_strategy=(assignor(self.config.kafka.partition_assignment, self.client_id),),
         )
         if not self._join_in_background:  # subscribed before start: start() waits for the first assignment
-            self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
+            self._consumer.subscribe(topics=self._topics, listener=self._listener())
         try:
             await connect(self._consumer.start(), self.config, self.region,
                           f"start consumer {self.client_id!r} of group {self.group!r} (region {self.region!r})")
@@ -166,7 +130,7 @@ class Consumer:
             await self.close()
             raise
         if self._join_in_background:
-            self._consumer.subscribe(topics=self._topics, listener=_Rebalance(self))
+            self._consumer.subscribe(topics=self._topics, listener=self._listener())
         return self
 
     async def close(self) -> None:
@@ -175,29 +139,11 @@ class Consumer:
         consumer, self._consumer = self._consumer, None
         if consumer is None:
             return
-        await self._leave_generation_zero(consumer)
+        await leave_generation_zero(consumer, self.config.kafka.request_timeout_s, self.group, self.client_id)
         try:
             await stop_client(consumer.stop(), self.config.kafka.request_timeout_s, f"stop consumer {self.client_id!r}")
         except KafkaError as exc:
             log.warning("consumer.stop_failed", group=self.group, client_id=self.client_id, error=str(exc))
-
-    async def _leave_generation_zero(self, consumer: AIOKafkaConsumer) -> None:
-        """Leave the group explicitly when its generation is 0.
-
-        tansu numbers a group's first generation 0 where Kafka starts at 1, and aiokafka sends
-        LeaveGroup only from generation > 0: without this, the next member to join waits a whole
-        session timeout for this one to expire.
-        """
-        coordinator = getattr(consumer, "_coordinator", None)
-        if coordinator is None or getattr(coordinator, "generation", -1) != 0:
-            return
-        request = LeaveGroupRequest(coordinator.group_id, coordinator.member_id)
-        try:
-            await bounded(coordinator._send_req(request), self.config.kafka.request_timeout_s,
-                          f"leave group {self.group!r}")
-        except KafkaError as exc:
-            log.warning("consumer.leave_failed", group=self.group, client_id=self.client_id, error=str(exc))
-        coordinator.reset_generation()
 
     async def __aenter__(self) -> Consumer:
         return await self.start()
@@ -284,43 +230,20 @@ class Consumer:
         a partition's first good record over the room goes into `back` (its later records are left
         for the next read)."""
         messages = [m for batch in raw.values() for m in batch]
-        results = iter(await self._decode(messages))
+        results = iter(await decode_batch(messages, self.limits, self._stream_of))
         for tp, batch in raw.items():
             for i, m in enumerate(batch):
                 result = next(results)
                 if isinstance(result, RecordError):
                     refused.append((m, result))
                 elif room > 0:
-                    good.append(self._delivery(m, result))
+                    good.append(delivery(m, result, self._stream_of[m.topic]))
                     room -= 1
                 else:
                     back[tp] = m.offset
                     for _ in batch[i + 1:]:  # keep `results` in step with the next partition
                         next(results)
                     break
-
-    async def _decode(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
-        if sum(len(m.value or b"") for m in messages) > _DECODE_IN_THREAD_BYTES:
-            return await asyncio.to_thread(self._decode_all, messages)
-        return self._decode_all(messages)
-
-    def _decode_all(self, messages: list[ConsumerRecord[Any, Any]]) -> list[Record | RecordError]:
-        out: list[Record | RecordError] = []
-        for m in messages:
-            expect = EXPECTED_SCHEMA[self._stream_of[m.topic]]
-            try:
-                record = decode_record(m.value or b"", self.limits, expect=expect)
-                _check_schema_header(m.headers, getattr(record, "schema", expect))
-                out.append(record)
-            except RecordError as err:
-                out.append(err.at(m.topic, m.partition, m.offset))
-        return out
-
-    def _delivery(self, m: ConsumerRecord[Any, Any], record: Record) -> Delivery:
-        return Delivery(topic=m.topic, partition=m.partition, offset=m.offset,
-                        key=m.key.decode(errors="replace") if m.key is not None else None,
-                        record=record, headers=dict(m.headers or ()), stream=self._stream_of[m.topic],
-                        size=len(m.value) if m.value is not None else 0)
 
     async def _dead_letter_one(self, m: ConsumerRecord[Any, Any], error: RecordError) -> None:
         """Its offset is handled once the dead letter is acknowledged (the producer batches them)."""
@@ -391,32 +314,8 @@ class Consumer:
         return bool(getattr(subscription, "reassignment_in_progress", False))
 
     async def _has_backlog(self, tps: list[TopicPartition]) -> bool:
-        """Whether any of `tps` holds records past this member's read position, as of now: the end is
-        asked of the broker (ListOffsets) when this is called, so it covers every record acknowledged
-        before the call."""
-        c = self._c
-        with translated(f"read end offsets of {tps[0].topic}"):
-            ends = await bounded(c.end_offsets(tps), self.config.kafka.request_timeout_s, "end offsets")
-            for tp in tps:
-                if tp not in c.assignment():  # revoked during an await (aiokafka asserts on it)
-                    continue
-                # tansu with S3 storage under-reports ListOffsets; the fetched high watermark is right.
-                end = max(ends[tp], c.highwater(tp) or 0)
-                position = await self._position(tp)
-                if position is not None and position < end:
-                    return True
-        return False
-
-    async def _position(self, tp: TopicPartition) -> int | None:
-        """This member's read position in `tp`; None once a rebalance has revoked it (its new owner reads it)."""
-
-        async def held() -> int | None:
-            try:
-                return await self._c.position(tp)
-            except IllegalStateError:  # caught before bounded() turns it into a KafkaError
-                return None
-
-        return await bounded(held(), self.config.kafka.request_timeout_s, "position")
+        """Whether any of `tps` holds records past this member's read position (`positions.has_backlog`)."""
+        return await positions.has_backlog(self._c, tps, self.config.kafka.request_timeout_s)
 
     async def read_to_end(self) -> bool:
         """Whether this member holds partitions and has read (been handed) every record of each that
@@ -439,27 +338,9 @@ class Consumer:
     # -- offsets --------------------------------------------------------------------------------
 
     async def lag(self) -> int | None:
-        """Records waiting in the partitions this member holds: log end minus read position, summed.
-
-        None while no fetch has answered for any of them (nothing is known yet). It costs no request:
-        the log end is the high watermark each fetch response carries (right where tansu's
-        ListOffsets is not, see `fleetrl.broker.lag`), and a fetched partition's position is local.
-        Unlike `fleetrl topics lag` (end - committed), records read but not yet committed do not count.
-        """
-        c = self._c
-        total: int | None = None
-        for tp in c.assignment():
-            if tp not in c.assignment():  # revoked during the await of an earlier one
-                continue
-            end = c.highwater(tp)
-            if end is None:
-                continue
-            position = await self._position(tp)
-            if position is None:  # revoked by a rebalance meanwhile: its new owner reports it
-                continue
-            total = (total or 0) + max(0, end - position)
-        return total
-
+        """Records waiting in the partitions this member holds, past its read position (`positions.lag`);
+        None while no fetch has answered for any of them."""
+        return await positions.lag(self._c, self.config.kafka.request_timeout_s)
 
     def committable_offsets(self, deliveries: list[Delivery] | None = None) -> dict[TP, int]:
         """Resume points per partition: what is committed, moved on by `deliveries` if given.
@@ -509,6 +390,9 @@ class Consumer:
             else:
                 self._pending_seeks[(topic, partition)] = offset
 
+    def _listener(self) -> RebalanceListener:
+        return RebalanceListener(self._on_revoked, self._on_assigned)
+
     def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         for tp in assigned:
             offset = self._pending_seeks.pop((tp.topic, tp.partition), None)
@@ -520,28 +404,3 @@ class Consumer:
 
     def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         self._tracker.forget((tp.topic, tp.partition) for tp in revoked)
-
-
-def _assignor(kind: str, client_id: str) -> type[AbstractPartitionAssignor]:
-    """The group's assignment strategy (`kafka.partition_assignment`; rendezvous: broker/assignor.py).
-    aiokafka's sticky assignor keeps the member's last assignment and generation on the class, so each
-    consumer gets a subclass of its own: two consumers of one process (tests, a trainer's several
-    groups) would otherwise describe each other's partitions."""
-    if kind == "round_robin":
-        return RoundRobinPartitionAssignor
-    if kind == "rendezvous":
-        return RendezvousAssignor
-    return type(f"Sticky_{client_id}", (StickyPartitionAssignor,), {})
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    """Forwards aiokafka's rebalance callbacks to the owning `Consumer`."""
-
-    def __init__(self, owner: Consumer) -> None:
-        self._owner = owner
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        self._owner._on_revoked(revoked)
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._owner._on_assigned(assigned)

@@ -6,6 +6,12 @@ arrays indexed by slot, updated with one vector operation per step, not per samp
 last sampled token (the next input). `plan` turns the running slots plus the samples admitted this
 step, and the drafted tokens of slots that speculate, into one packed forward pass
 (`fleetrl.rollout._kv.Pass`).
+
+After the step, `book` (or `book_verified`, for a step that verified drafts) records the sampled
+tokens into the running samples, applies the finish rules to the whole batch at once (EOS -> stop;
+max_new_tokens or the context, folded into each slot's `limit` -> length), advances the slots and
+frees the finished ones, which it hands back to the engine (reasons, history). Only the per-sample
+token, logprob and version lists are appended in Python.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from fleetrl.rollout._kv import Pass, Prefill, SlotCache
 from fleetrl.rollout._static import DecodeRows, PrefillRows
 from fleetrl.rollout.engine import SeqState
 from fleetrl.rollout.sampling import hash_keys
+
+Finished = list[tuple[SeqState, bool]]
+"""Samples a step completed, each with whether it met EOS (else it reached its length limit)."""
 
 
 class SlotTable:
@@ -162,3 +171,75 @@ class SlotTable:
         self.running -= len(rows)
         while self.n and self.seqs[self.n - 1] is None:
             self.n -= 1
+
+    # -- bookkeeping after a step ---------------------------------------------------------------
+
+    def book(self, tok_np: np.ndarray, lps: list[float], last: torch.Tensor, version: int,
+             is_eos: np.ndarray) -> tuple[int, Finished]:
+        """Record one token per running slot (`tok_np`, `lps` indexed by slot; `last` the same tokens as
+        the table keeps them), apply the finish rules, advance the slots, free the finished ones.
+        Returns (tokens recorded, the finished samples). `is_eos`: token id -> is EOS."""
+        n = self.n
+        toks = tok_np.tolist()
+        rows = self.running_rows()
+        for b in rows:
+            seq = self.seqs[b]
+            assert seq is not None
+            seq.tokens.append(toks[b])
+            seq.logprobs.append(lps[b])
+            seq.versions.append(version)
+        # Engine._append's finish rules over the whole batch at once: EOS -> stop; max_new_tokens or
+        # the context (both folded into the slot's `limit`) -> length.
+        live = self.live[:n] > 0
+        stop = is_eos[tok_np] & live
+        done = np.flatnonzero(stop | ((self.count[:n] + 1 >= self.limit[:n]) & live)).tolist()
+        finished = [(self._seq(b), bool(stop[b])) for b in done]
+        self.advance(last)
+        self.free(done)
+        return len(rows), finished
+
+    def book_verified(self, toks: list[int], lps: list[float], emitted: dict[int, tuple[list[int], list[float]]],
+                      version: int, is_eos: np.ndarray) -> tuple[int, Finished]:
+        """`book` for a step that verified drafts: `toks`/`lps` hold one row per slot first; `emitted`
+        the tokens and logprobs each drafting slot emits (its accepted drafts and one token more).
+        Returns (tokens recorded, the finished samples)."""
+        n = self.n
+        plain_eos = is_eos[toks[:n]].tolist()  # plain rows: one lookup for the batch
+        count, limit = self.count[:n].tolist(), self.limit[:n].tolist()
+        last = list(toks[:n])
+        extra: dict[int, int] = {}
+        done: list[int] = []
+        finished: Finished = []
+        recorded = 0
+        for b in self.running_rows():
+            seq = self.seqs[b]
+            assert seq is not None
+            got = emitted.get(b)
+            if got is None:
+                seq.tokens.append(toks[b])
+                seq.logprobs.append(lps[b])
+                seq.versions.append(version)
+                taken, stop = 1, plain_eos[b]
+            else:
+                new, new_lp = got
+                at = next((i for i, t in enumerate(new) if is_eos[t]), None)
+                if at is not None:  # an accepted draft may reach EOS before its last token
+                    new, new_lp = new[: at + 1], new_lp[: at + 1]
+                seq.tokens.extend(new)
+                seq.logprobs.extend(new_lp)
+                seq.versions.extend([version] * len(new))
+                taken, stop = len(new), at is not None
+                if taken > 1:
+                    extra[b], last[b] = taken - 1, new[-1]
+            recorded += taken
+            if stop or count[b] + taken >= limit[b]:
+                done.append(b)
+                finished.append((seq, bool(stop)))
+        self.advance(torch.tensor(last, dtype=torch.long, device=self.device), extra)
+        self.free(done)
+        return recorded, finished
+
+    def _seq(self, b: int) -> SeqState:
+        seq = self.seqs[b]
+        assert seq is not None
+        return seq

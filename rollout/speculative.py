@@ -98,3 +98,21 @@ class Speculator:
         seq.draft_at += accepted + 1  # the earlier answer's next position, if the sample still follows it
         entry = self.history.get(seq.history_key) if seq.history_key is not None else None
         self.history.observe(entry, len(draft), accepted)
+
+    def accept(self, seqs: Sequence[SeqState | None], n: int, toks: list[int], lps: list[float],
+               drafts: list[tuple[int, list[int]]], version: int) -> dict[int, tuple[list[int], list[float]]]:
+        """What each drafting slot emits after a verifying step, its verdict booked: its accepted drafts
+        and one token more, with their logprobs. `toks`/`lps`: one row per slot (`n` of them), then one
+        per drafted token in the order of `drafts`."""
+        emitted: dict[int, tuple[list[int], list[float]]] = {}
+        first = n
+        for b, draft in drafts:
+            m = len(draft)
+            sampled = [toks[b], *toks[first:first + m]]
+            taken = accepted_length(sampled, draft) + 1
+            emitted[b] = (sampled[:taken], [lps[b], *lps[first:first + m]][:taken])
+            seq = seqs[b]
+            assert seq is not None
+            self.verdict(seq, draft, taken - 1, version)
+            first += m
+        return emitted

@@ -10,7 +10,8 @@ On a GPU the packed pass is host-bound (each step's ~1,000 eager ops cost more t
 there the engine runs the static step instead (`_static.py`): decode, prefill and draft verification
 as functions of fixed-size device buffers, sampling included, each captured once per bucket as a
 CUDA graph and replayed. The bookkeeping after a step (appending tokens, finish rules, the slot
-table) is the same for both.
+table: `SlotTable.book`) is the same for both. Which models the engine can run, and how they are cast
+and indexed for weight loads, is `_model.py`'s.
 
 Weights come from the hub's materialized tensors (Hugging Face names, tied weights once) via
 `stage_weights`, cast into the engine's dtype, and are copied into the parameters' own storage (a
@@ -34,14 +35,15 @@ from fleetrl.config import EngineEmulation, SpeculativeConfig
 from fleetrl.log import get_logger
 from fleetrl.rollout._graphs import GraphMode
 from fleetrl.rollout._kv import slot_pass
-from fleetrl.rollout._slots import SlotTable
+from fleetrl.rollout._model import PLAIN, cast_model, check_attention, model_eos_ids, param_index, plain_decoder
+from fleetrl.rollout._slots import Finished, SlotTable
 from fleetrl.rollout._static import POSITION_ONLY_ROPE, StaticStep
 from fleetrl.rollout.adapters import AdapterServer, LoraWeights, adapter_server
 from fleetrl.rollout.engine import Engine, SeqState, TensorChanges
 from fleetrl.rollout.errors import EngineError
 from fleetrl.rollout.history import ResponseHistory, ResponseInbox, prompt_key
 from fleetrl.rollout.sampling import hashed_uniforms, sample_tokens
-from fleetrl.rollout.speculative import Speculator, accepted_length
+from fleetrl.rollout.speculative import Speculator
 
 log = get_logger(__name__)
 
@@ -69,16 +71,16 @@ class TorchEngine(Engine):
                          version=version, emulate=emulate)
         if dtype not in _DTYPES:
             raise EngineError(f"unknown engine dtype {dtype!r}; known: {sorted(_DTYPES)}")
-        _check_attention(model)
+        check_attention(model)
         self.device = torch.device(device)
-        self.model = _cast(model, self.device, _DTYPES[dtype]).eval()
+        self.model = cast_model(model, self.device, _DTYPES[dtype]).eval()
         self.max_batch = max_batch
         # Admitting adds its prompts to the step's pass; waiting for a few free slots saves little now.
         self.refill_min = max(1, int(max_batch * refill_fraction))
         self.pad_id = int(pad_id if pad_id is not None else (cfg.pad_token_id or 0))
-        self._params = _param_index(self.model)
+        self._params = param_index(self.model)
         self._keep_arg = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self._decoder = _plain_decoder(self.model)
+        self._decoder = plain_decoder(self.model)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._waiting: deque[SeqState] = deque()
         self._eos_table = np.zeros(0, dtype=bool)
@@ -125,7 +127,7 @@ class TorchEngine(Engine):
         """Whether to run the static step: as asked, else on CUDA wherever the model allows it."""
         why = None
         if self._decoder is None:
-            why = f"{type(self.model).__name__} is not one of the plain decoders {sorted(_PLAIN)}"
+            why = f"{type(self.model).__name__} is not one of the plain decoders {sorted(PLAIN)}"
         elif getattr(self._decoder.rotary_emb, "rope_type", "default") not in POSITION_ONLY_ROPE:
             why = f"its RoPE type {self._decoder.rotary_emb.rope_type!r} depends on more than the position"
         if static is None:
@@ -268,7 +270,7 @@ class TorchEngine(Engine):
             return out.logits[0] if self._keep_arg or keep is None else out.logits[0, keep]
         # What `Qwen2Model.forward` and `Qwen2ForCausalLM.forward` compute, minus their per-call
         # wrappers (output capture, config defaults, mask building): ~0.1 ms of a ~0.8 ms step on
-        # the tiny model. Only for architectures whose forward is exactly this (`_plain_decoder`).
+        # the tiny model. Only for architectures whose forward is exactly this (`_model.plain_decoder`).
         hidden = inner.embed_tokens(input_ids)
         rotary = self._rotary(inner.rotary_emb, hidden, position_ids)
         for layer in inner.layers:
@@ -321,27 +323,8 @@ class TorchEngine(Engine):
 
     def _book(self, tok_np: np.ndarray, lps: list[float], last: torch.Tensor) -> None:
         """Record one token per running slot (`tok_np`, `lps` indexed by slot; `last` the same tokens as
-        the slot table keeps them), apply the finish rules, advance the slots."""
-        s = self._slots
-        n = s.n
-        toks, version = tok_np.tolist(), self._version
-        rows = s.running_rows()
-        for b in rows:
-            seq = s.seqs[b]
-            assert seq is not None
-            seq.tokens.append(toks[b])
-            seq.logprobs.append(lps[b])
-            seq.versions.append(version)
-        self.tokens_sampled += len(rows)
-        # Engine._append's finish rules over the whole batch at once: EOS -> stop; max_new_tokens or
-        # the context (both folded into the slot's `limit`) -> length.
-        live = s.live[:n] > 0
-        stop = self._is_eos()[tok_np] & live
-        done = np.flatnonzero(stop | ((s.count[:n] + 1 >= s.limit[:n]) & live)).tolist()
-        for b in done:
-            self._finish(b, bool(stop[b]))
-        s.advance(last)
-        s.free(done)
+        the slot table keeps them) and finish the samples that are done (`SlotTable.book`)."""
+        self._finished(*self._slots.book(tok_np, lps, last, self._version, self._is_eos()))
 
     def _sample_verified(self, logits: torch.Tensor, verify: torch.Tensor, drafts: list[tuple[int, list[int]]]) -> None:
         """`_sample` for a step that verified drafts (`fleetrl.rollout.speculative`): `logits` one row per
@@ -365,56 +348,16 @@ class TorchEngine(Engine):
         token in the order of `drafts`. Each slot emits its accepted drafts and one token more."""
         s, spec = self._slots, self.speculator
         assert spec is not None
-        n = s.n
-        k = [len(d) for _, d in drafts]
-        version = self._version
-        emitted: dict[int, tuple[list[int], list[float]]] = {}
-        first = n
-        for (b, draft), m in zip(drafts, k, strict=True):
-            sampled = [toks[b], *toks[first:first + m]]
-            taken = accepted_length(sampled, draft) + 1
-            emitted[b] = (sampled[:taken], [lps[b], *lps[first:first + m]][:taken])
-            seq = s.seqs[b]
-            assert seq is not None
-            spec.verdict(seq, draft, taken - 1, version)
-            first += m
-        eos = self._is_eos()
-        is_eos = eos[toks[:n]].tolist()  # plain rows: one lookup for the batch
-        count, limit = s.count[:n].tolist(), s.limit[:n].tolist()
-        last = list(toks[:n])
-        extra: dict[int, int] = {}
-        done = []
-        for b in s.running_rows():
-            seq = s.seqs[b]
-            assert seq is not None
-            got = emitted.get(b)
-            if got is None:
-                seq.tokens.append(toks[b])
-                seq.logprobs.append(lps[b])
-                seq.versions.append(version)
-                taken, stop = 1, is_eos[b]
-            else:
-                new, new_lp = got
-                at = next((i for i, t in enumerate(new) if eos[t]), None)
-                if at is not None:  # an accepted draft may reach EOS before its last token
-                    new, new_lp = new[: at + 1], new_lp[: at + 1]
-                seq.tokens.extend(new)
-                seq.logprobs.extend(new_lp)
-                seq.versions.extend([version] * len(new))
-                taken, stop = len(new), at is not None
-                if taken > 1:
-                    extra[b], last[b] = taken - 1, new[-1]
-            self.tokens_sampled += taken
-            if stop or count[b] + taken >= limit[b]:
-                done.append(b)
-                self._finish(b, bool(stop))
-        s.advance(torch.tensor(last, dtype=torch.long, device=s.device), extra)
-        s.free(done)
+        emitted = spec.accept(s.seqs, s.n, toks, lps, drafts, self._version)
+        self._finished(*s.book_verified(toks, lps, emitted, self._version, self._is_eos()))
 
-    def _finish(self, b: int, eos: bool) -> None:
-        """Slot b's sample is complete: set its reason, and keep its response in the history."""
-        seq = self._slots.seqs[b]
-        assert seq is not None
+    def _finished(self, taken: int, finished: Finished) -> None:
+        self.tokens_sampled += taken
+        for seq, eos in finished:
+            self._finish(seq, eos)
+
+    def _finish(self, seq: SeqState, eos: bool) -> None:
+        """`seq` is complete: set its reason, and keep its response in the history."""
         emulated_stop = seq.stop_at is not None and len(seq.tokens) >= seq.stop_at
         seq.finish_reason = "stop" if eos or emulated_stop else "length"
         self._touched.add(seq.group_id)
@@ -488,63 +431,3 @@ def _hooked(server: AdapterServer) -> list[tuple[str, int]]:
     modules and their buffers (merged adapters live in the weights' own storage)."""
     buffers = getattr(server, "_buffers", {})
     return sorted((name, id(a)) for name, (a, _b) in buffers.items())
-
-
-def _cast(model: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """The model on `device` in `dtype`, its RoPE frequencies kept in fp32: `Module.to` casts every float
-    buffer, but transformers loads a bf16/fp16 checkpoint with `inv_freq` in fp32 and computes the
-    rotary angles in fp32, so a cast `inv_freq` would shift the logits off what the same checkpoint
-    gives under `from_pretrained` (by ~4e-3 on a tiny bf16 Qwen2)."""
-    kept = {name: buf.detach().float().clone() for name, buf in model.named_buffers() if name.endswith("inv_freq")}
-    model = model.to(device=device, dtype=dtype)
-    for name, value in kept.items():
-        owner, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner)
-        persistent = attr not in getattr(module, "_non_persistent_buffers_set", set())
-        module.register_buffer(attr, value.to(device), persistent=persistent)
-    return model
-
-
-def _param_index(model: Any) -> dict[str, torch.Tensor]:
-    """Every state-dict name (tied aliases included) mapped to the live tensor it loads into."""
-    live = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
-    return {name: live[name] for name in model.state_dict() if name in live}
-
-
-def _check_attention(model: Any) -> None:
-    """The engine runs the model's attention through `_kv.slot_attention`: it must dispatch via
-    transformers' AttentionInterface and use full attention in every layer."""
-    if not getattr(model, "_supports_attention_backend", False):
-        raise EngineError(f"model {type(model).__name__} does not dispatch attention through transformers' "
-                          "AttentionInterface; the torch engine cannot batch it")
-    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise EngineError(f"model layer types {sorted(kinds)} are not supported by the torch engine "
-                          "(full attention only)")
-
-
-_PLAIN = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-"""Causal LMs whose forward is embed -> rotary -> decoder layers -> norm -> lm_head, nothing else
-(no embedding or logit scaling, no soft-capping): the engine may run those steps itself."""
-
-
-def _plain_decoder(model: Any) -> Any | None:
-    inner = getattr(model, "model", None)
-    parts = ("embed_tokens", "rotary_emb", "layers", "norm")
-    if type(model).__name__ not in _PLAIN or inner is None or not all(hasattr(inner, p) for p in parts):
-        return None
-    return inner
-
-
-def model_eos_ids(model: Any) -> list[int]:
-    """Stop tokens: every `eos_token_id` of the generation config (several are common: Llama 3's
-    `<|eot_id|>` beside `<|end_of_text|>`, Qwen2's `<|im_end|>` beside `<|endoftext|>`), else the config's."""
-    generation = getattr(model, "generation_config", None)
-    found = _as_list(getattr(generation, "eos_token_id", None)) if generation is not None else []
-    return found or _as_list(model.config.eos_token_id)
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
