@@ -4,14 +4,20 @@ Groups finish out of order (a short group dispatched after a long one finishes f
 Kafka commit point covers every offset below it. `CommitQueue` remembers, per partition, the
 deliveries this worker still owes an effect for, in offset order, and hands out only the prefix
 that is done; the consumer then commits one past the last of them (DESIGN.md §3, at-least-once).
+`Committer` is the worker's side of it: the queue, the consumer, and one commit at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Callable
 
-from fleetrl.broker import Delivery
+from fleetrl.broker import Consumer, Delivery, KafkaError
+from fleetrl.crashpoints import crash_point
+from fleetrl.log import get_logger
+
+log = get_logger(__name__)
 
 TP = tuple[str, int]
 
@@ -70,3 +76,34 @@ class CommitQueue:
 
     def outstanding(self) -> int:
         return sum(len(q) for q in self._owed.values())
+
+
+class Committer:
+    """The worker's commits: a delivery's offset moves once its effect is durable, one commit at a time.
+
+    `consumer` is set when the worker opens it (before the first delivery is taken on)."""
+
+    consumer: Consumer
+
+    def __init__(self) -> None:
+        self.queue = CommitQueue()
+        self._lock = asyncio.Lock()
+
+    async def done(self, d: Delivery) -> None:
+        """The delivery's effect is acknowledged: commit every partition's done prefix."""
+        self.queue.done(d)
+        async with self._lock:
+            ready = self.queue.ready()
+            if ready:
+                await self.consumer.commit(ready)
+                crash_point("rollout.offsets.committed")
+
+    async def past_dead_letters(self) -> None:
+        """Commit past dead letters now, up to the first offset still owed an effect: otherwise a worker
+        that completes no further group on that partition would leave them to be re-read and
+        dead-lettered again by whoever reads it next."""
+        try:
+            async with self._lock:
+                await self.consumer.commit([])
+        except KafkaError as exc:  # the dead letters are safe in their topic; at worst they are re-read
+            log.warning("worker.dead_letter_commit_failed", error=str(exc))
