@@ -63,7 +63,7 @@ from fleetrl.demo.procs import (
     write_config,
 )
 from fleetrl.demo.relay import Relay, RelayHub
-from fleetrl.demo.view import LogTail, Progress, RegionView
+from fleetrl.demo.view import LogTail, Progress, RegionView, live_display
 
 _POLL_S = 0.5
 _STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
@@ -164,8 +164,7 @@ class Demo:
             self._stop_servers()
             wall_s = time.monotonic() - t0
             summary = self._summary(audit, wall_s, dead, fuzz, stores)
-        self._write_artefacts(summary)
-        self._print_summary(summary)
+        self._report(summary)
         return 0 if audit.get("ok") and summary["stores_ok"] else 1
 
     def _needs_s3(self) -> bool:
@@ -311,7 +310,7 @@ class Demo:
     def _watch_until_trainer_done(self) -> None:
         assert self.trainer is not None
         last_step, last_change = 0, time.monotonic()
-        with self._display() as live:
+        with live_display(self.console, self.progress) as live:
             while True:
                 self._read_logs(live)
                 if self.progress.step >= self.steps and not self.chaos.stopped:
@@ -333,14 +332,6 @@ class Demo:
                     raise DemoError(f"no optimizer step for {_STALL_S:.0f} s (at step {last_step}); "
                                     f"see the logs in {self.workdir / 'logs'}")
                 time.sleep(_POLL_S)
-
-    @contextmanager
-    def _display(self) -> Iterator[Live | None]:
-        if not self.console.is_terminal:
-            yield None  # a pipe or a file: one plain line per step
-            return
-        with Live(self.progress.table(), console=self.console, refresh_per_second=4) as live:
-            yield live
 
     def _read_logs(self, live: Live | None) -> None:
         for tail, agent in self.tails:
@@ -416,19 +407,9 @@ class Demo:
                          plan=dataclasses.asdict(self.plan), stores=stores,
                          export=export_command(self.config_path, stores, self.config.hub.home_store.scheme == "s3"))
 
-    def _write_artefacts(self, summary: dict[str, Any]) -> None:
-        from fleetrl.demo.plot import plot_run
+    def _report(self, summary: dict[str, Any]) -> None:
+        """The run's files (summary.json, metrics.jsonl, reward.png), then the table on screen."""
+        from fleetrl.demo.summary import render, write_artefacts
 
-        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if self.out != self.workdir:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        with open(self.out / "metrics.jsonl", "w") as f:
-            for row in self.progress.metric_rows():
-                f.write(json.dumps(row) + "\n")
-        plot_run(self.progress.metric_rows(), [dataclasses.asdict(x) for x in self.faults.faults],
-                 self.out / "reward.png")
-
-    def _print_summary(self, summary: dict[str, Any]) -> None:
-        from fleetrl.demo.summary import render
-
+        write_artefacts(summary, self.progress, self.faults.faults, self.workdir, self.out)
         self.console.print(render(summary))
