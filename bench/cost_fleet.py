@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
-from pipeline import FLEETRL, Fleet, Run, RunResult, _ts, events, fleet_config
+from fleet_run import FLEETRL, Fleet, Run, RunResult, event_ts, events, fleet_config
 
 from fleetrl import devstack
 from fleetrl.demo.books import run_audit
@@ -269,7 +269,7 @@ class CostRun(Run):
     def cost_result(self, audit: dict[str, Any]) -> CostResult:
         run = self.result()
         steps = [e for e in events(self.trainer_log) if e["event"] == "step.done"]
-        first, last = steps[self.warm_steps([_ts(e) for e in steps]) - 1], steps[-1]
+        first, last = steps[self.warm_steps([event_ts(e) for e in steps]) - 1], steps[-1]
 
         def grew(key: str) -> float:
             return float(last.get(key) or 0.0) - float(first.get(key) or 0.0)
@@ -296,10 +296,10 @@ def start_phases(logs: list[pathlib.Path]) -> dict[str, float]:
     seen: dict[str, list[float]] = {name: [] for name, _ in START_PHASES}
     for log in logs:
         evs = events(log)
-        spawned = next((_ts(e) for e in evs if e.get("event") == "bench.agent_spawned"), None)
+        spawned = next((event_ts(e) for e in evs if e.get("event") == "bench.agent_spawned"), None)
         first = {}
         for e in evs:
-            first.setdefault(e.get("event"), _ts(e))
+            first.setdefault(e.get("event"), event_ts(e))
         if spawned is None or START_PHASES[-1][1] not in first:
             continue
         for name, event in START_PHASES:

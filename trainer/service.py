@@ -30,12 +30,8 @@ that version alone and sit idle while the learner steps;
 the step's groups are spread over the regions in proportion to their capacity (`credits.py`), as a
 synchronous trainer over the same workers would split its batch.
 
-A SIGKILL anywhere leaves the newest checkpoint consistent with itself: restart loads it, seeks
-every consumer to the offsets it recorded and re-reads what came after, and the collector's ledger
-makes anything it already trained a duplicate. If the store's newest version is not the
-checkpoint's (a version published after it from weights now lost, or the checkpoint's own version
-still in flight when the process died), the checkpoint's weights are published again as the next
-version, a delta against the store's newest.
+A SIGKILL anywhere leaves the newest checkpoint consistent with itself; what a checkpoint holds and
+how a restart takes it up (republishing its weights when the store moved past it) is `resume.py`'s.
 
 A LoRA policy (`model.lora`) publishes its frozen base once, as a version of full weights, before
 its first adapter version (`WeightPublisher.ensure_base`; a restart finds it again); every step's
@@ -65,7 +61,6 @@ from fleetrl.config import FleetConfig
 from fleetrl.crashpoints import crash_point
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
-from fleetrl.trainer import checkpoint
 from fleetrl.trainer.batch import build_step_batch
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
@@ -77,6 +72,7 @@ from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.prices import PriceBook
 from fleetrl.trainer.publisher import WeightPublisher
 from fleetrl.trainer.regions import RegionClients
+from fleetrl.trainer.resume import Checkpoints
 from fleetrl.trainer.round_trips import RoundTrips
 
 log = get_logger(__name__)
@@ -119,9 +115,9 @@ class Trainer:
         self.clients: RegionClients | None = None
         self.announcer: ControlPlane | None = None
         self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits, waste=self.cost)
-        self.step, self.version, self._saved_step = 0, 0, -1
+        self.step, self.version = 0, 0
+        self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics)
         self.round_trips = RoundTrips(self.metrics)
-        self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
         self._version_at: dict[int, float] = {}
         """When each recent version became the newest: a group sent ahead for it could start then."""
         self.result = TrainerResult(0, 0)
@@ -145,7 +141,7 @@ class Trainer:
             stack.push_async_callback(self._stop_pricing)
             limits = RecordLimits.from_config(self.config)
             self.clients = await stack.enter_async_context(
-                RegionClients(self.config, limits, trainer_group(self.config.run), self.offsets,
+                RegionClients(self.config, limits, trainer_group(self.config.run), self.checkpoints.offsets,
                               on_dead_letter=self._count_dead_letter))
             self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector)
             stack.push_async_callback(self.handover.close)
@@ -158,59 +154,7 @@ class Trainer:
         return self.result
 
     async def _restore_or_start(self) -> None:
-        ckpt = checkpoint.latest(self.config.trainer.checkpoint_dir, self.config.run)
-        if self.learner.lora is not None:  # the adapter's versions need their base in the store first
-            await self.publisher.ensure_base(self.learner.base_state, self.learner.lora)
-        if ckpt is None:
-            state = await asyncio.to_thread(self.learner.published_state)
-            _, newest = await asyncio.to_thread(self.publisher.store_versions)
-            if newest is not None:
-                # Not the run's first start: a trainer killed before its first checkpoint may have
-                # dispatched prompts whose groups arrive now; the ledger must treat them as unplaced.
-                self.collector.ledger.restarted_without_checkpoint()
-            if newest is not None and await asyncio.to_thread(self.publisher.holds, state, newest):
-                # A start killed before its first checkpoint published these very weights: take that
-                # version up again (announced by `_loop`) rather than publish them anew, which would
-                # make every group already generated with it stale.
-                await asyncio.to_thread(self.publisher.adopt, newest)
-                self.version = newest
-            else:
-                self.version = (await self.publisher.publish(state)).version
-            log.info("trainer.started", version=self.version, resumed=False)
-            return
-        if ckpt.shards is not None:  # every rank reads its own shards
-            await asyncio.to_thread(self.learner.load_shards, str(ckpt.shards))
-        else:  # a checkpoint of full state dicts (written before checkpoints were sharded)
-            msd, osd = await asyncio.to_thread(ckpt.weights)
-            await asyncio.to_thread(self.learner.load_state, msd, osd)
-        s = ckpt.state
-        self.step, self.version, self._saved_step = int(s["step"]), int(s["version"]), int(s["step"])
-        self.collector.restore(s["collector"], drawn=int(s["dispatcher"]["next_index"]))
-        self.cost.restore(s.get("cost", {}))
-        self.dispatcher.restore(s["dispatcher"], self._prompts())
-        self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
-        for r in self.config.regions:
-            self.offsets.setdefault(r.name, {})
-        pointer, latest = await asyncio.to_thread(self.publisher.store_versions)
-        if latest != self.version or pointer != latest:
-            # A version published after this checkpoint came from weights that are now lost (or the
-            # checkpoint's own version never landed, or landed without `latest` moving): supersede it
-            # with the checkpoint's weights as the next version after the store's newest, so that
-            # engines converge on what we hold and `latest` names it.
-            pv = await self.publisher.publish(await asyncio.to_thread(self.learner.published_state))
-            log.warning("trainer.republished", checkpoint_version=self.version, hub_latest=pointer,
-                        hub_newest=latest, version=pv.version)
-            if pv.version != self.version:  # (the same number: only `latest` was moved to it)
-                # The groups in flight made with the checkpoint's weights are as fresh as they were:
-                # their staleness counts steps along the weights' lineage, not version numbers.
-                self.collector.note_republished(pv.version, self.version)
-            self.version = pv.version
-        else:
-            # The checkpoint's version is the store's newest; its announcement may not have gone out
-            # (killed between moving `latest` and announcing): `_loop` announces it again.
-            await asyncio.to_thread(self.publisher.adopt, latest)
-        log.info("trainer.started", resumed=True, checkpoint=str(ckpt.path), step=self.step, version=self.version,
-                 pending=len(self.collector.pending), in_flight=len(self.dispatcher.in_flight))
+        self.step, self.version = await self.checkpoints.restore_or_start(self.publisher, self._prompts)
 
     async def _loop(self, target: int, stop: asyncio.Event) -> None:
         assert self.clients is not None
@@ -443,34 +387,12 @@ class Trainer:
     async def _checkpoint(self) -> None:
         """Save everything the next start needs, then (only then) commit the offsets it covers."""
         assert self.clients is not None
-        if self.step == self._saved_step:
-            return
-        t0 = time.monotonic()
-        covered = self.clients.take_handled()
-        for region, consumer in self.clients.consumers.items():
-            for tp, off in consumer.committable_offsets(covered.get(region, [])).items():
-                self.offsets[region][tp] = max(off, self.offsets[region].get(tp, 0))
-        state = {
-            "run": self.config.run, "step": self.step, "version": self.version, "saved_at": time.time(),
-            "collector": self.collector.state(), "dispatcher": self.dispatcher.state(), "cost": self.cost.state(),
-            "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
-        }
-        directory = self.config.trainer.checkpoint_dir
-        tmp = await asyncio.to_thread(checkpoint.begin, directory, self.step)
-        await asyncio.to_thread(self.learner.save_shards, str(tmp / checkpoint.WEIGHTS_DIR))
-        crash_point("trainer.checkpoint.weights_written")
-        path = await asyncio.to_thread(checkpoint.commit, directory, tmp, state, self.config.trainer.keep_checkpoints)
-        self._saved_step = self.step
-        self.metrics.checkpoint_seconds.observe(time.monotonic() - t0)
-        log.info("checkpoint.saved", step=self.step, path=str(path))
-        crash_point("trainer.checkpoint.renamed")
-        await self.clients.commit(covered)
-        crash_point("trainer.offsets.committed")
+        await self.checkpoints.save(self.step, self.version, self.clients)
 
     async def _drain(self) -> None:
         """Bounded shutdown: what was trained is published, checkpointed and committed."""
         await self.publisher.flush()
-        if self.step != self._saved_step and self.step > 0:
+        if self.step != self.checkpoints.saved_step and self.step > 0:
             await self._checkpoint()
         log.info("trainer.drained", step=self.step, version=self.version)
 

@@ -38,6 +38,17 @@ class DemoError(RuntimeError):
     """The demo cannot start or went wrong; the message is the one line the user sees."""
 
 
+class ChildFailed(DemoError):
+    """A child the demo did not expect to stop has exited; the message holds its log's last lines."""
+
+    def __init__(self, name: str, pid: int, rc: int | None, log: pathlib.Path, tail: str) -> None:
+        super().__init__(f"{name} (pid {pid}) exited with code {rc}; last lines of {log}:\n{tail}")
+
+    @classmethod
+    def of(cls, child: Child) -> ChildFailed:
+        return cls(child.name, child.pid, child.returncode(), child.log_path, child.tail())
+
+
 # -- the work directory and the config the children read ----------------------------------------
 
 

@@ -13,7 +13,9 @@ It starts, each as its own process with its log under `<workdir>/logs/`:
 after creating the run's topics on every cluster. The work directory (default `.fleetrl/demo` next
 to the config) is wiped at the start: every run starts from fresh stores and checkpoints, and the
 config the children read (`<workdir>/fleet.yaml`) points every store and the checkpoints there.
-Progress is read from the children's JSON log events (`fleetrl.demo.view`). When the trainer has
+Progress is read from the children's JSON log events (`fleetrl.demo.view`). Faults come from
+`fleetrl.demo.chaos`, hostile records from the fuzzer fed by `fleetrl.demo.fuzz_feed`, and a run
+bounded by its work rather than `--steps` ends through `fleetrl.demo.ending`. When the trainer has
 done its steps and exited, the demo lets the replicas catch up, stops the agents and replicators,
 runs `fleetrl audit`, stops the brokers and prints a summary (also written to
 `<workdir>/summary.json`). Any child that dies makes the demo print its log tail, stop everything
@@ -43,8 +45,11 @@ from fleetrl.cli_args import ArgumentRefused
 from fleetrl.config import FleetConfig, SecretField, StoreConfig
 from fleetrl.demo.books import DeadLetterTally, run_audit, verify_stores
 from fleetrl.demo.chaos import Chaos, FaultLog, FaultPlan
+from fleetrl.demo.ending import RunEnd
+from fleetrl.demo.fuzz_feed import FuzzFeed
 from fleetrl.demo.procs import (
     Child,
+    ChildFailed,
     DemoError,
     Ports,
     check_free,
@@ -60,21 +65,13 @@ from fleetrl.demo.procs import (
 )
 from fleetrl.demo.relay import Relay, RelayHub
 from fleetrl.demo.supervision import START_LIMIT, OnFailure
-from fleetrl.demo.view import LogTail, Progress, RegionView
+from fleetrl.demo.view import LogTail, Progress, RegionView, live_display
 
 _POLL_S = 0.5
 _STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
 _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
 _SERVER_READY_S = 20.0
-_FUZZ_DRAIN_S = 30.0  # after the fuzzer's last batch, how long its records may take to be dead-lettered
-_DURATION_GRACE_S = 10.0  # after --duration: hostile records already sent are read before the trainer stops
-_TALLY_EVERY_S = 2.0  # --fuzz-records: how often the dead-letter topics are read while the last ones are read
 _S3_KEYS = {"AWS_ACCESS_KEY_ID": "fleetrl", "AWS_SECRET_ACCESS_KEY": "fleetrl", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-class ChildFailed(DemoError):
-    def __init__(self, name: str, pid: int, rc: int | None, log: pathlib.Path, tail: str) -> None:
-        super().__init__(f"{name} (pid {pid}) exited with code {rc}; last lines of {log}:\n{tail}")
 
 
 class _Terminated(BaseException):
@@ -117,13 +114,8 @@ class Demo:
         self.agents: dict[str, tuple[str, str]] = {}
         """Agent child name -> (region, node)."""
         self.fuzzer: Child | None = None
-        self.fuzz_ordered = 0
-        self.fuzz_sent = 0
-        self._fuzz_log: LogTail | None = None
-        self._next_tally = 0.0
+        self.feed: FuzzFeed | None = None
         self.moto_port: int | None = None
-        self.fuzz_stopped = False
-        self._terminate_at: float | None = None
         self.on_failure = OnFailure()
         """Restart=on-failure of the trainer, agents and replicators (fleetrl/demo/supervision.py)."""
 
@@ -161,10 +153,12 @@ class Demo:
             self._start(ports, self.env)
             assert self.trainer is not None
             self.chaos = Chaos(self.plan, self, self.faults, self.progress.on_fault)
+            self.end = RunEnd(self.plan, getattr(self.args, "duration", None), self.faults.started, self.chaos,
+                              self.trainer, self.feed)
             self._watch_until_trainer_done()
             if not self.chaos.stopped:
                 self.chaos.stop()
-            fuzz = self._stop_fuzzer()
+            fuzz = self.feed.drain(self._check_alive) if self.feed is not None else {}
             self._catch_up()
             self.exit_codes = {self.trainer.name: self.trainer.returncode(), **self._stop_children()}
             self.console.print("auditing: reading every region's prompts, trajectories and dead letters ...")
@@ -175,8 +169,7 @@ class Demo:
             self._stop_servers()
             wall_s = time.monotonic() - t0
             summary = self._summary(audit, wall_s, dead, fuzz, stores)
-        self._write_artefacts(summary)
-        self._print_summary(summary)
+        self._report(summary)
         return 0 if audit.get("ok") and summary["stores_ok"] else 1
 
     def _needs_s3(self) -> bool:
@@ -224,7 +217,7 @@ class Demo:
             argv = [sys.executable, "-m", "fleetrl.demo.fuzz", "--config", str(self.config_path),
                     "--seed", str(self.plan.seed)]
             self.fuzzer = self._spawn(Child("fuzzer", argv, logs / "fuzzer.log", env, 15.0, stdin_pipe=True))
-            self._fuzz_log = LogTail(self.fuzzer.log_path)
+            self.feed = FuzzFeed(self.plan, self.fuzzer, self.dead_letters, self.steps)
 
     def start_agent(self, region: str, node: str) -> Child:
         """One agent (a node) of `region`, with its own notice file (the preemption notice source)."""
@@ -322,15 +315,16 @@ class Demo:
     def _watch_until_trainer_done(self) -> None:
         assert self.trainer is not None
         last_step, last_change = 0, time.monotonic()
-        with self._display() as live:
+        with live_display(self.console, self.progress) as live:
             while True:
                 self._read_logs(live)
                 if self.progress.step >= self.steps and not self.chaos.stopped:
                     self.chaos.stop()  # the last step is done: let the trainer drain and exit in peace
-                self._end_when_done()
+                self.end.tick()
                 self.chaos.tick()
                 self._restart_failed()
-                self._order_fuzz()
+                if self.feed is not None:
+                    self.feed.order(self.progress)
                 rc = self.trainer.returncode()
                 if rc is not None and not self._down_on_purpose(self.trainer):
                     self._read_logs(live)
@@ -344,105 +338,6 @@ class Demo:
                     raise DemoError(f"no optimizer step for {_STALL_S:.0f} s (at step {last_step}); "
                                     f"see the logs in {self.workdir / 'logs'}")
                 time.sleep(_POLL_S)
-
-    def _end_when_done(self) -> None:
-        """At the end of --duration, once every --fuzz-records record is dead-lettered, or once every fault
-        is recovered from (--until-faults): no more faults nor hostile records, then (after a grace for
-        the consumers to read what was sent, where some may be unread) SIGTERM to the trainer, which
-        drains, checkpoints and exits 0."""
-        assert self.trainer is not None
-        now = time.monotonic()
-        if self._terminate_at is None:
-            grace = self._run_over(now)
-            if grace is None:
-                return
-            if not self.chaos.stopped:
-                self.chaos.stop()  # heals and restarts what is down, the trainer included
-            self.fuzz_stopped = True
-            self._terminate_at = now + grace
-        elif now >= self._terminate_at and self.trainer.returncode() is None:
-            self.trainer.terminate()
-            self._terminate_at = float("inf")
-
-    def _run_over(self, now: float) -> float | None:
-        """Whether the run has done what it was asked to (None: not yet); then the consumers' grace."""
-        duration = getattr(self.args, "duration", None)
-        if duration is not None and now - self.faults.started >= duration:
-            return _DURATION_GRACE_S
-        if self.plan.fuzz_records and self._fuzz_read(now):
-            return 0.0  # every hostile record is read: nothing is left for a grace
-        if self.plan.until_faults:
-            if not self.chaos.stopped and self.chaos.all_happened():
-                self.chaos.stop()  # no new faults: a step after the last recovery ends the run
-            if self.chaos.recovered():
-                return _DURATION_GRACE_S if self.plan.fuzzing else 0.0
-        return None
-
-    def _fuzz_read(self, now: float) -> bool:
-        """--fuzz-records: the fuzzer sent them all and each is in a dead-letter topic (the topics are
-        read every `_TALLY_EVERY_S`, and only once all are sent)."""
-        if self._fuzz_log is not None:
-            for event in self._fuzz_log.events():
-                if event.get("event") == "fuzz.sent":
-                    self.fuzz_sent = int(event["total"])
-        if self.fuzz_sent < self.plan.fuzz_records or now < self._next_tally:
-            return False
-        self._next_tally = now + _TALLY_EVERY_S
-        return bool(asyncio.run(self.dead_letters.update())["fuzz"] >= self.plan.fuzz_records)
-
-    def _order_fuzz(self) -> None:
-        """Keep the fuzzer at `fuzz_rate` of the records in prompts and trajectories (two valid records,
-        a prompt and its group, per finished group).
-
-        With --fuzz-records N it orders N in all (at once without a rate), and the run lasts until they
-        are all dead-lettered (`_end_when_done`). Without, it stops a third of the way through the run,
-        so that the consumers still read (and dead-letter) all it sent: a worker reads prompts only into
-        a free slot, and near the end its slots hold groups waiting for a version the trainer will not
-        publish; the trainer reads a hostile trajectory only on its way to a group it still needs, and
-        with half the run left a big last batch could still sit behind the last one it needed."""
-        if self.fuzzer is None or self.fuzzer.proc is None or self.fuzzer.proc.stdin is None or self.fuzz_stopped:
-            return
-        records, rate = self.plan.fuzz_records, self.plan.fuzz_rate
-        if not records and self.progress.step >= max(1, self.steps // 3):
-            return
-        valid = 2 * sum(r.groups_done for r in self.progress.regions.values())
-        paced = int(valid * rate / (1.0 - rate)) if rate else records
-        due = (min(paced, records) if records else paced) - self.fuzz_ordered
-        if due > 0:
-            try:
-                self.fuzzer.proc.stdin.write(f"{due}\n".encode())
-                self.fuzzer.proc.stdin.flush()
-            except BrokenPipeError:
-                raise self._failed(self.fuzzer) from None
-            self.fuzz_ordered += due
-
-    def _stop_fuzzer(self) -> dict[str, Any]:
-        """Close the fuzzer's orders (it exits after its last batch) and wait, bounded, until the
-        consumers have dead-lettered what it sent."""
-        if self.fuzzer is None or self.fuzzer.proc is None:
-            return {}
-        if self.fuzzer.proc.stdin is not None:
-            self.fuzzer.proc.stdin.close()
-        rc = self.fuzzer.wait_or_kill(time.monotonic() + 60)
-        done = [e for e in LogTail(self.fuzzer.log_path).events() if e.get("event") == "fuzz.done"]
-        if rc != 0 or not done:
-            raise self._failed(self.fuzzer)
-        sent = int(done[-1]["total"])
-        deadline = time.monotonic() + _FUZZ_DRAIN_S
-        while time.monotonic() < deadline:
-            self._check_alive()
-            if asyncio.run(self.dead_letters.update())["fuzz"] >= sent:
-                break
-            time.sleep(1.0)
-        return {"sent": sent, "kinds": done[-1]["kinds"], "rate": self.plan.fuzz_rate}
-
-    @contextmanager
-    def _display(self) -> Iterator[Live | None]:
-        if not self.console.is_terminal:
-            yield None  # a pipe or a file: one plain line per step
-            return
-        with Live(self.progress.table(), console=self.console, refresh_per_second=4) as live:
-            yield live
 
     def _read_logs(self, live: Live | None) -> None:
         for tail, agent in self.tails:
@@ -461,11 +356,11 @@ class Demo:
             if (child is not self.trainer and child.returncode() is not None and not self._down_on_purpose(child)
                     and child is not self.fuzzer):
                 if child.returncode() == 0:
-                    raise self._failed(child)  # a daemon that leaves on its own while the run goes on
+                    raise ChildFailed.of(child)  # a daemon that leaves on its own while the run goes on
                 self._supervise(child)
         for server in self.servers:
             if server.returncode() is not None and not self.chaos.expected_down(server):
-                raise self._failed(server)
+                raise ChildFailed.of(server)
 
     def _down_on_purpose(self, child: Child) -> bool:
         return self.chaos.expected_down(child) or self.on_failure.waiting(child)
@@ -475,7 +370,7 @@ class Demo:
         once it has failed too often in a row (supervision.START_LIMIT)."""
         restart = self.on_failure.failed(child)
         if restart is None:
-            raise self._failed(child)
+            raise ChildFailed.of(child)
         self.console.print(f"  {child.name} (pid {child.pid}) exited with code {child.returncode()}: restarting it "
                            f"in {restart.delay_s:.0f} s (failure {restart.failure} of {START_LIMIT} in a row), "
                            f"as its unit's Restart=on-failure would; log {child.log_path}")
@@ -485,10 +380,6 @@ class Demo:
             child.restart()
             self.restarted(child)
             self.console.print(f"  restarted {child.name:<20} pid {child.pid}")
-
-    @staticmethod
-    def _failed(child: Child) -> ChildFailed:
-        return ChildFailed(child.name, child.pid, child.returncode(), child.log_path, child.tail())
 
     def _catch_up(self) -> None:
         """Give the replicators a moment to copy the final version (bounded). A replicator restarted near
@@ -543,19 +434,9 @@ class Demo:
                          plan=dataclasses.asdict(self.plan), stores=stores,
                          export=export_command(self.config_path, stores, self.config.hub.home_store.scheme == "s3"))
 
-    def _write_artefacts(self, summary: dict[str, Any]) -> None:
-        from fleetrl.demo.plot import plot_run
+    def _report(self, summary: dict[str, Any]) -> None:
+        """The run's files (summary.json, metrics.jsonl, reward.png), then the table on screen."""
+        from fleetrl.demo.summary import render, write_artefacts
 
-        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if self.out != self.workdir:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        with open(self.out / "metrics.jsonl", "w") as f:
-            for row in self.progress.metric_rows():
-                f.write(json.dumps(row) + "\n")
-        plot_run(self.progress.metric_rows(), [dataclasses.asdict(x) for x in self.faults.faults],
-                 self.out / "reward.png")
-
-    def _print_summary(self, summary: dict[str, Any]) -> None:
-        from fleetrl.demo.summary import render
-
+        write_artefacts(summary, self.progress, self.faults.faults, self.workdir, self.out)
         self.console.print(render(summary))

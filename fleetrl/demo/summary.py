@@ -1,12 +1,14 @@
 """The figures `fleetrl demo` ends with: learning, weight traffic, accounting, processes.
 
 `summarize` turns the demo's `Progress` (from the children's log events) and the `fleetrl audit`
-report into one JSON-able document (written to `<workdir>/summary.json`); `render` prints it.
+report into one JSON-able document; `write_artefacts` writes it to `<workdir>/summary.json` with the
+run's metrics.jsonl and reward.png; `render` prints it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import statistics
@@ -80,6 +82,21 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
         "out": str(out or workdir),
         "export_command": export,
     }
+
+
+def write_artefacts(summary: dict[str, Any], p: Progress, faults: list[Any], workdir: pathlib.Path,
+                    out: pathlib.Path) -> None:
+    """summary.json in the work directory and in `out` (the demo's --out), metrics.jsonl (a row per
+    step) and reward.png in `out`."""
+    from fleetrl.demo.plot import plot_run
+
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if out != workdir:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    with open(out / "metrics.jsonl", "w") as f:
+        for row in p.metric_rows():
+            f.write(json.dumps(row) + "\n")
+    plot_run(p.metric_rows(), [dataclasses.asdict(x) for x in faults], out / "reward.png")
 
 
 def export_command(config_path: pathlib.Path, stores: list[dict[str, Any]], home_in_s3: bool) -> str | None:

@@ -20,9 +20,12 @@ import pathlib
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
 _RATE_WINDOW_S = 10.0  # groups/s is measured over this trailing window
@@ -217,3 +220,14 @@ def sparkline(values: list[float]) -> str:
     best reward once it is higher)."""
     top = max([0.5, *values])
     return "".join(_BARS[min(len(_BARS) - 1, max(0, int(v / top * len(_BARS))))] for v in values)
+
+
+@contextmanager
+def live_display(console: Console, progress: Progress) -> Iterator[Live | None]:
+    """`progress`'s table, redrawn in place on a terminal; None on a pipe or a file (the caller prints
+    one plain line per step instead)."""
+    if not console.is_terminal:
+        yield None
+        return
+    with Live(progress.table(), console=console, refresh_per_second=4) as live:
+        yield live
