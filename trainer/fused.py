@@ -71,6 +71,8 @@ def liger_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     liger-kernel >= 0.8.2). The gradient of the head is accumulated in fp32."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
+    if hidden.shape[0] == 0:  # Liger sizes its chunks from the row count; keep the graph as the chunked head does
+        return hidden[:, 0].float() * 0
     h = hidden / temperature if temperature != 1.0 else hidden
     nll = liger_fused_linear_cross_entropy(h, weight, targets, reduction="none", accum_dtype=torch.float32)
     return -nll.float()

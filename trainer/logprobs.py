@@ -16,7 +16,8 @@ scores are sent through the head (prompt and padding positions are not), which t
 skip. The values equal the plain path's to fp32 rounding (tests/trainer/test_trainer_logprobs.py).
 
 With Liger Kernel on (`algorithm.fused_kernels`, trainer/fused.py) the head is its fused linear +
-cross-entropy kernel instead (`fused_head`): the same numbers, one Triton pass over the same chunks.
+cross-entropy kernel instead (`fused_head`): the same numbers to rounding, in Triton, over chunks of
+Liger's own size (`logprob_chunk_tokens` > 0 then only selects this path).
 
 `causal_lm_logprobs` runs the model's own forward (FSDP2's hooks, a peft wrapper and the model's
 checkpointing see an ordinary call) with `logits_to_keep=1`, and takes the last hidden states where
