@@ -7,8 +7,9 @@
   log-probabilities come from the hidden states without whole logits, forward or backward. Liger runs on
   CUDA only, so it applies only where the learner is on CUDA, `fused_kernels` is not false, liger-kernel
   imports and the model type is one Liger patches; otherwise the plain modules run and the learner logs
-  why, once, when it is built. Liger's RoPE is patched in the model type's module (transformers has no
-  per-instance RoPE): every model of that type in the process gets it, the engine's included.
+  why, once, when it is built. Liger's class swaps in the model type's module are undone (they would
+  reach every model built later); its RoPE stays in the module (transformers has no per-instance RoPE),
+  for tensors on CUDA only.
 * `algorithm.compile`: each decoder layer compiled in place (`Module.compile`: the parameter names, and so
   the published state and checkpoints, stay as they are).
 """
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +60,32 @@ def choose_liger(algo: AlgorithmConfig, device: torch.device, model_type: str) -
 def apply_liger(model: Any) -> None:
     """Liger's fused RMSNorm, RoPE and SwiGLU patched into `model` (a Hugging Face causal LM) by Liger's own
     function for its type. Its fused linear cross-entropy forward is left out: FleetRL's loss needs
-    log-probabilities, not a mean cross-entropy, and takes them from `liger_head_logprobs`."""
+    log-probabilities, not a mean cross-entropy, and takes them from `liger_head_logprobs`.
+
+    Given the model, Liger rebinds the forward of its norms and MLPs (this instance only), but it also
+    swaps the classes and the RoPE function in the model type's module, which would reach every model of
+    the type built or run later in the process (an engine, a CPU model, where Triton cannot run). The
+    classes are put back; RoPE has no per-instance hook, so the module keeps Liger's for tensors on CUDA
+    and the original for any other."""
     liger = importlib.import_module("liger_kernel.transformers")
     apply = getattr(liger, f"apply_liger_kernel_to_{model.config.model_type}")
+    module = importlib.import_module(type(model).__module__)
+    before = dict(vars(module))
     apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model)
+    for name, value in list(vars(module).items()):
+        if name in before and before[name] is not value:
+            setattr(module, name, _on_cuda(value, before[name]) if name == "apply_rotary_pos_emb" else before[name])
+
+
+def _on_cuda(fused: Callable[..., Any], plain: Callable[..., Any]) -> Callable[..., Any]:
+    """A RoPE function that runs `fused` for queries on CUDA and `plain` for any other."""
+    plain = getattr(plain, "plain", plain)  # a second learner in the process: wrap the original once
+
+    def apply_rotary_pos_emb(q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (fused if q.is_cuda else plain)(q, *args, **kwargs)
+
+    apply_rotary_pos_emb.plain = plain  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
 
 
 def liger_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

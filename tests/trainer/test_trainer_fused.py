@@ -3,7 +3,9 @@ learner's numbers stay bit for bit, and the fused head's seam gives the chunked 
 
 from __future__ import annotations
 
+import copy
 import importlib
+import importlib.util
 import os
 import shutil
 import types
@@ -79,14 +81,42 @@ def test_liger_on_cuda_needs_a_wired_model_type_and_the_package(monkeypatch: pyt
     assert fused.choose_liger(algo, CUDA, "qwen2").applied
 
 
-def test_liger_is_applied_through_its_own_function_for_the_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_liger_is_applied_through_its_own_function_and_its_module_swaps_reach_no_other_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.models.qwen2 import modeling_qwen2 as mq
+
+    for name in ("Qwen2RMSNorm", "Qwen2MLP", "apply_rotary_pos_emb"):  # put back after the test, whatever it does
+        monkeypatch.setattr(mq, name, getattr(mq, name))
+    plain_rope, plain_norm = mq.apply_rotary_pos_emb, mq.Qwen2RMSNorm
     calls: list[dict[str, Any]] = []
+    fused_rope_calls: list[bool] = []
+
+    def fused_rope(q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        fused_rope_calls.append(q.is_cuda)
+
+    def apply_liger_kernel_to_qwen2(**kw: Any) -> None:  # what Liger's does: module swaps, then the instance
+        calls.append(kw)
+        mq.apply_rotary_pos_emb, mq.Qwen2RMSNorm = fused_rope, type("LigerRMSNorm", (torch.nn.Module,), {})
+
     model = ModelConfig().build()  # before the stand-in import: transformers imports lazily
-    fake = types.SimpleNamespace(apply_liger_kernel_to_qwen2=lambda **kw: calls.append(kw))
-    monkeypatch.setattr(importlib, "import_module", lambda name: fake)
+    fake = types.SimpleNamespace(apply_liger_kernel_to_qwen2=apply_liger_kernel_to_qwen2)
+    real_import = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name: fake if name == "liger_kernel.transformers" else real_import(name))
     fused.apply_liger(model)
     assert calls == [{"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
                       "fused_linear_cross_entropy": False, "model": model}]
+    assert mq.Qwen2RMSNorm is plain_norm  # a model built later gets the plain classes
+    fused.apply_liger(ModelConfig().build())  # a second learner in the process wraps the original once
+    assert mq.apply_rotary_pos_emb.plain is plain_rope  # type: ignore[attr-defined]
+    other = ModelConfig().build()
+    x = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(other(input_ids=x).logits, model(input_ids=x).logits)  # CPU: the plain RoPE ran
+    assert fused_rope_calls == []
+    cuda_q = types.SimpleNamespace(is_cuda=True)
+    mq.apply_rotary_pos_emb(cuda_q, "k", "cos", "sin")
+    assert fused_rope_calls == [True]
 
 
 def test_on_cpu_liger_is_not_applied_said_once_and_the_numbers_are_bit_identical() -> None:
@@ -157,3 +187,30 @@ def test_compiled_decoder_layers_train_as_eager() -> None:
     assert {n for n, _ in learner.model.named_parameters()} == {n for n, _ in ModelConfig().build().named_parameters()}
     assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
+                    reason="needs a CUDA GPU and liger-kernel (the gpu extra)")
+def test_liger_on_cuda_gives_the_chunked_paths_logprobs_gradients_and_loss() -> None:
+    plain = ModelConfig(tiny={"vocab_size": 512}).build().cuda()
+    liger = copy.deepcopy(plain)
+    fused.apply_liger(liger)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(3, 512, (4, 48), generator=g).cuda()
+    scored = torch.zeros(4, 47, dtype=torch.bool, device="cuda")
+    scored[:, 10:] = True
+    out = []
+    for model, head in ((plain, None), (liger, fused.liger_head_logprobs)):
+        logp = causal_lm_logprobs(model, x, torch.ones_like(x), x[:, 1:], scored, 0.8, 16, head)
+        loss = -(logp * scored).sum() / scored.sum()
+        loss.backward()
+        out.append((logp.detach(), {n: p.grad for n, p in model.named_parameters()}, loss.item()))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=1e-4)
+    for name, grad in out[0][1].items():
+        torch.testing.assert_close(out[1][1][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert out[1][2] == pytest.approx(out[0][2], abs=1e-5)
+    # The learner on CUDA (bf16 autocast) with and without Liger: the same step's loss.
+    losses = [Learner(ModelConfig(), AlgorithmConfig(lr=1e-3, fused_kernels=on), DistContext(device=torch.device(
+        "cuda"))).train_step(build_step_batch(_groups(), "grpo", 0)).loss for on in (False, True)]
+    assert losses[1] == pytest.approx(losses[0], rel=0.05, abs=1e-3)
