@@ -12,19 +12,26 @@ a part that would start past `--budget-s` is skipped):
            long-tailed as bench/engine.py makes them: the EOS row of the output embedding is pushed along
            the mean final hidden direction so that a sample stops with ~1.5 % chance per token (256 new
            tokens at most). Each engine runs the work once to capture its graphs, then is timed.
-  learner  one learner step of 16,384 tokens (8 groups x 8 samples x (64 + 192)), one micro-batch: the
-           whole logits (`logprob_chunk_tokens: 0`, today's step), chunked, and chunked with activation
-           checkpointing; ms per 1k tokens and peak allocated memory of each.
+  learner  one learner step of 16,384 tokens (8 groups x 8 samples x (64 + 192)), one micro-batch, per
+           path (bench/gpu_learner.py): the whole logits (`logprob_chunk_tokens: 0`, today's step), chunked,
+           selective checkpointing (`--activation-gib`), every layer checkpointed, compiled decoder
+           layers; ms per 1k tokens, peak allocated memory and MFU of each.
   weights  a real learner step's version published as a delta; the engine (bf16, on the device) takes it
            as changed positions and values (`Hub.changes` on the host, then `stage_changes`), against a
            dense host-to-device copy of the same weights.
-  packed   today's packed engine at batch 64 on the same work (for the record; last, if time is left).
+  packed   today's packed engine at batch 64 on the same work (for the record, if time is left).
+  liger    Liger Kernel (last: it patches modules process-wide): its fused layers and head against the
+           chunked path on a tiny fp32 model (log-probs, gradients, loss), then the 0.5 B step with it,
+           alone and with selective checkpointing. Needs liger-kernel in .whl (see gpu_check.sh).
 
     bash bench/gpu_check.sh            # on the lent machine (see the script)
     bash bench/gpu_check.sh --tiny     # here: the same parts on the CPU with a tiny shape
 
 Last line: `result: engine_tok_s_b64=... engine_tok_s_b256=... generate_tok_s_b64=... speedup_cuda=...
-learner_ms_per_1k_tok=... learner_peak_gib=... update_s_gpu=... dense_h2d_s=...` (and a few more).
+learner_ms_per_1k_tok=... learner_peak_gib=... learner_mfu=... update_s_gpu=... dense_h2d_s=...`, then
+each learner path's `learner_<path>_{ms_per_1k_tok,peak_gib,mfu}` (full, chunked, mb16, mb8, sel, ckpt,
+compile, liger, liger_sel), `learner_fits` (the fastest path within 16 GiB, whose figures the first
+learner_* are), `liger_dlogp`, `liger_dgrad` and a few more.
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpu_learner import learner_batch, part_learner, part_liger
 
-from fleetrl.broker import GroupRecord, Sample, Sampling, floats, ids
+from fleetrl.broker import Sampling
 from fleetrl.config import AlgorithmConfig, FleetConfig, ModelConfig, SpeculativeConfig
 from fleetrl.config.models import TinyModelConfig
 from fleetrl.hub import Hub, kernels
@@ -53,7 +61,7 @@ from fleetrl.rollout.sampling import device_keys, device_uniforms, hash_keys, ha
 from fleetrl.rollout.torch_engine import TorchEngine
 from fleetrl.trainer.batch import build_step_batch
 from fleetrl.trainer.dist import DistContext
-from fleetrl.trainer.learner import Learner, _checkpoint_activations
+from fleetrl.trainer.learner import Learner
 
 HALF_B = TinyModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096)
@@ -80,6 +88,9 @@ class Setup:
         self.learner_groups = (8, 8, 16, 48) if args.tiny else (8, 8, 64, 192)  # groups, samples, prompt, completion
         self.started = time.perf_counter()
         self.budget_s = args.budget_s
+        self.peak_tflops: float | None = args.peak_tflops
+        self.activation_gib: float = args.activation_gib
+        self.result = RESULT
         self.model: Any = None
         self.learner: Learner | None = None
 
@@ -289,72 +300,9 @@ def part_engine(s: Setup) -> str:
     return "; ".join(res)
 
 
-def _learner_batch(s: Setup, vocab: int) -> Any:
-    n_groups, n_samples, prompt, completion = s.learner_groups
-    rng = np.random.default_rng(0)
-    groups = []
-    for g in range(n_groups):
-        samples = [Sample(ids(rng.integers(3, vocab, completion).tolist()),
-                          floats(np.full(completion, -10.0, np.float32)), np.zeros(completion, np.int32),
-                          float(i % 2), "length") for i in range(n_samples)]
-        prompt_ids = ids(rng.integers(3, vocab, prompt).tolist())
-        groups.append(GroupRecord(f"g{g}", "r", "t", 0, "a", "n", prompt_ids, samples))
-    return groups, n_groups * n_samples * (prompt + completion)
-
-
-def part_learner(s: Setup) -> str:
-    if s.model is not None:  # the engine's copy is not needed any more: room for the learner
-        s.model = None
-        if s.device == "cuda":
-            torch.cuda.empty_cache()
-    t = time.perf_counter()
-    algo = AlgorithmConfig(lr=1e-6, micro_batch_samples=64, logprob_chunk_tokens=0)
-    learner = Learner(ModelConfig(tiny=s.shape), algo, DistContext(device=torch.device(s.device)))
-    s.learner = learner
-    built = time.perf_counter() - t
-    groups, tokens = _learner_batch(s, s.shape.vocab_size)
-    res = [f"{tokens} tokens/step, learner built in {built:.0f} s"]
-    variants = (("whole logits", 0, 64, False), ("chunked", 1024, 64, False), ("chunked mb16", 1024, 16, False),
-                ("chunked mb8", 1024, 8, False), ("chunked+ckpt", 1024, 64, True))
-    for name, chunk, micro, ckpt in variants:
-        learner.algo = learner.algo.model_copy(update={"logprob_chunk_tokens": chunk, "micro_batch_samples": micro})
-        if ckpt:
-            _checkpoint_activations(learner.model)
-        if s.device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            learner.train_step(build_step_batch(groups, "grpo", 0))  # warm-up
-            s.sync()
-            times = []
-            for _ in range(2 if s.tiny else 3):
-                t = time.perf_counter()
-                stats = learner.train_step(build_step_batch(groups, "grpo", 0))
-                s.sync()
-                times.append(time.perf_counter() - t)
-        except torch.OutOfMemoryError as exc:
-            res.append(f"{name}: out of memory ({str(exc)[:80]})")
-            continue
-        peak = torch.cuda.max_memory_allocated() / 2**30 if s.device == "cuda" else float("nan")
-        ms_1k = min(times) * 1e3 / tokens * 1000
-        res.append(f"{name}: {min(times) * 1e3:.0f} ms/step = {ms_1k:.1f} ms per 1k tok, peak {peak:.1f} GiB, "
-                   f"loss {stats.loss:.5f}")
-        key = {"whole logits": "learner_full", "chunked": "learner_chunked", "chunked mb16": "learner_mb16",
-               "chunked mb8": "learner_mb8", "chunked+ckpt": "learner_ckpt"}[name]
-        RESULT[f"{key}_ms_per_1k_tok"], RESULT[f"{key}_peak_gib"] = round(ms_1k, 2), round(peak, 2)
-    # The learner that fits: the fastest one-micro-batch variant within 16 GiB. Smaller micro-batches are
-    # measured for the record only (they hide the logits; the issue's step is one micro-batch of 64).
-    fits = [k for k in ("learner_full", "learner_chunked", "learner_ckpt") if RESULT.get(f"{k}_peak_gib", 99) <= 16]
-    if fits:
-        best = min(fits, key=lambda k: RESULT[f"{k}_ms_per_1k_tok"])
-        RESULT["learner_ms_per_1k_tok"] = RESULT[f"{best}_ms_per_1k_tok"]
-        RESULT["learner_peak_gib"] = RESULT[f"{best}_peak_gib"]
-        RESULT["learner_fits"] = best[len("learner_"):]
-    return "; ".join(res)
-
-
 def part_weights(s: Setup) -> str:
-    learner = s.learner or Learner(ModelConfig(tiny=s.shape), AlgorithmConfig(lr=1e-6),
+    # Without Liger: its patches are process-wide, and its part runs last.
+    learner = s.learner or Learner(ModelConfig(tiny=s.shape), AlgorithmConfig(lr=1e-6, fused_kernels=False),
                                    DistContext(device=torch.device(s.device)))
     res = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -364,7 +312,7 @@ def part_weights(s: Setup) -> str:
                                        "threads": os.cpu_count() or 4, "signing": {"scheme": "hmac-sha256"}},
             "regions": [{"name": "r", "kafka": "127.0.0.1:9", "store": (w / "r").as_uri()}]})
         with Hub.from_config(conf) as hub, Hub.from_config(conf) as reader:
-            groups, _ = _learner_batch(s, s.shape.vocab_size)
+            groups, _ = learner_batch(s, s.shape.vocab_size)
             # A trained state, not the initial one: tensors of equal bytes (a fresh model's zero biases) are
             # stored once, and the version that separates them goes whole, not as changes.
             learner.train_step(build_step_batch(groups[:2], "grpo", 0))
@@ -391,7 +339,10 @@ def part_weights(s: Setup) -> str:
             t = time.perf_counter()
             kernels.warm_up()
             res.append(f"kernels warmed up in {time.perf_counter() - t:.1f} s (compile or disk cache)")
-            new_s, host, old, ok = [], [], [], True
+            new_s: list[float] = []
+            host: list[float] = []
+            old: list[float] = []
+            ok, n_changed = True, 0
             for _ in range(2 if s.tiny else 3):  # each path from version 0 again; the best of the rounds
                 mine, theirs = v0(), v0()
                 s.sync()
@@ -400,6 +351,7 @@ def part_weights(s: Setup) -> str:
                 changed = reader.changes(1, mine, 0)
                 assert changed is not None, "version 1 is not a delta in place (ties changed?)"
                 host.append(time.perf_counter() - t)
+                n_changed = sum(len(c.positions) for n, c in changed.items() if n != "lm_head.weight")
                 engine.stage_changes({n: TensorChanges(c.positions, c.values) for n, c in changed.items()}, 1)
                 engine.step()
                 s.sync()
@@ -413,7 +365,6 @@ def part_weights(s: Setup) -> str:
                 engine.step()
                 s.sync()
                 old.append(time.perf_counter() - t)
-            n_changed = sum(len(c.positions) for n, c in changed.items() if n != "lm_head.weight")
             update_s, host_s, old_s = min(new_s), min(host), min(old)
             total = sum(v.numel() * v.element_size() for n, v in state.items() if n != "lm_head.weight")
             t = time.perf_counter()
@@ -445,8 +396,8 @@ def part_packed(s: Setup) -> str:
 
 
 PARTS: dict[str, tuple[Callable[[Setup], str], float]] = {
-    "checks": (part_checks, 30.0), "engine": (part_engine, 120.0), "learner": (part_learner, 60.0),
-    "weights": (part_weights, 45.0), "packed": (part_packed, 40.0),
+    "checks": (part_checks, 30.0), "engine": (part_engine, 120.0), "learner": (part_learner, 120.0),
+    "weights": (part_weights, 45.0), "packed": (part_packed, 40.0), "liger": (part_liger, 60.0),
 }
 """Each part and the seconds it is expected to need at most (a part starts only if that much is left)."""
 
@@ -457,8 +408,12 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="model shape (default: tiny with --tiny, else 0.5b)")
     parser.add_argument("--parts", default=",".join(PARTS))
-    parser.add_argument("--budget-s", dest="budget_s", type=float, default=320.0,
+    parser.add_argument("--budget-s", dest="budget_s", type=float, default=420.0,
                         help="start no part that could run past this many seconds")
+    parser.add_argument("--peak-tflops", dest="peak_tflops", type=float, default=None,
+                        help="the card's dense bf16 peak for MFU (default: from its name, bench/gpu_learner.py)")
+    parser.add_argument("--activation-gib", dest="activation_gib", type=float, default=6.0,
+                        help="algorithm.activation_memory_gib of the selective checkpointing paths")
     args = parser.parse_args()
     os.environ.setdefault("FLEETRL_HUB_KEY", "gpu-check-key")
     torch.manual_seed(0)
@@ -484,7 +439,7 @@ def main() -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     keys = ["engine_tok_s_b64", "engine_tok_s_b256", "generate_tok_s_b64", "speedup_cuda", "learner_ms_per_1k_tok",
-            "learner_peak_gib", "update_s_gpu", "dense_h2d_s"]
+            "learner_peak_gib", "learner_mfu", "update_s_gpu", "dense_h2d_s"]
     first = [f"{k}={RESULT.get(k, 'nan')}" for k in keys if not args.tiny or k in RESULT]
     rest = [f"{k}={v}" for k, v in RESULT.items() if k not in keys]
     print("result: " + " ".join(first + rest), flush=True)

@@ -38,6 +38,7 @@ from fleetrl.rollout._kv import slot_pass
 from fleetrl.rollout._model import PLAIN, cast_model, check_attention, model_eos_ids, param_index, plain_decoder
 from fleetrl.rollout._slots import Finished, SlotTable
 from fleetrl.rollout._static import POSITION_ONLY_ROPE, StaticStep
+from fleetrl.rollout._upload import ChangeUploader
 from fleetrl.rollout.adapters import AdapterServer, LoraWeights, adapter_server
 from fleetrl.rollout.engine import Engine, SeqState, TensorChanges
 from fleetrl.rollout.errors import EngineError
@@ -79,6 +80,7 @@ class TorchEngine(Engine):
         self.refill_min = max(1, int(max_batch * refill_fraction))
         self.pad_id = int(pad_id if pad_id is not None else (cfg.pad_token_id or 0))
         self._params = param_index(self.model)
+        self._uploader = ChangeUploader(self.device)
         self._keep_arg = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._decoder = plain_decoder(self.model)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -394,7 +396,7 @@ class TorchEngine(Engine):
     def _load_changes(self, changes: Mapping[str, TensorChanges]) -> None:
         """Scatter each tensor's changed elements into its parameter on the engine's device: only the
         positions and values cross to the device, not the tensors (tied names written once)."""
-        written: set[int] = set()
+        written: dict[int, tuple[torch.Tensor, Any, torch.Tensor]] = {}
         for name, change in changes.items():
             param = self._params.get(name)
             if param is None:
@@ -405,9 +407,8 @@ class TorchEngine(Engine):
             pos = change.positions
             if len(pos) != len(change.values) or (len(pos) and not 0 <= int(pos[0]) <= int(pos[-1]) < flat.numel()):
                 raise EngineError(f"changes of tensor {name!r} do not fit its {flat.numel()} elements")
-            index = torch.from_numpy(pos).to(self.device, non_blocking=True)
-            flat.index_copy_(0, index, change.values.to(self.device, non_blocking=True).to(flat.dtype))
-            written.add(id(param))
+            written[id(param)] = (flat, pos, change.values)
+        self._uploader.scatter(list(written.values()))  # one packed copy to the device (rollout/_upload.py)
         log.debug("engine.changes_loaded", tensors=len(written),
                   elements=sum(len(c.positions) for c in changes.values()))
 

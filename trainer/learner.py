@@ -24,9 +24,11 @@ from fleetrl.config import AlgorithmConfig, LearnerEmulation, ModelConfig
 from fleetrl.hub import PublishedVersion, ShardPublisher
 from fleetrl.log import get_logger
 from fleetrl.trainer import lora
+from fleetrl.trainer.activations import SelectiveCheckpointing, activation_dtype_bytes, enable_checkpointing
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
 from fleetrl.trainer.errors import TrainerError
+from fleetrl.trainer.fused import apply_liger, choose_liger, compile_layers, liger_head_logprobs
 from fleetrl.trainer.logprobs import causal_lm_logprobs
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss
 from fleetrl.trainer.sharded_publish import publish_sharded
@@ -80,6 +82,11 @@ class Learner:
         self.lora = model_cfg.lora
         """The adapter's config when the policy is a LoRA adapter on a frozen base (trainer/lora.py)."""
         model = model_cfg.build().float()
+        self.liger = choose_liger(algo, ctx.device, str(model.config.model_type))
+        """Whether Liger Kernel runs in the policy (trainer/fused.py), and why."""
+        log.info("learner.fused_kernels", applied=self.liger.applied, reason=self.liger.reason)
+        if self.liger.applied:
+            apply_liger(model)
         if self.lora is not None:
             if ctx.distributed:
                 raise TrainerError("model.lora: a LoRA policy trains in one process (FSDP of a peft model is "
@@ -87,7 +94,11 @@ class Learner:
             model = lora.wrap(model, self.lora)
         ref = copy.deepcopy(model).requires_grad_(False) if algo.kl_coef > 0 and self.lora is None else None
         if algo.activation_checkpointing:
-            _checkpoint_activations(model)
+            enable_checkpointing(model)
+        self._selective = None if algo.activation_memory_gib is None else SelectiveCheckpointing(
+            model, algo.activation_memory_gib, activation_dtype_bytes(ctx.device))
+        if algo.compile:
+            log.info("learner.compiled", layers=compile_layers(model))
         self.model = ctx.shard(model)
         self.ref = ctx.shard(ref).eval() if ref is not None else None
         trained = [p for p in self.model.parameters() if p.requires_grad]
@@ -280,6 +291,8 @@ class Learner:
 
     def _micro_step(self, chunk: list[TrainSample], total_tokens: int, total_seqs: int, real: bool) -> torch.Tensor:
         mb = collate(chunk, self.ctx.device)
+        if self._selective is not None:  # the fewest checkpointed layers that fit this micro-batch
+            self._selective.plan(mb.input_ids.numel())
         with self._autocast():
             logp = self._logprobs(self.model, mb)
             logp_old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
@@ -308,7 +321,8 @@ class Learner:
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """[B, T-1] logprobs of the targets at the scored positions (`loss_mask`), 0 elsewhere."""
         return causal_lm_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, mb.loss_mask > 0,
-                                  self.algo.temperature, self.algo.logprob_chunk_tokens)
+                                  self.algo.temperature, self.algo.logprob_chunk_tokens,
+                                  liger_head_logprobs if self.liger.applied else None)
 
     @contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
@@ -324,16 +338,6 @@ class Learner:
         if self.ctx.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
-
-
-def _checkpoint_activations(model: Any) -> None:
-    """Non-reentrant activation checkpointing of every decoder layer (transformers renamed the method in
-    5.2x; the lent GPU machines run 5.17)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

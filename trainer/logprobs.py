@@ -15,6 +15,10 @@ the plain path (the recompute) while saving several passes over gigabytes. Only 
 scores are sent through the head (prompt and padding positions are not), which the plain path cannot
 skip. The values equal the plain path's to fp32 rounding (tests/trainer/test_trainer_logprobs.py).
 
+With Liger Kernel on (`algorithm.fused_kernels`, trainer/fused.py) the head is its fused linear +
+cross-entropy kernel instead (`fused_head`): the same numbers to rounding, in Triton, over chunks of
+Liger's own size (`logprob_chunk_tokens` > 0 then only selects this path).
+
 `causal_lm_logprobs` runs the model's own forward (FSDP2's hooks, a peft wrapper and the model's
 checkpointing see an ordinary call) with `logits_to_keep=1`, and takes the last hidden states where
 its decoder returns them (a forward hook): the head runs there, while the root module's parameters
@@ -23,12 +27,16 @@ are gathered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from fleetrl.trainer.losses import token_logprobs
+
+FusedHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(hidden [N, H], head weight [V, H], targets [N], temperature) -> log-probabilities [N], float32."""
 
 
 class _FusedHeadLogprobs(torch.autograd.Function):
@@ -79,10 +87,13 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, compute: torch.dtype, temper
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
-                  chunk_tokens: int) -> torch.Tensor:
+                  chunk_tokens: int, fused_head: FusedHead | None = None) -> torch.Tensor:
     """log_softmax(head(hidden) / T)[targets] for `hidden` [N, H] and `targets` [N], as float32 [N], with at
-    most `chunk_tokens` rows of logits alive at once."""
+    most `chunk_tokens` rows of logits alive at once. `fused_head`: a kernel that does the same from the
+    head's weight without whole logits (Liger's, trainer/fused.py), used for a plain bias-free head."""
     if isinstance(head, torch.nn.Linear) and type(head) is torch.nn.Linear and head.bias is None:
+        if fused_head is not None:
+            return fused_head(hidden, head.weight, targets, float(temperature))
         compute = _compute_dtype(hidden)
         out: torch.Tensor = _FusedHeadLogprobs.apply(hidden, head.weight, targets, float(temperature),
                                                      max(1, chunk_tokens), compute)
@@ -108,9 +119,10 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        targets: torch.Tensor, scored: torch.Tensor, temperature: float,
-                       chunk_tokens: int) -> torch.Tensor:
+                       chunk_tokens: int, fused_head: FusedHead | None = None) -> torch.Tensor:
     """Log-probabilities `[B, T-1]` of `targets` (position t predicts token t+1) where `scored` (`[B, T-1]`
-    bool) is set, 0 elsewhere. `chunk_tokens` 0: the plain path (whole logits, every position)."""
+    bool) is set, 0 elsewhere. `chunk_tokens` 0: the plain path (whole logits, every position; `fused_head`
+    is not used there)."""
     if chunk_tokens <= 0:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         return token_logprobs(logits, targets, temperature)
@@ -119,7 +131,8 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
 
     def score(module: torch.nn.Module, args: Any, output: Any) -> None:
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        found.append(head_logprobs(hidden[:, :-1][scored], head, targets[scored], temperature, chunk_tokens))
+        found.append(head_logprobs(hidden[:, :-1][scored], head, targets[scored], temperature, chunk_tokens,
+                                   fused_head))
 
     handle = decoder.register_forward_hook(score)
     try:

@@ -59,6 +59,24 @@ class AlgorithmConfig(Model):
     """Keep only each decoder layer's input in the forward pass and recompute the layer in the backward
     (transformers' gradient checkpointing, non-reentrant): a micro-batch's activations shrink about as many
     times as the model has layers, for about one more forward pass of compute."""
+    activation_memory_gib: float | None = Field(None, gt=0)
+    """Selective activation checkpointing: the GiB a micro-batch's decoder activations may keep from the
+    forward pass to the backward. Before each micro-batch the learner estimates a layer's activations
+    (tokens x hidden size x the activation dtype's bytes, times a per-architecture factor:
+    trainer/activations.py) and checkpoints the fewest layers, the first ones, that bring the total within
+    this budget; the rest keep theirs and are not recomputed. None: no selective checkpointing (every layer
+    with `activation_checkpointing`, else none). Not together with `activation_checkpointing`."""
+    fused_kernels: bool | None = None
+    """Liger Kernel's fused RMSNorm, RoPE and SwiGLU in the policy (through Liger's own patching of the Hugging
+    Face model: Qwen2/3, Llama, Mistral) and its fused linear + cross-entropy as the output head, so that the
+    scored tokens' log-probabilities come from the hidden states without whole logits (with
+    `logprob_chunk_tokens` > 0). Needs the learner on CUDA and the `gpu` extra (`liger-kernel`, Triton).
+    None: on where the learner runs on CUDA and liger-kernel imports. True: asked for; where it cannot apply
+    (a CPU learner, liger-kernel missing, another architecture) the learner logs why once and runs the
+    plain modules. False: off."""
+    compile: bool = False
+    """`torch.compile` each decoder layer of the policy in place (its parameter names stay; the first steps of
+    each new micro-batch shape pay the compilation). Off by default."""
     ppo_epochs: int = Field(1, ge=1, le=64)
     """Passes over each step's samples. Above 1 (or with `mini_batches` above 1) the step makes several
     optimizer updates, the PPO ratio is taken against the logprobs of the weights before the step's
@@ -73,6 +91,13 @@ class AlgorithmConfig(Model):
     """Longest completion; also the schema's bound on tokens per sample."""
     max_steps: int = Field(1000, ge=1)
     """The trainer stops after this many optimizer steps."""
+
+    @model_validator(mode="after")
+    def _one_checkpointing(self) -> AlgorithmConfig:
+        if self.activation_memory_gib is not None and self.activation_checkpointing:
+            raise ValueError(f"activation_memory_gib is {self.activation_memory_gib} and activation_checkpointing is "
+                             f"true: checkpointing every layer leaves no budget to choose by; set one of them")
+        return self
 
     @model_validator(mode="after")
     def _sync_is_on_policy(self) -> AlgorithmConfig:
