@@ -102,5 +102,5 @@ def scaled(seconds: float) -> float:
 
 def fleet_slots() -> int:
     """How many tests that start a whole fleet (brokers, trainer, agents, workers) may run at once: one a
-    reference core's worth of CPU."""
-    return max(1, int(_cores() / factor() + 0.25))
+    reference core's worth of CPU, rounded (2 on 2 cores up to a factor of 1.33, then 1)."""
+    return max(1, int(_cores() / factor() + 0.5))
