@@ -2,8 +2,9 @@
 
 Asserts what the demo promises: exit 0, an audit that passes (every dispatched group trained once
 or counted), the final version replicated into both regions, rewards reported for every step, and
-no process it started left running. A second run kills one agent with SIGKILL: the demo must name
-it, show its log, stop everything else and exit non-zero.
+no process it started left running. A second run kills one agent with SIGKILL again and again: the
+demo restarts it as its unit would, until its start limit; then it must name it, show its log, stop
+everything else and exit non-zero.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +24,8 @@ import pytest
 import yaml
 from demo_testkit import alive, ctrl_c_reaches_it
 from slowdown import scaled
+
+from fleetrl.demo.supervision import BACKOFF_MAX_S, START_LIMIT
 
 pytestmark = pytest.mark.e2e
 STEPS = 4
@@ -116,14 +120,38 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
 
 def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_config: pathlib.Path,
                                                                       workdir: pathlib.Path) -> None:
-    proc = _demo(demo_config, workdir)
+    """An agent that keeps dying is restarted as its unit's Restart=on-failure would restart it, with a
+    doubling backoff, until its start limit; its next death fails the demo, which names it, shows its log,
+    stops the rest and exits 1 (issue 46: the demo supervises like the packaged units)."""
+    proc = _demo(demo_config, workdir, steps=1000)  # never reached: the agent's deaths end the run
     _wait_for_line(proc, workdir / "logs" / "agent-local-b-node-1.log", '"agent.started"')
-    pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
-    os.kill(pids["agent-local-b-node-1"], signal.SIGKILL)
+    killed: list[int] = []
+    for _ in range(START_LIMIT + 1):  # START_LIMIT restarts, then the failure that is fatal
+        pid = _next_pid(proc, workdir, "agent-local-b-node-1", killed)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
     out = _finish(proc)
     assert proc.returncode == 1, out[-4000:]
     assert "agent-local-b-node-1" in out and "exited with code -9" in out
-    assert [name for name, pid in pids.items() if alive(pid)] == []
+    restarts = re.findall(r"agent-local-b-node-1 \(pid \d+\) exited with code -9: restarting it in (\d+) s "
+                          r"\(failure (\d+) of", out)
+    assert restarts == [(str(2 ** i), str(i + 1)) for i in range(START_LIMIT)], out[-4000:]
+    pids: dict[str, int] = json.loads((workdir / "pids.json").read_text())
+    assert [name for name, pid in pids.items() if alive(pid)] == [] and not any(alive(pid) for pid in killed)
+
+
+def _next_pid(proc: subprocess.Popen[str], work: pathlib.Path, name: str, killed: list[int]) -> int:
+    """The live pid the demo recorded for `name` that is not one of `killed` (its restart), waited for
+    (bounded by its longest backoff and a start, scaled)."""
+    deadline = time.monotonic() + scaled(BACKOFF_MAX_S + 60)
+    while time.monotonic() < deadline and proc.poll() is None:
+        pids_file = work / "pids.json"
+        pid = json.loads(pids_file.read_text()).get(name) if pids_file.exists() else None
+        if pid is not None and pid not in killed and alive(pid):
+            return int(pid)
+        time.sleep(0.1)
+    out = _finish(proc) if proc.poll() is None else (proc.stdout.read() if proc.stdout else "")
+    raise AssertionError(f"{name} was not restarted after {len(killed)} deaths; demo output:\n{out[-4000:]}")
 
 
 def test_ctrl_c_mid_run_stops_everything(demo_config: pathlib.Path, workdir: pathlib.Path) -> None:
