@@ -123,21 +123,21 @@ def _weight(item: pytest.Item) -> int:
     return 3 * ("e2e" in marks) + 2 * ("slow" in marks) + ("integration" in marks)
 
 
-def _spread_fleets(units: list[str], fleet_units: set[str], slots: int) -> list[str]:
-    """`units` (heaviest first) with the units that start a whole fleet spread out: `slots` of them first,
-    the rest evenly among the others. A worker that takes a fleet unit while every slot is held waits for
-    one (`pytest_runtest_protocol` below), so a queue of fleet units only would idle the other workers."""
+def _spread_fleets(units: list[str], fleet_units: set[str], slots: int, workers: int) -> list[str]:
+    """`units` (heaviest first), reordered only when there are fewer fleet slots than workers: then each
+    round of `workers` units holds `slots` that start a whole fleet and `workers - slots` others, so that
+    a worker that would wait for a slot (`pytest_runtest_protocol` below) mostly has other work instead.
+    With a slot for every worker nothing waits, and the heaviest stay first (no long run left at the
+    end)."""
+    if slots >= workers:
+        return units
     fleets = [u for u in units if u in fleet_units]
     others = [u for u in units if u not in fleet_units]
-    head, rest = fleets[:slots], fleets[slots:]
-    if not rest:
-        return head + others
-    gap = len(others) / (len(rest) + 1)
-    out = list(head)
-    for i, unit in enumerate(rest):
-        out += others[round(i * gap):round((i + 1) * gap)]
-        out.append(unit)
-    return out + others[round(len(rest) * gap):]
+    out: list[str] = []
+    while fleets or others:
+        out += fleets[:slots] + others[:workers - slots]
+        fleets, others = fleets[slots:], others[workers - slots:]
+    return out
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -160,7 +160,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (-heaviest[_unit_of(item)], order[id(item)]))
     units = list(dict.fromkeys(_unit_of(item) for item in items))
     fleet_units = {_unit_of(item) for item in items if _starts_a_fleet(item)}
-    rank = {unit: i for i, unit in enumerate(_spread_fleets(units, fleet_units, slowdown.fleet_slots()))}
+    workers = int(config.workerinput.get("workercount", 1))
+    spread = _spread_fleets(units, fleet_units, slowdown.fleet_slots(), workers)
+    rank = {unit: i for i, unit in enumerate(spread)}
     items.sort(key=lambda item: (rank[_unit_of(item)], order[id(item)]))
 
 
