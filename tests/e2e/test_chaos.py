@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 from demo_testkit import assert_accounted, kills_of, run_demo
+from slowdown import scaled
 
 CHAOS_TIMEOUT_S = 420
 """A chaos run's bound: on CI's 2 idle cores the slowest took 211 s, and every fault slows a busy machine
@@ -31,7 +32,9 @@ def test_each_kind_of_process_sigkilled_mid_flight_loses_nothing(demo_config: pa
                                                                  workdir: pathlib.Path) -> None:
     """One run, every kind of process SIGKILLed in turn once the fleet trains (durable brokers, so a
     region's tansu is fair game): after each kill training goes on, and the books balance at the end."""
-    summary = run_demo(demo_config, workdir, "--durable", "--kill-every", "4", "--kill-only", ",".join(KINDS),
+    # The fault schedule is the reference machine's, scaled: on a machine 2.5x slower a kill every 4 s
+    # outruns a fleet that needs 2.5x longer to start and recover, and the run never trains.
+    summary = run_demo(demo_config, workdir, "--durable", "--kill-every", _s(4), "--kill-only", ",".join(KINDS),
                        "--until-faults", steps=None, timeout_s=CHAOS_TIMEOUT_S)
     first_step = summary["_rows"][0]["t"]
     for kind in KINDS:  # each kind killed mid-flight: after the fleet's first step
@@ -50,7 +53,7 @@ def test_a_partitioned_region_is_drained_and_preempted_nodes_are_replaced(demo_c
     """A region cut from home for 10 s while nodes are preempted and replaced, in one run: the cut
     region is drained after the link returns, every preempted agent handed over and was replaced,
     nothing crashed, and the books balance."""
-    summary = run_demo(demo_config, workdir, "--partition", "local-b:30:10", "--preempt-every", "8",
+    summary = run_demo(demo_config, workdir, "--partition", f"local-b:{_s(30)}:{_s(10)}", "--preempt-every", _s(8),
                        "--until-faults", steps=None, timeout_s=CHAOS_TIMEOUT_S)
     steps = summary["steps"]
     kinds = [(f["kind"], f["target"]) for f in summary["faults"]]
@@ -65,6 +68,11 @@ def test_a_partitioned_region_is_drained_and_preempted_nodes_are_replaced(demo_c
         log = (workdir / "logs" / f"{p['target']}.log").read_text()
         assert '"agent.notice"' in log
     assert_accounted(summary, steps=steps)
+
+
+def _s(seconds: float) -> str:
+    """A fault interval of the reference machine, scaled to this one, as the demo's flags take it."""
+    return f"{scaled(seconds):g}"
 
 
 FLOOD_RECORDS = 100_000
