@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is refused)")
     p.add_argument("--duration", type=cli_args.positive_seconds, default=None, metavar="S",
                    help="stop the trainer (SIGTERM: it drains and checkpoints) after S s, then audit as usual")
+    p.add_argument("--stall-timeout", type=cli_args.positive_seconds, default=300.0, metavar="S",
+                   help="fail the run when no optimizer step comes for S s (default 300; a hang detector: raise it "
+                        "on a machine much slower than 2 cores)")
     p.add_argument("--out", default=None, metavar="DIR", type=cli_args.folder_to_make,
                    help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
     chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")

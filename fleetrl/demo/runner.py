@@ -68,7 +68,7 @@ from fleetrl.demo.supervision import START_LIMIT, OnFailure
 from fleetrl.demo.view import LogTail, Progress, RegionView, live_display
 
 _POLL_S = 0.5
-_STALL_S = 300.0  # no optimizer step for this long: something is wrong, stop instead of hanging
+_STALL_S = 300.0  # default of --stall-timeout: no optimizer step for this long, something is wrong: stop
 _CATCH_UP_S = 10.0  # after the last step, how long replicas may take to reach the final version
 _SERVER_READY_S = 20.0
 _S3_KEYS = {"AWS_ACCESS_KEY_ID": "fleetrl", "AWS_SECRET_ACCESS_KEY": "fleetrl", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -315,6 +315,7 @@ class Demo:
     def _watch_until_trainer_done(self) -> None:
         assert self.trainer is not None
         last_step, last_change = 0, time.monotonic()
+        stall_s = float(getattr(self.args, "stall_timeout", _STALL_S))  # --stall-timeout
         with live_display(self.console, self.progress) as live:
             while True:
                 self._read_logs(live)
@@ -334,8 +335,8 @@ class Demo:
                 self._check_alive()
                 if self.progress.step != last_step:
                     last_step, last_change = self.progress.step, time.monotonic()
-                elif time.monotonic() - last_change > _STALL_S:
-                    raise DemoError(f"no optimizer step for {_STALL_S:.0f} s (at step {last_step}); "
+                elif time.monotonic() - last_change > stall_s:
+                    raise DemoError(f"no optimizer step for {stall_s:.0f} s (--stall-timeout; at step {last_step}); "
                                     f"see the logs in {self.workdir / 'logs'}")
                 time.sleep(_POLL_S)
 

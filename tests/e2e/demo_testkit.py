@@ -85,6 +85,9 @@ def kill_leftovers(work: pathlib.Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+STALL = ["--stall-timeout", f"{scaled(300):g}"]
+"""`fleetrl demo`'s hang detector (no optimizer step for 300 s), scaled: every demo a test runs passes it."""
+
 UNBOUNDED_STEPS = 1_000_000
 """`--steps` of a run bounded by `--duration` (or by its work, `--fuzz-records`) instead: more than any
 such run reaches."""
@@ -109,7 +112,7 @@ def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int |
     bound = ["--steps", str(steps if steps is not None and duration_s is None else UNBOUNDED_STEPS)]
     if duration_s is not None:
         bound += ["--duration", str(duration_s)]
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), *STALL, "--workdir",
                              str(work), "--out", str(out_dir), *bound, *chaos],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, preexec_fn=ctrl_c_reaches_it)

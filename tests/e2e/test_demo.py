@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from demo_testkit import alive, ctrl_c_reaches_it
+from demo_testkit import STALL, alive, ctrl_c_reaches_it
 from slowdown import scaled
 
 from fleetrl.demo.supervision import BACKOFF_MAX_S, START_LIMIT
@@ -55,7 +55,7 @@ _STARTED: list[subprocess.Popen[str]] = []
 def _demo(config: pathlib.Path, work: pathlib.Path, steps: int = STEPS) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("FLEETRL_HUB_KEY", None)  # the demo brings its own
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), "--workdir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(config), *STALL, "--workdir",
                              str(work), "--steps", str(steps)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True, preexec_fn=ctrl_c_reaches_it)
     _STARTED.append(proc)

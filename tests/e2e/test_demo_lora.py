@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from demo_testkit import ROOT, alive, free_port
+from demo_testkit import ROOT, STALL, alive, free_port
 from slowdown import scaled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -47,7 +47,7 @@ def test_the_lora_example_learns_and_its_adapter_loads_with_peft(tmp_path: pathl
     config = tmp_path / "fleet.lora.yaml"
     config.write_text(yaml.safe_dump(doc))
 
-    run = _fleetrl("demo", "--config", str(config), "--workdir", str(workdir), "--steps", str(STEPS))
+    run = _fleetrl("demo", "--config", str(config), *STALL, "--workdir", str(workdir), "--steps", str(STEPS))
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     summary: dict[str, Any] = json.loads((workdir / "summary.json").read_text())
     assert summary["audit"]["ok"], summary["audit"]

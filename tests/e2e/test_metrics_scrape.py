@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import yaml
-from demo_testkit import alive, ctrl_c_reaches_it, demo_config, kill_leftovers
+from demo_testkit import STALL, alive, ctrl_c_reaches_it, demo_config, kill_leftovers
 from prometheus_client.parser import text_string_to_metric_families
 from slowdown import scaled
 
@@ -56,7 +56,7 @@ def demo(tmp_path: pathlib.Path) -> Iterator[tuple[subprocess.Popen[str], pathli
     work = tmp_path / "work"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("FLEETRL_HUB_KEY", None)  # the demo brings its own
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(path), "--workdir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl.cli", "demo", "--config", str(path), *STALL, "--workdir",
                              str(work), "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True, preexec_fn=ctrl_c_reaches_it)
     try:

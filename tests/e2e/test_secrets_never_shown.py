@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from demo_testkit import STALL
 from slowdown import scaled
 
 from fleetrl import devstack
@@ -65,7 +66,7 @@ def test_a_planted_secret_shows_nowhere(tmp_path: pathlib.Path) -> None:
         shown.append((" ".join(argv), out.stdout + out.stderr))
 
     work = tmp_path / "work"
-    demo = _run(["demo", "--config", str(path), "--workdir", str(work), "--steps", "2"], env, DEMO_TIMEOUT_S)
+    demo = _run(["demo", "--config", str(path), *STALL, "--workdir", str(work), "--steps", "2"], env, DEMO_TIMEOUT_S)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     shown.append(("demo", demo.stdout + demo.stderr))
     logs = sorted((work / "logs").glob("*.log"))
