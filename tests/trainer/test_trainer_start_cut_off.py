@@ -13,11 +13,11 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import yaml
-from conftest import fleet_dict
 from slowdown import scaled
 from trainer_groups import HUB_KEY, answer_prompts
 
@@ -42,9 +42,10 @@ async def _events_until(stream: asyncio.StreamReader, events: list[dict[str, Any
 
 
 async def test_a_trainer_started_while_every_region_is_cut_off_trains_once_one_answers(
-        run_id: str, mqtt_server: devstack.ServerProcess, tmp_path: Any) -> None:
-    port = devstack.free_port()
-    doc = fleet_dict(run_id, f"127.0.0.1:{port}", mqtt_server.port, tmp_path)
+        make_fleet: Callable[..., FleetConfig], tmp_path: Any) -> None:
+    port = devstack.free_port()  # nothing listens there until the test starts the region's broker
+    doc = make_fleet().model_dump(mode="json")
+    doc["regions"][0]["kafka"]["bootstrap"] = f"127.0.0.1:{port}"
     doc["trainer"]["start_timeout_s"] = scaled(300)
     config = FleetConfig.model_validate(doc)
     cfg = tmp_path / "fleet.yaml"
