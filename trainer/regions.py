@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -82,7 +81,9 @@ class RegionClients:
         loop = asyncio.get_running_loop()
         bound_s = self.config.trainer.start_timeout_s
         deadline, delay_s = loop.time() + bound_s, START_BACKOFF_S
-        for attempt in itertools.count(1):
+        attempt = 0
+        while True:
+            attempt += 1
             results = await asyncio.gather(*(self._open(n) for n in names), return_exceptions=True)
             failures = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, BaseException)}
             fatal = [exc for exc in failures.values() if not isinstance(exc, KafkaError)]
@@ -101,7 +102,6 @@ class RegionClients:
                         left_s=round(left_s, 1), errors={n: str(exc) for n, exc in failures.items()})
             await asyncio.sleep(wait_s)
             delay_s = min(2 * delay_s, START_BACKOFF_MAX_S)
-        raise AssertionError("unreachable")  # itertools.count never ends
 
     async def _open(self, name: str) -> None:
         run = self.config.run
