@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, MutableMapping
@@ -64,11 +65,18 @@ class _StderrLogger:
     """Writes each rendered event to whatever `sys.stderr` is at that moment.
 
     Binding the stream at configure time would keep a handle that test capture (or a daemon that
-    redirects stderr) later closes.
+    redirects stderr) later closes. Each event is one write of the line and its newline under a
+    process-wide lock: `print` writes the two apart, so two threads logging at once could put two
+    events on one line, which no JSON log reader can split.
     """
 
+    _lock = threading.Lock()
+
     def msg(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        with self._lock:
+            stream = sys.stderr
+            stream.write(message + "\n")
+            stream.flush()
 
     log = debug = info = warning = warn = error = critical = exception = fatal = msg
 
