@@ -12,16 +12,13 @@ tests/README.md; the grouping and ordering rules are the hooks at the end of thi
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import pathlib
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 
+import fleet_slots
 import pytest
 import slowdown
 
@@ -174,8 +171,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         return
     slowdown.ensure_factor()
-    if not os.environ.get(SLOTS_ENV):
-        os.environ[SLOTS_ENV] = folder = tempfile.mkdtemp(prefix="fleetrl-fleet-slots-")
+    if not os.environ.get(fleet_slots.SLOTS_ENV):
+        os.environ[fleet_slots.SLOTS_ENV] = folder = tempfile.mkdtemp(prefix="fleetrl-fleet-slots-")
         config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
@@ -198,9 +195,8 @@ def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(base * factor), append=False)
 
 
-SLOTS_ENV = "FLEETRL_TEST_FLEET_SLOTS_DIR"
 SLOT_WAIT_BOUND_S = 3600.0
-"""How long a fleet test waits for a slot (scaled) before it runs anyway, with a warning: a bound that
+"""How long a fleet test waits for its slots (scaled) before it runs anyway, with a warning: a bound that
 only a hung holder reaches, and never a failure of the waiting test."""
 
 
@@ -208,32 +204,9 @@ def _starts_a_fleet(item: pytest.Item) -> bool:
     return item.get_closest_marker("e2e") is not None or item.get_closest_marker("fleet") is not None
 
 
-@contextlib.contextmanager
-def _fleet_slot(item: pytest.Item) -> Iterator[None]:
-    """Hold one of the suite's `slowdown.fleet_slots()` fleet slots (an flock on one of N files shared by
-    every worker) while the test runs; the lock goes with the process if it dies."""
-    folder = pathlib.Path(os.environ.get(SLOTS_ENV) or tempfile.gettempdir())
-    files = [open(folder / f"slot-{i}", "a+") for i in range(slowdown.fleet_slots())]  # noqa: SIM115
-    try:
-        deadline = time.monotonic() + slowdown.scaled(SLOT_WAIT_BOUND_S)
-        held = None
-        while held is None and time.monotonic() < deadline:
-            for f in files:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                held = f
-                break
-            else:
-                time.sleep(0.2)
-        if held is None:
-            item.warn(pytest.PytestWarning(f"no fleet slot free after {slowdown.scaled(SLOT_WAIT_BOUND_S):.0f} s: "
-                                           "running without one"))
-        yield
-    finally:
-        for f in files:
-            f.close()  # closing releases the lock
+def _slots_wanted(item: pytest.Item) -> int:
+    """`@pytest.mark.fleet(slots=N)`: a test that runs N fleets at once holds N slots."""
+    return max([int(m.kwargs.get("slots", 1)) for m in item.iter_markers("fleet")] or [1])
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -243,5 +216,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if not _starts_a_fleet(item):
         yield
         return
-    with _fleet_slot(item):
+    with fleet_slots.hold(_slots_wanted(item), slowdown.fleet_slots(), slowdown.scaled(SLOT_WAIT_BOUND_S),
+                          lambda text: item.warn(pytest.PytestWarning(text))):
         yield

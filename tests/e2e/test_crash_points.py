@@ -77,6 +77,8 @@ SWEEPS = {  # the trainer's 16 points, 8 per run, are the critical path of each
 SWEEP_TIMEOUT_S = 900  # the reference machine's figure: run_demo and the timeout mark scale it
 # The sweep's demo run is the first test's setup: its bound, not the suite's 300 s per test.
 pytestmark.append(pytest.mark.timeout(SWEEP_TIMEOUT_S + 120))
+# The sweep runs its two demos at once: its tests hold two of the suite's fleet slots (tests/conftest.py).
+pytestmark.append(pytest.mark.fleet(slots=len(SWEEPS)))
 
 
 def test_every_crash_point_is_swept() -> None:
