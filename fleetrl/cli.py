@@ -244,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "every crash point fired")
     chaos.add_argument("--durable", action="store_true",
                        help="regions' tansu keep their log in S3 (a moto server), surviving a broker kill")
+    chaos.add_argument("--recover", type=cli_args.positive_seconds, default=None, metavar="S",
+                       help="after its restart a killed process is spared from kills for S s, and a restarted "
+                            "trainer until it checkpoints, at most 6 x S s (default 20; raise it on a machine much "
+                            "slower than 2 cores)")
     chaos.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and the fuzzer")
     chaos.add_argument("--crash-at", action="append", default=None, metavar="POINT[@N][,POINT...]",
                        type=_crash_points,

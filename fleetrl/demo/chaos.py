@@ -51,13 +51,15 @@ CRASH_KINDS = ("trainer", "replicator", "worker")
 RESTART_S = 1.0
 """Seconds between a kill and the restart (systemd's RestartSec)."""
 RECOVER_S = 20.0
-"""A restarted process is not killed again for this long: a trainer needs ~10 s on 2 busy cores to load
-torch and resume from its checkpoint, and killing it again before it trains a step proves nothing."""
-TRAINER_RECOVER_MAX_S = 120.0
-"""A restarted trainer is spared until it checkpoints (at most this long): on busy cores its start, its
-group joins and the first groups' arrival can take longer than RECOVER_S, and a trainer killed after
-each first step but before its next checkpoint redoes that step forever (a 20-minute soak with a kill
-every 5 s sat at step 15 for minutes that way)."""
+"""Default of `--recover`: a restarted process is not killed again for this long. A trainer needs ~10 s on
+2 busy cores to load torch and resume from its checkpoint, and killing it again before it trains a step
+proves nothing; a machine much slower than that needs a longer one."""
+TRAINER_RECOVER_FACTOR = 6
+"""A restarted trainer is spared until it checkpoints, at most this many `--recover` spans (120 s by
+default): on busy cores its start, its group joins and the first groups' arrival can take longer than
+RECOVER_S, and a trainer killed after each first step but before its next checkpoint redoes that step
+forever (a 20-minute soak with a kill every 5 s sat at step 15 for minutes that way). For the same reason
+the trainer is never killed before the run's first step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +117,9 @@ class FaultPlan:
     """Crash points (`point[@N]`), in order; each process kind runs those it reaches."""
     until_faults: bool = False
     """End the run once every fault asked for has happened and been recovered from."""
+    recover_s: float = RECOVER_S
+    """`--recover`: how long a restarted process is spared from kills (a trainer: until it checkpoints,
+    at most TRAINER_RECOVER_FACTOR times this)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FaultPlan:
@@ -130,7 +135,8 @@ class FaultPlan:
         until = bool(getattr(args, "until_faults", False))
         plan = cls(getattr(args, "kill_every", None), getattr(args, "preempt_every", None),
                    tuple(getattr(args, "partition", None) or ()), rate, int(records or 0),
-                   bool(getattr(args, "durable", False)), int(getattr(args, "seed", 0) or 0), only, crash_at, until)
+                   bool(getattr(args, "durable", False)), int(getattr(args, "seed", 0) or 0), only, crash_at, until,
+                   float(getattr(args, "recover", None) or RECOVER_S))
         if until and not (plan.kill_every_s or plan.preempt_every_s or plan.partitions or plan.crash_at):
             raise ArgumentRefused("--until-faults", "no fault to wait for; add --kill-every, --preempt-every, "
                                                     "--partition or --crash-at")
@@ -294,17 +300,20 @@ class Chaos:
             self.kill(name, pid, child)
 
     def _recovered(self, name: str, now: float) -> bool:
-        """Whether a process killed before has come back: RECOVER_S after its restart, and a trainer
-        once it has checkpointed since, i.e. made progress a kill cannot take back (at most
-        TRAINER_RECOVER_MAX_S)."""
+        """Whether a process may be killed (again): `--recover` s after its restart, and a trainer only
+        once the run has trained a step and, after a restart, once it has checkpointed since, i.e. made
+        progress a kill cannot take back (at most TRAINER_RECOVER_FACTOR x `--recover` s)."""
+        trainer = _kind(name) == "trainer"
+        if trainer and self.demo.progress.last_step_at is None:
+            return False
         since = self.restarted_at.get(name)
         if since is None:
             return True
-        if now - since < RECOVER_S:
+        if now - since < self.plan.recover_s:
             return False
-        if _kind(name) == "trainer":
+        if trainer:
             saved = self.demo.progress.last_checkpoint_at
-            return (saved is not None and saved > since) or now - since >= TRAINER_RECOVER_MAX_S
+            return (saved is not None and saved > since) or now - since >= TRAINER_RECOVER_FACTOR * self.plan.recover_s
         return True
 
     def kill(self, name: str, pid: int, child: Child | None) -> None:

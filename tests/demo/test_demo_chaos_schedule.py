@@ -96,6 +96,10 @@ def test_kinds_take_turns_and_a_trainer_is_spared_until_it_checkpoints(fleet: Fl
     def kills() -> list[str]:
         return [f.target.split("-")[0] for f in chaos.log.faults if f.kind == "kill"]
 
+    chaos._kill_one()  # the trainer's turn before the run's first step: it is still starting, nobody dies
+    assert kills() == []
+    fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    chaos.kill_turn = 0
     for _ in range(3):
         chaos._kill_one()
     assert kills() == ["trainer", "agent", "replicator"]
@@ -110,7 +114,7 @@ def test_kinds_take_turns_and_a_trainer_is_spared_until_it_checkpoints(fleet: Fl
     chaos.kill_turn = 0
     chaos._kill_one()  # RECOVER_S passed, but the restarted trainer has not checkpointed
     assert kills() == ["trainer", "agent", "replicator"]
-    fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    fleet.progress.feed({"event": "step.done", "step": 2, "version": 2, "reward_mean": 0.1})
     chaos.kill_turn = 0
     chaos._kill_one()  # a step alone is not enough: a kill now would take it back
     assert kills() == ["trainer", "agent", "replicator"]
@@ -130,10 +134,9 @@ def test_until_faults_ends_at_the_first_step_after_every_kind_was_killed_and_cam
     fleet.start("trainer")
     plan = FaultPlan(kill_every_s=1.0, kill_only=("trainer", "agent"), until_faults=True)
     chaos = Chaos(plan, fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
-    chaos._kill_one()  # the trainer, before the fleet's first step: it does not count
-    chaos._restart_due(time.monotonic() + 5)
+    chaos._kill_one()  # the trainer's turn, before the fleet's first step: spared
+    assert [f for f in chaos.log.faults if f.kind == "kill"] == []
     fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
-    chaos.restarted_at.clear()  # its recovery time passed
     chaos._kill_one()  # an agent, mid-flight
     assert not chaos.all_happened()
     chaos._kill_one()  # the trainer, mid-flight
@@ -143,3 +146,18 @@ def test_until_faults_ends_at_the_first_step_after_every_kind_was_killed_and_cam
     assert not chaos.recovered()  # the only step came before the restarts
     fleet.progress.feed({"event": "step.done", "step": 2, "version": 2, "reward_mean": 0.1})
     assert chaos.recovered()
+
+
+def test_recover_sets_how_long_a_restarted_process_and_trainer_are_spared(fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    """`--recover S` (a slower machine needs longer): S s for any restarted process, and a restarted trainer
+    that never checkpoints is spared 6 x S s, not the default's 120 s."""
+    fleet.start("trainer")
+    plan = FaultPlan(kill_every_s=1.0, kill_only=("trainer", "agent"), recover_s=50.0)
+    chaos = Chaos(plan, fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
+    fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    now = time.monotonic()
+    chaos.restarted_at = {"trainer": now - 40.0, "agent-a-node-1": now - 40.0}
+    assert not chaos._recovered("agent-a-node-1", now)  # 40 s < 50 s (the default 20 s would have passed)
+    assert chaos._recovered("agent-a-node-1", now + 11.0)
+    assert not chaos._recovered("trainer", now + 200.0)  # no checkpoint, and 240 s < 6 x 50 s
+    assert chaos._recovered("trainer", now + 261.0)

@@ -35,7 +35,7 @@ def test_each_kind_of_process_sigkilled_mid_flight_loses_nothing(demo_config: pa
     # The fault schedule is the reference machine's, scaled: on a machine 2.5x slower a kill every 4 s
     # outruns a fleet that needs 2.5x longer to start and recover, and the run never trains.
     summary = run_demo(demo_config, workdir, "--durable", "--kill-every", _s(4), "--kill-only", ",".join(KINDS),
-                       "--until-faults", steps=None, timeout_s=CHAOS_TIMEOUT_S)
+                       "--recover", _s(20), "--until-faults", steps=None, timeout_s=CHAOS_TIMEOUT_S)
     first_step = summary["_rows"][0]["t"]
     for kind in KINDS:  # each kind killed mid-flight: after the fleet's first step
         assert [f for f in kills_of(summary, "tansu" if kind == "broker" else kind) if f["t"] > first_step], \

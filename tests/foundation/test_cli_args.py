@@ -27,6 +27,7 @@ PARSED = [
     (["demo", "--duration", "-5"], "--duration", "> 0 seconds"),
     (["demo", "--duration", "nan"], "--duration", "finite"),
     (["demo", "--kill-every", "0"], "--kill-every", "> 0 seconds"),
+    (["demo", "--recover", "-1"], "--recover", "> 0 seconds"),
     (["demo", "--preempt-every", "-1"], "--preempt-every", "> 0 seconds"),
     (["demo", "--fuzz-rate", "1"], "--fuzz-rate", "[0, 1)"),
     (["demo", "--fuzz-records", "0"], "--fuzz-records", ">= 1"),
