@@ -1,0 +1,62 @@
+"""MLflow (`report_to: [mlflow]`, extra `mlflow`: the client alone, `mlflow-skinny`).
+
+The run is found again after a restart by its tag `fleetrl.tracking_key` (the key kept in the trainer's
+checkpoint) in the experiment `tracking.project`; a first start creates it and logs the
+hyperparameters. Figures go in one `log_batch` per step, tables through `log_table`. HTTP requests
+are bounded (`tracking.mlflow_request_timeout_s`, at most 2 retries unless MLFLOW_HTTP_REQUEST_* say
+otherwise): an unreachable server fails `open` within seconds, in the tracker's own thread, and the
+tracker is disabled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fleetrl.trainer.tracking.base import Tracker
+
+KEY_TAG = "fleetrl.tracking_key"
+
+
+class MlflowTracker(Tracker):
+    name = "mlflow"
+
+    def open(self) -> None:
+        c = self.context
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(c.settings.mlflow_request_timeout_s, 1))))
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=c.settings.mlflow_tracking_uri)
+        experiment = self.client.get_experiment_by_name(c.settings.project)
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self.client.create_experiment(c.settings.project))
+        found = self.client.search_runs([experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{c.key}'",
+                                        max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+        else:
+            run = self.client.create_run(experiment_id, run_name=c.run_name, tags={KEY_TAG: c.key})
+            self.run_id = run.info.run_id
+            params = [Param(k[:250], str(v)[:6000]) for k, v in c.params.items()]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def scalars(self, step: int, figures: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        metrics = [Metric(k, v, ts, step) for k, v in figures.items()]
+        for i in range(0, len(metrics), 1000):  # the server's limit per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        data = {col: [row[j] for row in rows] for j, col in enumerate(columns)}
+        self.client.log_table(self.run_id, data=data, artifact_file=f"tables/{name}-step-{step:09d}.json")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
