@@ -4,9 +4,13 @@ A step's figures are held until a checkpoint covering the step is durable, then 
 `metrics.jsonl` and the trackers in step order (`release`, called right after the checkpoint is
 committed). A trainer killed before that checkpoint redoes the step from the previous one, and only
 the redone step's figures are ever written: no step appears twice in any tracker, nor in
-`metrics.jsonl`. The cost is that figures lag by up to `trainer.checkpoint_every` steps (one, by
-default), and that records still in a tracker's queue when the process is SIGKILLed are lost to that
-tracker (a gap, never a duplicate; metrics.jsonl is written at release, before the queues).
+`metrics.jsonl`. Figures lag by up to `trainer.checkpoint_every` steps (one, by default).
+
+The checkpoint also carries the figures of the steps it covers that were not yet released when it was
+written. A trainer killed between the checkpoint and the release finds them there and releases those
+that `metrics.jsonl` (written synchronously at release, flushed line by line) does not hold yet: no gap
+there either. What the trackers lose is only what sat in their queues or SDK buffers at a SIGKILL (a
+gap in that tracker, never a duplicate).
 
 The identity of the tracker run (a key: W&B's run id, MLflow's tag, with the run name) is part of the
 checkpoint (`state`/`restore`), so a resumed trainer continues the same run; TensorBoard additionally
@@ -15,6 +19,7 @@ reopens with `purge_step` past the checkpoint's step.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +29,7 @@ from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.tracking.base import TrackerContext
 from fleetrl.trainer.tracking.figures import SAMPLE_COLUMNS, make_decoder, sample_rows, step_figures
-from fleetrl.trainer.tracking.writer import ExperimentLog, NullExperimentLog
+from fleetrl.trainer.tracking.writer import METRICS_FILE, ExperimentLog, NullExperimentLog
 
 log = get_logger(__name__)
 SAMPLES_TABLE = "samples"
@@ -54,6 +59,25 @@ def run_params(config: FleetConfig) -> dict[str, Any]:
     return params
 
 
+def last_step_written(path: pathlib.Path, tail_bytes: int = 1 << 18) -> int:
+    """The highest step of a scalars row in the last `tail_bytes` of metrics.jsonl (-1: none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, 2) - tail_bytes, 0))
+            lines = f.read().splitlines()
+    except OSError:
+        return -1
+    best = -1
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # the partial first line of the tail, or a line cut by a kill
+            continue
+        if isinstance(row, dict) and "table" not in row and isinstance(row.get("step"), int):
+            best = max(best, row["step"])
+    return best
+
+
 class TrainerTracking:
     """Step figures held until a checkpoint covers them; the tracker run's identity in the checkpoint."""
 
@@ -64,17 +88,21 @@ class TrainerTracking:
         self.resume_step: int | None = None
         self.log: ExperimentLog = NullExperimentLog()
         """The writer (also for other figures of the run, e.g. evals); `NullExperimentLog` until `start`."""
-        self._pending: dict[int, list[Callable[[ExperimentLog], None]]] = {}
+        self._pending: dict[int, tuple[dict[str, float], list[list[Any]] | None]] = {}
+        """Step -> its figures and samples table rows, until released."""
         self._decode: Callable[[Sequence[int]], str] | None = None
 
     def state(self) -> dict[str, Any]:
-        return {"key": self.key, "run_name": self.run_name}
+        """For the checkpoint: the tracker run, and the figures not released yet (those it covers)."""
+        return {"key": self.key, "run_name": self.run_name,
+                "pending": [[step, figures, rows] for step, (figures, rows) in sorted(self._pending.items())]}
 
     def restore(self, state: Mapping[str, Any] | None, step: int) -> None:
         """Continue the tracker run of a checkpoint (one written before tracking existed starts a new one)."""
         self.resume_step = step
         if state:
             self.key, self.run_name = str(state["key"]), str(state["run_name"])
+            self._pending = {int(s): (dict(f), rows) for s, f, rows in state.get("pending", []) if int(s) <= step}
 
     def start(self) -> None:
         """Open metrics.jsonl and the trackers (each in its own thread: this returns at once)."""
@@ -82,24 +110,31 @@ class TrainerTracking:
                                        resume_step=self.resume_step, on_drop=self._on_drop)
         log.info("tracking.started", directory=str(self.log.directory), trackers=self.config.tracking.report_to,
                  run_name=self.run_name, key=self.key, resumed_at=self.resume_step)
+        if self.resume_step is not None and self._pending:
+            # Figures the checkpoint covers that its trainer was killed before releasing.
+            written = last_step_written(tracking_dir(self.config) / METRICS_FILE)
+            for step in [s for s in self._pending if s <= written]:
+                del self._pending[step]
+            self.release(self.resume_step)
 
     def record_step(self, step: int, version: int, groups: Sequence[Any], **figures_of: Any) -> None:
         """Hold step `step`'s figures (and, every `samples_every` steps, its samples table) until `release`."""
         figures = step_figures(version=version, groups=groups, **figures_of)
-        records: list[Callable[[ExperimentLog], None]] = [lambda w: w.scalars(step, figures)]
+        rows = None
         every = self.config.tracking.samples_every
         if every and step % every == 0:
             if self._decode is None:
                 self._decode = make_decoder(self.config.model.tokenizer_source)
             rows = sample_rows(step, version, groups, self.config.tracking.samples_rows, self._decode)
-            records.append(lambda w: w.table(step, SAMPLES_TABLE, SAMPLE_COLUMNS, rows))
-        self._pending[step] = records
+        self._pending[step] = (figures, rows)
 
     def release(self, step: int) -> None:
         """A checkpoint covering `step` is durable: write the figures of every step up to it, in order."""
         for s in sorted(k for k in self._pending if k <= step):
-            for record in self._pending.pop(s):
-                record(self.log)
+            figures, rows = self._pending.pop(s)
+            self.log.scalars(s, figures)
+            if rows is not None:
+                self.log.table(s, SAMPLES_TABLE, SAMPLE_COLUMNS, rows)
 
     def close(self, timeout_s: float | None = None) -> None:
         if self._pending:  # steps no checkpoint covers (a failed run): they will be redone, not written
