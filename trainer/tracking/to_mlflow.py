@@ -2,7 +2,7 @@
 
 The run is found again after a restart by its tag `fleetrl.tracking_key` (the key kept in the trainer's
 checkpoint) in the experiment `tracking.project`; a first start creates it and logs the
-hyperparameters. Figures go in one `log_batch` per step, tables through `log_table`. HTTP requests
+hyperparameters. Figures go in one `log_batch` per step, tables as JSON artifacts under `tables/`. HTTP requests
 are bounded (`tracking.mlflow_request_timeout_s`, at most 2 retries unless MLFLOW_HTTP_REQUEST_* say
 otherwise): an unreachable server fails `open` within seconds, in the tracker's own thread, and the
 tracker is disabled.
@@ -55,8 +55,9 @@ class MlflowTracker(Tracker):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        data = {col: [row[j] for row in rows] for j, col in enumerate(columns)}
-        self.client.log_table(self.run_id, data=data, artifact_file=f"tables/{name}-step-{step:09d}.json")
+        # The JSON layout of MLflow's own `log_table` (`columns`, `data`), without its pandas round trip.
+        table = {"columns": list(columns), "data": [list(r) for r in rows]}
+        self.client.log_dict(self.run_id, table, f"tables/{name}-step-{step:09d}.json")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
