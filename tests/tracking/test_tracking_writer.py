@@ -115,7 +115,7 @@ def test_the_null_log_writes_nothing(tmp_path: pathlib.Path) -> None:
 def test_a_feed_close_is_bounded_when_its_tracker_hangs() -> None:
     gate = threading.Event()
     feed = TrackerFeed(ListTracker(gate=gate), queue_size=1)
-    feed.put(lambda t: t.scalars(1, {}))
+    feed.put(1, lambda t: t.scalars(1, {}))
     assert feed.close(0.2) is False  # left to its daemon thread
     gate.set()
 
@@ -170,3 +170,32 @@ def test_a_bad_tracking_section_is_refused_naming_the_field(tmp_path: pathlib.Pa
     with pytest.raises(ValidationError) as err:
         _fleet(tmp_path, **tracking)
     assert err.value.errors()[0]["loc"][:2] == ("tracking", field)
+
+
+def test_a_resume_sends_each_tracker_again_what_it_had_not_flushed(tmp_path: pathlib.Path) -> None:
+    """Steps 2 and 3 were released (metrics.jsonl) but TensorBoard's feed had flushed only step 1 when the
+    trainer died: the resumed trainer sends it 2 and 3 again, and TensorBoard shows each step once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = _fleet(tmp_path, report_to=["tensorboard"])
+    first = TrainerTracking(config)
+    first.start()
+    for step in (1, 2, 3):
+        first._pending[step] = ({"train/loss": float(step)}, None)
+        first.release(step)
+    first.close()
+    folder = tmp_path / "ckpt" / "tracking"
+    assert (folder / "delivered" / "tensorboard").read_text() == "3"
+    (folder / "delivered" / "tensorboard").write_text("1")  # as if killed before steps 2 and 3 were flushed
+    resumed = TrainerTracking(config)
+    resumed.restore(first.state(), 3)
+    resumed.start()
+    resumed.close()
+    assert (folder / "delivered" / "tensorboard").read_text() == "3"
+    assert [r["step"] for r in _jsonl(folder)] == [1, 2, 3]  # the local record is not written again
+    acc = EventAccumulator(str(folder / "tensorboard" / "trk"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    raw = EventAccumulator(str(folder / "tensorboard" / "trk"), purge_orphaned_data=False)
+    raw.Reload()
+    assert [e.step for e in raw.Scalars("train/loss")] == [1, 2, 3, 2, 3]  # sent again, older copies purged

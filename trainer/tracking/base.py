@@ -29,6 +29,8 @@ class TrackerContext:
     """The checkpoint's step when the trainer resumed; figures of later steps were never released."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Flat hyperparameters logged once with the run (`algorithm.*`, the run id)."""
+    delivered: Mapping[str, int] = field(default_factory=dict)
+    """Per tracker, the highest step an earlier process of the run saw it flush (missing: none noted)."""
 
 
 class Tracker:

@@ -2,7 +2,9 @@
 
 `put` never blocks: when the queue is full the record is dropped for this tracker and counted (the
 `fleetrl_trainer_tracking_dropped_total` counter, and a log line at the 1st, 10th, 100th, ... drop).
-The thread opens the tracker, writes records in order and flushes whenever the queue runs empty. The
+The thread opens the tracker, writes records in order and flushes whenever the queue runs empty; after
+a flush it notes the highest step the tracker holds in its `marker` file (`delivered/<tracker>`), so
+that a resumed trainer re-sends it exactly the steps it lost (session.py). The
 first exception (an SDK missing, a server unreachable, a full disk) is logged once with the tracker's
 name and disables it: later records are discarded without a word, and training goes on.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import pathlib
 import queue
 import threading
 import time
@@ -27,8 +31,10 @@ Record = Callable[[Tracker], None]
 
 
 class TrackerFeed:
-    def __init__(self, tracker: Tracker, queue_size: int, on_drop: Callable[[str], None] | None = None) -> None:
-        self.tracker = tracker
+    def __init__(self, tracker: Tracker, queue_size: int, on_drop: Callable[[str], None] | None = None,
+                 marker: pathlib.Path | None = None) -> None:
+        self.tracker, self.marker = tracker, marker
+        self._written_step = self._marked_step = -1
         self.name = tracker.name
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._on_drop = on_drop
@@ -39,12 +45,12 @@ class TrackerFeed:
         self._thread = threading.Thread(target=self._run, name=f"fleetrl-tracker-{self.name}", daemon=True)
         self._thread.start()
 
-    def put(self, record: Record) -> None:
-        """Hand a record to the thread, or drop it (counted) when the queue is full. Never blocks."""
+    def put(self, step: int, record: Record) -> None:
+        """Hand a record of `step` to the thread, or drop it (counted) when the queue is full. Never blocks."""
         if self.failed is not None:
             return
         try:
-            self._queue.put_nowait(record)
+            self._queue.put_nowait((step, record))
         except queue.Full:
             self.dropped += 1
             if self._on_drop is not None:
@@ -73,15 +79,30 @@ class TrackerFeed:
                 item = self._queue.get()
                 if item is _STOP:
                     stopped = True
-                elif self.failed is None and self._guard("write", functools.partial(item, self.tracker)):
+                elif self.failed is None and self._guard("write", functools.partial(item[1], self.tracker)):
                     self.written += 1
-                if self.failed is None and (stopped or self._queue.empty()):
-                    self._guard("flush", self.tracker.flush)
+                    self._written_step = max(self._written_step, item[0])
+                idle = stopped or self._queue.empty()
+                if self.failed is None and idle and self._guard("flush", self.tracker.flush):
+                    self._mark()
             if self.failed is None:
                 self._guard("close", self.tracker.close)
             return
         while self._queue.get() is not _STOP:  # disabled at open: discard until closed
             pass
+
+    def _mark(self) -> None:
+        """Note the highest step flushed (a write and a rename: a kill leaves the old or the new value)."""
+        if self.marker is None or self._written_step <= self._marked_step:
+            return
+        try:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.marker.with_suffix(".tmp")
+            tmp.write_text(str(self._written_step))
+            os.replace(tmp, self.marker)
+            self._marked_step = self._written_step
+        except OSError as exc:  # a resume would re-send more than needed; nothing is lost
+            log.warning("tracking.marker_failed", tracker=self.name, path=str(self.marker), error=str(exc))
 
     def _guard(self, what: str, action: Callable[[], None]) -> bool:
         try:

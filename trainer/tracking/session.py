@@ -8,9 +8,11 @@ the redone step's figures are ever written: no step appears twice in any tracker
 
 The checkpoint also carries the figures of the steps it covers that were not yet released when it was
 written. A trainer killed between the checkpoint and the release finds them there and releases those
-that `metrics.jsonl` (written synchronously at release, flushed line by line) does not hold yet: no gap
-there either. What the trackers lose is only what sat in their queues or SDK buffers at a SIGKILL (a
-gap in that tracker, never a duplicate).
+that `metrics.jsonl` (written synchronously at release, flushed line by line) does not hold yet. And
+each tracker's feed notes the highest step it flushed (`delivered/<tracker>`): a resumed trainer sends
+each tracker again the released steps after that mark, read back from metrics.jsonl, so what sat in a
+queue or an SDK buffer at a SIGKILL is not lost either. A duplicate remains possible only for a kill
+between a tracker's flush and its mark (TensorBoard hides it: `purge_step`).
 
 The identity of the tracker run (a key: W&B's run id, MLflow's tag, with the run name) is part of the
 checkpoint (`state`/`restore`), so a resumed trainer continues the same run; TensorBoard additionally
@@ -29,7 +31,7 @@ from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.tracking.base import TrackerContext
 from fleetrl.trainer.tracking.figures import SAMPLE_COLUMNS, make_decoder, sample_rows, step_figures
-from fleetrl.trainer.tracking.writer import METRICS_FILE, ExperimentLog, NullExperimentLog
+from fleetrl.trainer.tracking.writer import METRICS_FILE, ExperimentLog, NullExperimentLog, delivered_step
 
 log = get_logger(__name__)
 SAMPLES_TABLE = "samples"
@@ -46,8 +48,9 @@ def open_experiment_log(config: FleetConfig, *, key: str, run_name: str, resume_
     """metrics.jsonl in the run's tracking folder plus one feed per `tracking.report_to` entry."""
     from fleetrl.trainer.tracking.trackers import build_trackers
 
-    t = config.tracking
-    context = TrackerContext(tracking_dir(config), t, run_name, key, resume_step, run_params(config))
+    t, directory = config.tracking, tracking_dir(config)
+    delivered: dict[str, int] = {name: delivered_step(directory, name) for name in t.report_to}
+    context = TrackerContext(directory, t, run_name, key, resume_step, run_params(config), delivered)
     return ExperimentLog(context.directory, build_trackers(context), queue_size=t.queue_size, on_drop=on_drop)
 
 
@@ -59,23 +62,28 @@ def run_params(config: FleetConfig) -> dict[str, Any]:
     return params
 
 
-def last_step_written(path: pathlib.Path, tail_bytes: int = 1 << 18) -> int:
-    """The highest step of a scalars row in the last `tail_bytes` of metrics.jsonl (-1: none)."""
+def tail_rows(path: pathlib.Path, tail_bytes: int = 1 << 20) -> list[dict[str, Any]]:
+    """The rows in the last `tail_bytes` of metrics.jsonl (none when there is no file)."""
     try:
         with open(path, "rb") as f:
             f.seek(max(f.seek(0, 2) - tail_bytes, 0))
             lines = f.read().splitlines()
     except OSError:
-        return -1
-    best = -1
+        return []
+    rows = []
     for line in lines:
         try:
             row = json.loads(line)
         except ValueError:  # the partial first line of the tail, or a line cut by a kill
             continue
-        if isinstance(row, dict) and "table" not in row and isinstance(row.get("step"), int):
-            best = max(best, row["step"])
-    return best
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def last_step_written(path: pathlib.Path) -> int:
+    """The highest step of a scalars row near the end of metrics.jsonl (-1: none)."""
+    return max((r["step"] for r in tail_rows(path) if "table" not in r), default=-1)
 
 
 class TrainerTracking:
@@ -110,12 +118,24 @@ class TrainerTracking:
                                        resume_step=self.resume_step, on_drop=self._on_drop)
         log.info("tracking.started", directory=str(self.log.directory), trackers=self.config.tracking.report_to,
                  run_name=self.run_name, key=self.key, resumed_at=self.resume_step)
-        if self.resume_step is not None and self._pending:
-            # Figures the checkpoint covers that its trainer was killed before releasing.
-            written = last_step_written(tracking_dir(self.config) / METRICS_FILE)
-            for step in [s for s in self._pending if s <= written]:
-                del self._pending[step]
-            self.release(self.resume_step)
+        if self.resume_step is not None:
+            self._catch_up(self.resume_step)
+
+    def _catch_up(self, resume_step: int) -> None:
+        """After a restart: to each tracker, the released steps it had not flushed (from metrics.jsonl);
+        then the steps the checkpoint covers that were never released (from the checkpoint)."""
+        directory = tracking_dir(self.config)
+        rows = tail_rows(directory / METRICS_FILE)
+        for name in self.config.tracking.report_to:
+            after = delivered_step(directory, name)
+            lost = [r for r in rows if after < r["step"] <= resume_step]
+            if lost:
+                log.info("tracking.resend", tracker=name, steps=len({r["step"] for r in lost}), after=after)
+                self.log.resend(name, lost)
+        written = max((r["step"] for r in rows if "table" not in r), default=-1)
+        for step in [s for s in self._pending if s <= written]:
+            del self._pending[step]
+        self.release(resume_step)
 
     def record_step(self, step: int, version: int, groups: Sequence[Any], **figures_of: Any) -> None:
         """Hold step `step`'s figures (and, every `samples_every` steps, its samples table) until `release`."""

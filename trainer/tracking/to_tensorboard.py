@@ -1,9 +1,9 @@
 """TensorBoard (`report_to: [tensorboard]`, extra `tensorboard`): event files under
 `<output_dir>/tensorboard/<run_name>/`, written with torch's `SummaryWriter`.
 
-A resumed trainer opens the same folder with `purge_step` = the checkpoint's step + 1, so that even
-events written past the checkpoint by an older writer would be hidden; none are, since the trainer
-releases a step only once a checkpoint covers it (docs/tracking.md). Tables are Markdown text.
+A resumed trainer opens the same folder with `purge_step` just past the last step an earlier writer
+flushed (`delivered`), and is then sent again the steps released after it (session.py): TensorBoard
+hides any partial copy of those an earlier writer left behind. Tables are Markdown text.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ class TensorBoardTracker(Tracker):
 
         c = self.context
         self.folder = c.directory / "tensorboard" / c.run_name
-        purge = c.resume_step + 1 if c.resume_step is not None else None
+        purge = None
+        if c.resume_step is not None:
+            purge = min(c.delivered.get(self.name, c.resume_step), c.resume_step) + 1
         self.writer = SummaryWriter(log_dir=str(self.folder), purge_step=purge, flush_secs=30)
 
     def scalars(self, step: int, figures: Mapping[str, float]) -> None:

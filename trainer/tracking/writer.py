@@ -35,7 +35,8 @@ class ExperimentLog:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(directory / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
-        self.feeds = [TrackerFeed(t, queue_size, on_drop) for t in trackers]
+        self.feeds = [TrackerFeed(t, queue_size, on_drop, delivered_marker(directory, t.name) if directory else None)
+                      for t in trackers]
         self._closed = False
 
     def scalars(self, step: int, figures: Mapping[str, float]) -> None:
@@ -43,7 +44,7 @@ class ExperimentLog:
         clean = {name: float(value) for name, value in figures.items()}
         self._append({"step": int(step), **{k: v if math.isfinite(v) else None for k, v in clean.items()}})
         for feed in self.feeds:
-            feed.put(functools.partial(_scalars, int(step), clean))
+            feed.put(int(step), functools.partial(_scalars, int(step), clean))
 
     def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """A table (`columns`, one list per row) at `step`, where the tracker has tables."""
@@ -54,7 +55,7 @@ class ExperimentLog:
                                  f"{len(cols)} columns")
         self._append({"step": int(step), "table": name, "columns": cols, "rows": body})
         for feed in self.feeds:
-            feed.put(functools.partial(_table, int(step), name, cols, body))
+            feed.put(int(step), functools.partial(_table, int(step), name, cols, body))
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Let every tracker write what it holds and end its run, all within `timeout_s` together
@@ -69,6 +70,20 @@ class ExperimentLog:
             feed.close(max(deadline - time.monotonic(), 0.0))
         if self._jsonl is not None:
             self._jsonl.close()
+
+    def resend(self, tracker: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Hand rows of metrics.jsonl (scalars and tables) to one tracker again, not to the file: what a
+        killed trainer had released and that tracker had not flushed (session.py)."""
+        for feed in self.feeds:
+            if feed.name != tracker:
+                continue
+            for row in rows:
+                step = int(row["step"])
+                if "table" in row:
+                    feed.put(step, functools.partial(_table, step, str(row["table"]), row["columns"], row["rows"]))
+                else:
+                    figures = {k: float("nan") if v is None else float(v) for k, v in row.items() if k != "step"}
+                    feed.put(step, functools.partial(_scalars, step, figures))
 
     def dropped(self) -> dict[str, int]:
         """Records dropped so far per tracker (a full queue)."""
@@ -88,6 +103,19 @@ class ExperimentLog:
             log.error("tracking.jsonl_failed", path=str(self.directory), error=str(exc),
                       note="metrics.jsonl is disabled; training goes on")
             self._jsonl = None
+
+
+def delivered_marker(directory: pathlib.Path, tracker: str) -> pathlib.Path:
+    """The file where a tracker's feed notes the highest step it flushed."""
+    return directory / "delivered" / tracker
+
+
+def delivered_step(directory: pathlib.Path, tracker: str) -> int:
+    """The highest step `tracker` flushed in an earlier process (-1: none noted)."""
+    try:
+        return int(delivered_marker(directory, tracker).read_text().strip())
+    except (OSError, ValueError):
+        return -1
 
 
 def _scalars(step: int, figures: Mapping[str, float], tracker: Tracker) -> None:
