@@ -4,14 +4,18 @@ The run is found again after a restart by its tag `fleetrl.tracking_key` (the ke
 checkpoint) in the experiment `tracking.project`; a first start creates it and logs the
 hyperparameters. Figures go in one `log_batch` per step, tables as JSON artifacts under `tables/`. HTTP requests
 are bounded (`tracking.mlflow_request_timeout_s`, at most 2 retries unless MLFLOW_HTTP_REQUEST_* say
-otherwise): an unreachable server fails `open` within seconds, in the tracker's own thread, and the
+otherwise). An HTTP server that does not accept a connection fails `open` at once, before the SDK is
+even imported (an import of a few CPU seconds the trainer would share its cores with); one that accepts
+and then fails costs at most a few bounded requests. Either way, in the tracker's own thread, and the
 tracker is disabled.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,11 +24,27 @@ from fleetrl.trainer.tracking.base import Tracker
 KEY_TAG = "fleetrl.tracking_key"
 
 
+def _check_reachable(uri: str | None, timeout_s: float) -> None:
+    """Raise `ConnectionError` when an http(s) tracking server does not accept a TCP connection."""
+    if uri is None:
+        return
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or parts.hostname is None:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"MLflow tracking server {uri} does not answer: {exc}") from exc
+
+
 class MlflowTracker(Tracker):
     name = "mlflow"
 
     def open(self) -> None:
         c = self.context
+        _check_reachable(c.settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"),
+                         c.settings.mlflow_request_timeout_s)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(c.settings.mlflow_request_timeout_s, 1))))
