@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a machine much slower than 2 cores)")
     p.add_argument("--out", default=None, metavar="DIR", type=cli_args.folder_to_make,
                    help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
+    p.add_argument("--report-to", default=None, metavar="TRACKER[,TRACKER]", type=cli_args.trackers,
+                   help="experiment trackers the trainer feeds (tensorboard, mlflow, wandb, trackio; overrides "
+                        "tracking.report_to); their files go under OUT/tracking/ (docs/tracking.md)")
     chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")
     chaos.add_argument("--kill-every", type=cli_args.positive_seconds, default=None, metavar="S",
                        help="SIGKILL a process (trainer, agent, worker, replicator; with --durable a region's "
