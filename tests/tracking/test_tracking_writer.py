@@ -199,3 +199,18 @@ def test_a_resume_sends_each_tracker_again_what_it_had_not_flushed(tmp_path: pat
     raw = EventAccumulator(str(folder / "tensorboard" / "trk"), purge_orphaned_data=False)
     raw.Reload()
     assert [e.step for e in raw.Scalars("train/loss")] == [1, 2, 3, 2, 3]  # sent again, older copies purged
+
+
+def test_config_check_refuses_a_bad_tracker_naming_the_field(tmp_path: pathlib.Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    doc = yaml.safe_load((pathlib.Path(__file__).parents[2] / "examples" / "fleet.demo.yaml").read_text())
+    doc["tracking"] = {"report_to": ["tensorboard", "tensorbord"]}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = subprocess.run([sys.executable, "-m", "fleetrl.cli", "config", "check", str(path)], capture_output=True,
+                         text=True, timeout=scaled(60))
+    assert out.returncode != 0 and "tracking.report_to[1]" in out.stderr, out.stderr
