@@ -7,9 +7,9 @@ Qwen2, 8 groups of 8 samples of 6 tokens): the real learner's `train_step` on th
 A variant is one phase: start the tracking (its trackers open in their threads: an SDK import, MLflow's
 failing connection and retries), run the steps, then close; the time counted is start to the last step,
 on the wall clock, so a tracker thread contending for the GIL or the cores counts. Variants alternate
-over rounds (the machine is shared: neighbours' load moves every variant alike) and each keeps its
-median step time; `close_s` is each variant's median close, apart (the trainer's exit, bounded by
-`tracking.close_timeout_s`).
+over rounds (the machine is shared: neighbours' load moves every variant alike); a variant's ratio is
+the median over rounds of its time over `off`'s in the same round. `close_s` is each variant's median
+close, apart (the trainer's exit, bounded by `tracking.close_timeout_s`).
 
     .venv/bin/python bench/tracking.py [--quick] [--rounds N] [--steps N]
 
@@ -131,14 +131,17 @@ def main() -> None:
                 close_s[variant].append(c)
                 print(f"round {r + 1}/{rounds} {variant:12s} {s * 1000:8.2f} ms/step wall {cpu * 1000:8.2f} ms/step "
                       f"cpu  close {c:6.2f} s", flush=True)
-    med = {v: statistics.median(per_step[v]) for v in VARIANTS}
-    cpu_med = {v: statistics.median(cpu_step[v]) for v in VARIANTS}
-    print(f"result: step_ms_off={med['off'] * 1000:.2f} ratio_jsonl={med['jsonl'] / med['off']:.4f} "
-          f"ratio_mlflow_down={med['mlflow_down'] / med['off']:.4f} "
-          f"ratio_tensorboard={med['tensorboard'] / med['off']:.4f} "
-          f"cpu_ratio_jsonl={cpu_med['jsonl'] / cpu_med['off']:.4f} "
-          f"cpu_ratio_mlflow_down={cpu_med['mlflow_down'] / cpu_med['off']:.4f} "
-          f"cpu_ratio_tensorboard={cpu_med['tensorboard'] / cpu_med['off']:.4f} "
+    def ratio(times: dict[str, list[float]], v: str) -> float:
+        """Median over rounds of the variant's time over `off`'s in the same round (paired: a round's
+        neighbours' load moves both)."""
+        return statistics.median(t / base for t, base in zip(times[v], times["off"], strict=True))
+
+    print(f"result: step_ms_off={statistics.median(per_step['off']) * 1000:.2f} "
+          f"ratio_jsonl={ratio(per_step, 'jsonl'):.4f} ratio_mlflow_down={ratio(per_step, 'mlflow_down'):.4f} "
+          f"ratio_tensorboard={ratio(per_step, 'tensorboard'):.4f} "
+          f"cpu_ratio_jsonl={ratio(cpu_step, 'jsonl'):.4f} "
+          f"cpu_ratio_mlflow_down={ratio(cpu_step, 'mlflow_down'):.4f} "
+          f"cpu_ratio_tensorboard={ratio(cpu_step, 'tensorboard'):.4f} "
           f"close_s_mlflow_down={statistics.median(close_s['mlflow_down']):.2f} "
           f"close_s_tensorboard={statistics.median(close_s['tensorboard']):.2f}")
 
