@@ -124,7 +124,9 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
     tables = [r for r in rows if r.get("table") == "samples"]
     assert [t["step"] for t in tables] == list(range(2, STEPS + 1, 2)) and tables[0]["rows"], tables
     steps = [r for r in rows if "table" not in r]
-    assert sum(v for k, v in steps[0].items() if k.startswith("train/groups/")) == groups_per_step
+    per_region = {k: v for k, v in steps[0].items() if k.startswith("train/groups/")}
+    assert set(per_region) == {f"train/groups/{r}" for r in summary["regions"]}  # every region, 0 included
+    assert sum(per_region.values()) == groups_per_step
     assert steps[-1]["cost/usd_total"] > 0  # the shipped config prices its regions
 
 

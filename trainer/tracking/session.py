@@ -140,6 +140,8 @@ class TrainerTracking:
     def record_step(self, step: int, version: int, groups: Sequence[Any], **figures_of: Any) -> None:
         """Hold step `step`'s figures (and, every `samples_every` steps, its samples table) until `release`."""
         figures = step_figures(version=version, groups=groups, **figures_of)
+        for region in self.config.regions:  # a region that sent none this step: 0, not a gap in its curve
+            figures.setdefault(f"train/groups/{region.name}", 0.0)
         rows = None
         every = self.config.tracking.samples_every
         if every and step % every == 0:
