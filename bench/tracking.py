@@ -13,10 +13,11 @@ close, apart (the trainer's exit, bounded by `tracking.close_timeout_s`).
 
     .venv/bin/python bench/tracking.py [--quick] [--rounds N] [--steps N]
 
-Last line: `result: step_ms_off=... ratio_jsonl=... ratio_mlflow_down=... ratio_tensorboard=...
-cpu_ratio_...=... close_s_mlflow_down=...` (wall and process-CPU ratios against `off`; the target for a
-failing tracker is <= 1.01). CPU time (every thread of the process) is the steadier figure on shared
-cores, where the neighbours' load moves wall time by tens of percent between phases.
+Last line: `result: step_ms_off=... ratio_<v>=... cpu_ratio_<v>=... share_<v>=... close_s_...=...` per
+variant <v>: wall and process-CPU ratios against `off` (the target for a failing tracker is <= 1.01),
+and `share`: what tracking itself costs, as a fraction of `off`'s step time: the trainer thread's time
+inside the tracking calls plus the CPU the tracker threads used. On shared cores the neighbours' load
+moves the ratios by tens of percent between phases; `share` is measured directly and stays put.
 """
 
 from __future__ import annotations
@@ -68,15 +69,15 @@ def _config(variant: str, out: pathlib.Path) -> Any:
     return config
 
 
-def _phase(variant: str, learner: Any, steps: int, first_step: int, out: pathlib.Path
-           ) -> tuple[float, float, float]:
-    """Wall seconds per step (start to last step), CPU seconds per step of the whole process (every
-    thread: the trackers' too), and seconds to close, for one variant."""
+def _phase(variant: str, learner: Any, steps: int, first_step: int, out: pathlib.Path) -> dict[str, float]:
+    """One variant's phase, per step: `wall` (start to the last step), `cpu` (the whole process, every
+    thread: the trackers' too), `calls` (the trainer thread's time inside the tracking calls), `bg_cpu`
+    (CPU of the other threads: the trackers' feeds); and `close` (seconds)."""
     from fleetrl.trainer.batch import build_step_batch
     from fleetrl.trainer.tracking import TrainerTracking
 
     config = _config(variant, out)
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0, own0, calls = time.perf_counter(), time.process_time(), time.thread_time(), 0.0
     tracking = TrainerTracking(config) if variant != "off" else None
     if tracking is not None:
         tracking.start()
@@ -86,16 +87,19 @@ def _phase(variant: str, learner: Any, steps: int, first_step: int, out: pathlib
         batch = build_step_batch(groups, config.algorithm.advantage, step)
         stats = learner.train_step(batch)
         if tracking is not None:
+            c = time.perf_counter()
             tracking.record_step(step, step, groups, batch_stats=batch.stats, stats=stats,
-                                 seconds=time.perf_counter() - s0, cost_fields={})
+                                 seconds=c - s0, cost_fields={})
             tracking.release(step)
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            calls += time.perf_counter() - c
+    elapsed, cpu, own = time.perf_counter() - t0, time.process_time() - cpu0, time.thread_time() - own0
     c0 = time.perf_counter()
     if tracking is not None:
         tracking.close()
         if variant == "mlflow_down":
             assert set(tracking.log.failed()) == {"mlflow"}, tracking.log.failed()
-    return elapsed / steps, cpu / steps, time.perf_counter() - c0
+    return {"wall": elapsed / steps, "cpu": cpu / steps, "calls": calls / steps, "bg_cpu": max(cpu - own, 0) / steps,
+            "close": time.perf_counter() - c0}
 
 
 def main() -> None:
@@ -115,35 +119,35 @@ def main() -> None:
     torch.set_num_threads(1)
     base = _config("off", pathlib.Path(tempfile.mkdtemp(prefix="fleetrl-bench-tracking-")))
     learner = Learner(base.model, base.algorithm, DistContext())
-    per_step: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu_step: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    close_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     step = 1
     with tempfile.TemporaryDirectory(prefix="fleetrl-bench-tracking-") as tmp:
         _phase("off", learner, 5, step, pathlib.Path(tmp) / "warm")  # first steps allocate AdamW's state
         step += 5
         for r in range(rounds):
             for variant in VARIANTS:
-                s, cpu, c = _phase(variant, learner, steps, step, pathlib.Path(tmp) / f"{variant}-{r}")
+                m = _phase(variant, learner, steps, step, pathlib.Path(tmp) / f"{variant}-{r}")
                 step += steps
-                per_step[variant].append(s)
-                cpu_step[variant].append(cpu)
-                close_s[variant].append(c)
-                print(f"round {r + 1}/{rounds} {variant:12s} {s * 1000:8.2f} ms/step wall {cpu * 1000:8.2f} ms/step "
-                      f"cpu  close {c:6.2f} s", flush=True)
-    def ratio(times: dict[str, list[float]], v: str) -> float:
-        """Median over rounds of the variant's time over `off`'s in the same round (paired: a round's
+                runs[variant].append(m)
+                print(f"round {r + 1}/{rounds} {variant:12s} {m['wall'] * 1e3:8.2f} ms/step wall "
+                      f"{m['cpu'] * 1e3:8.2f} cpu  {m['calls'] * 1e6:7.1f} us in tracking calls  "
+                      f"{m['bg_cpu'] * 1e3:6.2f} ms other threads' cpu  close {m['close']:6.2f} s", flush=True)
+    def ratio(key: str, v: str) -> float:
+        """Median over rounds of the variant's figure over `off`'s in the same round (paired: a round's
         neighbours' load moves both)."""
-        return statistics.median(t / base for t, base in zip(times[v], times["off"], strict=True))
+        return statistics.median(m[key] / base[key] for m, base in zip(runs[v], runs["off"], strict=True))
 
-    print(f"result: step_ms_off={statistics.median(per_step['off']) * 1000:.2f} "
-          f"ratio_jsonl={ratio(per_step, 'jsonl'):.4f} ratio_mlflow_down={ratio(per_step, 'mlflow_down'):.4f} "
-          f"ratio_tensorboard={ratio(per_step, 'tensorboard'):.4f} "
-          f"cpu_ratio_jsonl={ratio(cpu_step, 'jsonl'):.4f} "
-          f"cpu_ratio_mlflow_down={ratio(cpu_step, 'mlflow_down'):.4f} "
-          f"cpu_ratio_tensorboard={ratio(cpu_step, 'tensorboard'):.4f} "
-          f"close_s_mlflow_down={statistics.median(close_s['mlflow_down']):.2f} "
-          f"close_s_tensorboard={statistics.median(close_s['tensorboard']):.2f}")
+    def med(key: str, v: str) -> float:
+        return statistics.median(m[key] for m in runs[v])
+
+    step_s = med("wall", "off")
+    fields = [f"step_ms_off={step_s * 1e3:.2f}"]
+    for v in VARIANTS[1:]:
+        fields += [f"ratio_{v}={ratio('wall', v):.4f}", f"cpu_ratio_{v}={ratio('cpu', v):.4f}",
+                   f"share_{v}={(med('calls', v) + med('bg_cpu', v)) / step_s:.5f}"]
+    fields += [f"close_s_mlflow_down={med('close', 'mlflow_down'):.2f}",
+               f"close_s_tensorboard={med('close', 'tensorboard'):.2f}"]
+    print("result: " + " ".join(fields))
 
 
 if __name__ == "__main__":

@@ -62,15 +62,12 @@ def groups_per_region(groups: Sequence[GroupRecord]) -> dict[str, int]:
 
 def entropy_estimate(groups: Sequence[GroupRecord]) -> float:
     """Mean -logprob of the sampled policy tokens (nats per token); 0 without any."""
-    total, count = 0.0, 0
-    for g in groups:
-        for s in g.samples:
-            lp = np.asarray(s.logprobs, dtype=np.float64)
-            if s.segments is not None:
-                lp = lp[s.policy_mask()]
-            total -= float(lp.sum())
-            count += len(lp)
-    return total / count if count else 0.0
+    # One concatenation and one sum (a sum per sample costs ~1 ms a step at the demo's 64 samples).
+    parts = [s.logprobs if s.segments is None else s.logprobs[s.policy_mask()] for g in groups for s in g.samples]
+    if not parts:
+        return 0.0
+    lp = np.concatenate(parts).astype(np.float64, copy=False)
+    return float(-lp.sum() / len(lp)) if len(lp) else 0.0
 
 
 def sample_rows(step: int, version: int, groups: Sequence[GroupRecord], n: int,
