@@ -61,6 +61,7 @@ def _config(variant: str, out: pathlib.Path) -> Any:
     config.trainer.checkpoint_dir = str(out / "ckpt")
     config.tracking.output_dir = str(out / "tracking")
     config.tracking.samples_every = 10
+    config.tracking.report_to = []  # (the example config feeds TensorBoard)
     if variant == "mlflow_down":
         config.tracking.report_to = ["mlflow"]
         config.tracking.mlflow_tracking_uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
