@@ -95,11 +95,13 @@ def effective_config(config: FleetConfig, workdir: pathlib.Path) -> FleetConfig:
 
 def with_tracking(config: FleetConfig, args: argparse.Namespace, out: pathlib.Path) -> FleetConfig:
     """The trainer's experiment records under the run's output (`OUT/tracking/`: metrics.jsonl, event
-    files, offline runs), unless the config names a folder; `--report-to` overrides `tracking.report_to`."""
+    files, offline runs; emptied first, as every demo run starts fresh), unless the config names a folder;
+    `--report-to` overrides `tracking.report_to`."""
     c = config.model_copy(deep=True)
     if getattr(args, "report_to", None) is not None:
         c.tracking.report_to = list(args.report_to)
     if c.tracking.output_dir is None:
+        shutil.rmtree(out / "tracking", ignore_errors=True)
         c.tracking.output_dir = str(out / "tracking")
     return c
 

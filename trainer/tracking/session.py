@@ -120,6 +120,10 @@ class TrainerTracking:
                  run_name=self.run_name, key=self.key, resumed_at=self.resume_step)
         if self.resume_step is not None:
             self._catch_up(self.resume_step)
+        elif last_step_written(tracking_dir(self.config) / METRICS_FILE) >= 0:
+            log.warning("tracking.folder_reused", directory=str(self.log.directory),
+                        note="a start without a checkpoint appends to an earlier run's metrics.jsonl and "
+                             "TensorBoard folder; give tracking.output_dir a fresh folder to keep runs apart")
 
     def _catch_up(self, resume_step: int) -> None:
         """After a restart: to each tracker, the released steps it had not flushed (from metrics.jsonl);
