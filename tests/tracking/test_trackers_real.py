@@ -117,6 +117,11 @@ def test_wandb_offline_history_read_back_from_its_files_and_continued_on_resume(
     monkeypatch.setenv("WANDB_SILENT", "true")
     settings = TrackingConfig(report_to=["wandb"], wandb_mode="offline")
     _write(tmp_path, settings, range(1, 4), table_at=3)
+    # W&B names an offline run's folder by its start time to the second and the run id: a trainer resumed
+    # within the same second (only here, where nothing happens in between) would write into the same one.
+    started = int(time.time())
+    while int(time.time()) == started:  # ends within a second by construction
+        time.sleep(0.05)
     _write(tmp_path, settings, range(4, 6), resume_step=3)
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) >= 1 and all(r.name.endswith("-k1") for r in runs)  # one W&B run id, `wandb sync` merges
