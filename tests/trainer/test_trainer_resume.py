@@ -132,8 +132,11 @@ def _one_tensorboard_run_with_every_step_once(config: FleetConfig) -> None:
 
     folder = tracking_dir(config)
     assert [p.name for p in (folder / "tensorboard").iterdir()] == [config.run]  # the same run, continued
-    acc = EventAccumulator(str(folder / "tensorboard" / config.run), purge_orphaned_data=False)
-    acc.Reload()  # (purging off: steps written twice would both show)
+    # Read as TensorBoard reads it: a killed writer may have put a step on disk that its restart sends
+    # again (it had not noted it flushed); the restart's `purge_step` hides the older copy. metrics.jsonl,
+    # below, is exact: a step released before its checkpoint was durable would show twice there.
+    acc = EventAccumulator(str(folder / "tensorboard" / config.run))
+    acc.Reload()
     for tag in ("train/loss", "train/reward_mean", "train/grad_norm"):
         assert [e.step for e in acc.Scalars(tag)] == list(range(1, STEPS + 1)), tag
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
