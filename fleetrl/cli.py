@@ -21,7 +21,7 @@ from fleetrl import cli_args
 from fleetrl.cli_args import OneLineParser, check_names, refusal_line
 
 Handler = Callable[[argparse.Namespace, Any], int]
-ALL_CHECKS = ("model", "task", "reward", "dataset")
+ALL_CHECKS = ("model", "task", "reward", "dataset", "tracking")
 """Workload checks (fleetrl/workload.py) a command runs after loading the config: a daemon checks what
 its host needs (the trainer has no use for the reward module, the agents none for the dataset)."""
 
@@ -126,7 +126,7 @@ def _add_hub(sub: Any) -> None:
 
 def _add_daemons(sub: Any) -> None:
     p = _cmd(sub, "trainer", "fleetrl.trainer_cli:run_trainer", "run the central trainer (daemon)")
-    p.set_defaults(workload=("model", "task", "dataset"))
+    p.set_defaults(workload=("model", "task", "dataset", "tracking"))
     p.add_argument("--steps", type=cli_args.positive_int, default=None,
                    help="stop after this many steps (default: config)")
     p = _cmd(sub, "agent", "fleetrl.regions.cli:run_agent", "run a region agent on a rollout node (daemon)")
@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a machine much slower than 2 cores)")
     p.add_argument("--out", default=None, metavar="DIR", type=cli_args.folder_to_make,
                    help="where summary.json, metrics.jsonl and reward.png go (default: the work dir)")
+    p.add_argument("--report-to", default=None, metavar="TRACKER[,TRACKER]", type=cli_args.trackers,
+                   help="experiment trackers the trainer feeds (tensorboard, mlflow, wandb, trackio; overrides "
+                        "tracking.report_to); their files go under OUT/tracking/ (docs/tracking.md)")
     chaos = p.add_argument_group("faults (on the real processes; see docs/demo.md)")
     chaos.add_argument("--kill-every", type=cli_args.positive_seconds, default=None, metavar="S",
                        help="SIGKILL a process (trainer, agent, worker, replicator; with --durable a region's "

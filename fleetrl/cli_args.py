@@ -75,6 +75,20 @@ def _float(text: str) -> float:
     return value
 
 
+def trackers(text: str) -> tuple[str, ...]:
+    """`tensorboard,mlflow`: experiment trackers by TRL's `report_to` names (`none`: no tracker)."""
+    from fleetrl.config.tracking import TRACKERS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names == ("none",):
+        return ()
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown tracker(s) {', '.join(unknown) or repr(text)}; "
+                                         f"known: {', '.join(TRACKERS)} (or none)")
+    return names
+
+
 def positive_int(text: str) -> int:
     """A count: a whole number >= 1."""
     value = _int(text)

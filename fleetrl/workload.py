@@ -1,5 +1,6 @@
 """Checks of a run's workload before any process starts: the model folder, the tokenizer, the task,
-the dataset and its columns, the reward functions and endpoint, the environment (DESIGN.md §11).
+the dataset and its columns, the reward functions and endpoint, the environment (DESIGN.md §11), and the
+libraries of the experiment trackers `tracking.report_to` names (DESIGN.md §12).
 
 The pydantic models check the shape of `fleet.yaml`; what needs the filesystem, an import or the
 network is checked here, by `fleetrl config check`, `fleetrl demo`, the trainer and the agents, so
@@ -42,6 +43,17 @@ def check_workload(config: FleetConfig, source: str = "fleet.yaml",
         _check_env(config, fail)
     if "dataset" in parts and config.dataset.path is not None:
         _check_dataset(config, chat_template, fail)
+    if "tracking" in parts:
+        _check_trackers(config, fail)
+
+
+def _check_trackers(config: FleetConfig, fail: Fail) -> None:
+    """Each tracker of `tracking.report_to` needs its library (its extra), found without importing it."""
+    import importlib.util
+
+    for i, name in enumerate(config.tracking.report_to):
+        if importlib.util.find_spec(name) is None:
+            fail(f"tracking.report_to[{i}]", f"{name} is not installed: pip install 'fleetrl[{name}]'")
 
 
 def _check_model(config: FleetConfig, fail: Fail) -> None:

@@ -83,6 +83,10 @@ class TrainerMetrics(MetricsRegistry):
         self.approx_kl = Gauge("fleetrl_trainer_approx_kl_nats",
                                "Mean per-token KL estimate (k3) between the last step's starting weights and "
                                "each of its updates (0 with one update per step)", registry=r)
+        self.tracking_dropped = Counter(
+            "fleetrl_trainer_tracking_dropped_total",
+            "Experiment records (a step's figures, a table) dropped for a tracker whose queue was full "
+            "(tracking.queue_size): the trainer never waits on a tracker", ["tracker"], registry=r)
         self._cost_metrics(r)
 
     def _cost_metrics(self, r: CollectorRegistry) -> None:

@@ -31,6 +31,7 @@ from fleetrl.trainer.learner import Learner
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
 from fleetrl.trainer.regions import RegionClients
+from fleetrl.trainer.tracking import TrainerTracking
 
 log = get_logger("fleetrl.trainer.service")  # its events are the trainer loop's, as before the split
 
@@ -40,8 +41,9 @@ class Checkpoints:
     report into (handed to `RegionClients` once restored)."""
 
     def __init__(self, config: FleetConfig, learner: Learner, collector: Collector, dispatcher: Dispatcher,
-                 cost: CostMeter, metrics: TrainerMetrics) -> None:
+                 cost: CostMeter, metrics: TrainerMetrics, tracking: TrainerTracking | None = None) -> None:
         self.config, self.learner, self.collector = config, learner, collector
+        self.tracking = tracking
         self.dispatcher, self.cost, self.metrics = dispatcher, cost, metrics
         self.saved_step = -1
         self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
@@ -64,6 +66,8 @@ class Checkpoints:
         step, version, self.saved_step = int(s["step"]), int(s["version"]), int(s["step"])
         self.collector.restore(s["collector"], drawn=int(s["dispatcher"]["next_index"]))
         self.cost.restore(s.get("cost", {}))
+        if self.tracking is not None:  # the same tracker run goes on (a checkpoint from before tracking: a new one)
+            self.tracking.restore(s.get("tracking"), step)
         self.dispatcher.restore(s["dispatcher"], prompts())
         self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
         for r in self.config.regions:
@@ -120,6 +124,7 @@ class Checkpoints:
         state = {
             "run": self.config.run, "step": step, "version": version, "saved_at": time.time(),
             "collector": self.collector.state(), "dispatcher": self.dispatcher.state(), "cost": self.cost.state(),
+            **({"tracking": self.tracking.state()} if self.tracking is not None else {}),
             "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
         }
         directory = self.config.trainer.checkpoint_dir

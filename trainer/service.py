@@ -74,6 +74,7 @@ from fleetrl.trainer.publisher import WeightPublisher
 from fleetrl.trainer.regions import RegionClients
 from fleetrl.trainer.resume import Checkpoints
 from fleetrl.trainer.round_trips import RoundTrips
+from fleetrl.trainer.tracking import TrainerTracking
 
 log = get_logger(__name__)
 
@@ -116,7 +117,10 @@ class Trainer:
         self.announcer: ControlPlane | None = None
         self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits, waste=self.cost)
         self.step, self.version = 0, 0
-        self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics)
+        self.tracking = TrainerTracking(config, on_drop=lambda name: self.metrics.tracking_dropped.labels(name).inc())
+        """Experiment figures (trainer/tracking/): each step's, released once a checkpoint covers it."""
+        self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics,
+                                       self.tracking)
         self.round_trips = RoundTrips(self.metrics)
         self._version_at: dict[int, float] = {}
         """When each recent version became the newest: a group sent ahead for it could start then."""
@@ -137,6 +141,8 @@ class Trainer:
             stack.push_async_callback(self.publisher.close, self.config.trainer.drain_timeout_s)
             self.announcer = announcer
             await self._restore_or_start()
+            self.tracking.start()
+            stack.push_async_callback(asyncio.to_thread, self.tracking.close)
             await asyncio.to_thread(self.prices.load)
             stack.push_async_callback(self._stop_pricing)
             limits = RecordLimits.from_config(self.config)
@@ -313,6 +319,9 @@ class Trainer:
         self.metrics.clip_fraction.set(stats.clip_fraction)
         self.metrics.approx_kl.set(stats.approx_kl)
         self.result.rewards.append(batch.stats["reward_mean"])
+        cost = self.cost.step_fields(time.time(), len(groups), stats.tokens)
+        self.tracking.record_step(self.step, self.version, groups, batch_stats=batch.stats, stats=stats,
+                                  seconds=seconds, cost_fields=cost)
         log.info("step.done", step=self.step, version=self.version, reward_mean=round(batch.stats["reward_mean"], 4),
                  reward_std=round(batch.stats["reward_std"], 4), loss=round(stats.loss, 5),
                  grad_norm=round(stats.grad_norm, 4), clip_fraction=stats.clip_fraction,
@@ -321,7 +330,7 @@ class Trainer:
                  tokens=stats.tokens, lag_max=batch.stats["lag_max"],
                  lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3),
                  **_reward_parts(groups), **self.round_trips.summary(),
-                 **self.cost.step_fields(time.time(), len(groups), stats.tokens))
+                 **cost)
         if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True
@@ -388,6 +397,7 @@ class Trainer:
         """Save everything the next start needs, then (only then) commit the offsets it covers."""
         assert self.clients is not None
         await self.checkpoints.save(self.step, self.version, self.clients)
+        self.tracking.release(self.step)
 
     async def _drain(self) -> None:
         """Bounded shutdown: what was trained is published, checkpointed and committed."""

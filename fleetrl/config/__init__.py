@@ -28,6 +28,7 @@ from fleetrl.config.reward import RewardConfig, RewardFunctionConfig
 from fleetrl.config.rollout import RolloutConfig
 from fleetrl.config.secrets import Secret, SecretField, register_all, secret_fields
 from fleetrl.config.tiny_model import TinyModelConfig
+from fleetrl.config.tracking import TrackingConfig
 from fleetrl.config.trainer import LearnerEmulation, TrainerConfig
 from fleetrl.config.transport import (
     HubConfig,
@@ -77,6 +78,7 @@ __all__ = [
     "TinyModelConfig",
     "TopicPartitions",
     "TorchEngineConfig",
+    "TrackingConfig",
     "TrainerConfig",
     "VllmEngineConfig",
     "apply_env_overrides",

@@ -18,6 +18,7 @@ from fleetrl.config.policy import ModelConfig
 from fleetrl.config.region import RegionConfig
 from fleetrl.config.reward import RewardConfig
 from fleetrl.config.rollout import RolloutConfig
+from fleetrl.config.tracking import TrackingConfig
 from fleetrl.config.trainer import TrainerConfig
 from fleetrl.config.transport import HubConfig, KafkaConfig, MqttConfig, StoreConfig
 
@@ -37,6 +38,7 @@ class FleetConfig(Model):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     regions: list[RegionConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -180,6 +180,8 @@ def _resolve_paths(config: FleetConfig, base: pathlib.Path) -> None:
     ckpt = pathlib.Path(config.trainer.checkpoint_dir)
     if not ckpt.is_absolute():
         config.trainer.checkpoint_dir = str((base / ckpt).resolve())
+    if config.tracking.output_dir is not None:
+        config.tracking.output_dir = _resolve(base, config.tracking.output_dir)
 
 
 def _resolve(base: pathlib.Path, path: str) -> str:

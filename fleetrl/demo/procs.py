@@ -8,6 +8,7 @@ PR_SET_PDEATHSIG, so it dies with the demo even if the demo itself is killed wit
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import os
@@ -89,6 +90,19 @@ def effective_config(config: FleetConfig, workdir: pathlib.Path) -> FleetConfig:
         c.rollout.metrics_port = 0
     if c.hub.replicator_metrics_port:  # likewise the replicators
         c.hub.replicator_metrics_port = 0
+    return c
+
+
+def with_tracking(config: FleetConfig, args: argparse.Namespace, out: pathlib.Path) -> FleetConfig:
+    """The trainer's experiment records under the run's output (`OUT/tracking/`: metrics.jsonl, event
+    files, offline runs; emptied first, as every demo run starts fresh), unless the config names a folder;
+    `--report-to` overrides `tracking.report_to`."""
+    c = config.model_copy(deep=True)
+    if getattr(args, "report_to", None) is not None:
+        c.tracking.report_to = list(args.report_to)
+    if c.tracking.output_dir is None:
+        shutil.rmtree(out / "tracking", ignore_errors=True)
+        c.tracking.output_dir = str(out / "tracking")
     return c
 
 

@@ -61,6 +61,7 @@ from fleetrl.demo.procs import (
     loopback_ports,
     signing_keys,
     stop_all,
+    with_tracking,
     write_config,
 )
 from fleetrl.demo.relay import Relay, RelayHub
@@ -137,7 +138,7 @@ class Demo:
         self.workdir = fresh_workdir(pathlib.Path(self.args.workdir) if self.args.workdir else default, default)
         self.out = pathlib.Path(getattr(self.args, "out", None) or self.workdir).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
-        self.config = effective_config(self.config, self.workdir)
+        self.config = with_tracking(effective_config(self.config, self.workdir), self.args, self.out)
         self.dead_letters = DeadLetterTally(self.config)
         trainer_keys = signing_keys(self.config)
         self.progress = Progress(self.steps, {r.name: RegionView() for r in self.config.regions})

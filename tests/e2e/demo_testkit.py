@@ -132,8 +132,25 @@ def run_demo(config: pathlib.Path, work: pathlib.Path, *chaos: str, steps: int |
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     done = steps if steps is not None and duration_s is None else summary["steps"]
     assert [r["step"] for r in rows] == list(range(1, done + 1))
+    assert_tracked(config, out_dir / "tracking", done)
     summary["_output"], summary["_rows"] = out, rows
     return summary
+
+
+def assert_tracked(config: pathlib.Path, folder: pathlib.Path, steps: int) -> list[dict[str, Any]]:
+    """The trainer's own metrics.jsonl, and TensorBoard's event files where the config asks for them, hold
+    every step exactly once, whatever was killed and restarted (trainer/tracking/session.py)."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "table" not in r] == list(range(1, steps + 1))
+    if "tensorboard" in (yaml.safe_load(config.read_text()).get("tracking") or {}).get("report_to", []):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        (run,) = (folder / "tensorboard").iterdir()  # one run, continued by every restarted trainer
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        for tag in ("train/reward_mean", "train/loss", "train/entropy", "train/tokens_per_s"):
+            assert [e.step for e in acc.Scalars(tag)] == list(range(1, steps + 1)), tag
+    return rows
 
 
 def assert_accounted(summary: dict[str, Any], steps: int | None = STEPS) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from demo_testkit import STALL, alive, ctrl_c_reaches_it
+from demo_testkit import STALL, alive, assert_tracked, ctrl_c_reaches_it
 from slowdown import scaled
 
 from fleetrl.demo.supervision import BACKOFF_MAX_S, START_LIMIT
@@ -86,6 +86,9 @@ def _finish(proc: subprocess.Popen[str]) -> str:
 
 def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: pathlib.Path,
                                                                   workdir: pathlib.Path) -> None:
+    doc = yaml.safe_load(demo_config.read_text())
+    doc["tracking"]["samples_every"] = 2  # a table of samples within the run's few steps
+    demo_config.write_text(yaml.safe_dump(doc))
     proc = _demo(demo_config, workdir)
     out = _finish(proc)
     assert proc.returncode == 0, out[-4000:]
@@ -116,6 +119,15 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
     assert summary["still_running"] == []
     assert [name for name, pid in pids.items() if alive(pid)] == []
     assert summary["exit_codes"] and all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
+    # The trainer's experiment records (the shipped config feeds TensorBoard): every step once, sample tables.
+    rows = assert_tracked(demo_config, workdir / "tracking", STEPS)
+    tables = [r for r in rows if r.get("table") == "samples"]
+    assert [t["step"] for t in tables] == list(range(2, STEPS + 1, 2)) and tables[0]["rows"], tables
+    steps = [r for r in rows if "table" not in r]
+    per_region = {k: v for k, v in steps[0].items() if k.startswith("train/groups/")}
+    assert set(per_region) == {f"train/groups/{r}" for r in summary["regions"]}  # every region, 0 included
+    assert sum(per_region.values()) == groups_per_step
+    assert steps[-1]["cost/usd_total"] > 0  # the shipped config prices its regions
 
 
 def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_config: pathlib.Path,

@@ -75,6 +75,7 @@ async def _trainer_until(cfg: pathlib.Path, event: str | None, sig: signal.Signa
 async def test_sigkill_mid_step_then_restart_trains_every_group_once(
         make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path, lora: bool) -> None:
     config = make_fleet(max_staleness=1)
+    config.tracking.report_to = ["tensorboard"]  # read back below: no step twice across the kills and crashes
     if lora:  # a LoRA policy: the checkpoints hold its adapter, the hub its base once
         model = config.model.model_copy(update={"lora": LoraAdapterConfig(r=4, target_modules="all-linear")})
         config = config.model_copy(update={"model": model})
@@ -87,6 +88,10 @@ async def test_sigkill_mid_step_then_restart_trains_every_group_once(
     try:
         rc, ev = await _trainer_until(cfg, "step.started", signal.SIGKILL, skip=2)  # inside step 3
         assert rc == -signal.SIGKILL
+        if not lora:  # a step trained, its checkpoint not durable: it is redone, its figures must not show twice
+            crash = {"FLEETRL_CRASH_AT": "trainer.checkpoint.weights_written"}
+            rc, ev = await _trainer_until(cfg, None, None, env=crash)
+            assert rc == -signal.SIGKILL and any(e.get("event") == "crashpoint.hit" for e in ev), ev[-5:]
         rc, ev = await _trainer_until(cfg, "checkpoint.saved", signal.SIGKILL)  # before the commit
         assert rc == -signal.SIGKILL and any(e["event"] == "trainer.started" and e["resumed"] for e in ev)
         rc, ev = await _trainer_until(cfg, "step.done", signal.SIGTERM)
@@ -110,11 +115,32 @@ async def test_sigkill_mid_step_then_restart_trains_every_group_once(
     assert report["ok"] and not report["lost"] and not report["trained_twice"]
     assert report["trained"] == STEPS * config.algorithm.groups_per_step
     assert report["dispatched"] >= report["trained"]
+    _one_tensorboard_run_with_every_step_once(config)
     if lora:  # three restarts found the base again: one version of full weights, every other an adapter on it
         with Hub.from_config(config) as hub:
             bases = [v for v in hub.versions() if hub.manifest(v).adapter is None]
             assert bases == [0] and all(hub.manifest(v).base == 0 for v in hub.versions()[1:])
             assert hub.latest() == hub.versions()[-1]
+
+
+def _one_tensorboard_run_with_every_step_once(config: FleetConfig) -> None:
+    """The trainer processes (SIGKILLed, crashed, SIGTERMed, run to the end) wrote one TensorBoard run and one
+    metrics.jsonl, each step exactly once: a step's figures leave only once a checkpoint covers it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fleetrl.trainer.tracking import tracking_dir
+
+    folder = tracking_dir(config)
+    assert [p.name for p in (folder / "tensorboard").iterdir()] == [config.run]  # the same run, continued
+    # Read as TensorBoard reads it: a killed writer may have put a step on disk that its restart sends
+    # again (it had not noted it flushed); the restart's `purge_step` hides the older copy. metrics.jsonl,
+    # below, is exact: a step released before its checkpoint was durable would show twice there.
+    acc = EventAccumulator(str(folder / "tensorboard" / config.run))
+    acc.Reload()
+    for tag in ("train/loss", "train/reward_mean", "train/grad_norm"):
+        assert [e.step for e in acc.Scalars(tag)] == list(range(1, STEPS + 1)), tag
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "table" not in r] == list(range(1, STEPS + 1))
 
 
 async def test_daemon_under_torchrun_two_ranks(make_fleet: Callable[..., FleetConfig], tmp_path: pathlib.Path) -> None:

@@ -104,7 +104,14 @@ class ScriptedRollout:
 
 async def test_each_valid_group_trained_once_malformed_dead_lettered_stale_counted(
         make_fleet: Callable[..., FleetConfig]) -> None:
+    """Also tracking on the real path: TensorBoard and an MLflow server nobody listens on (it costs no
+    step, and is disabled once); every step's figures in metrics.jsonl and the event files, once."""
+    from fleetrl.devstack import free_port
+
     config = make_fleet()
+    config.tracking.report_to = ["tensorboard", "mlflow"]
+    config.tracking.mlflow_tracking_uri = f"http://127.0.0.1:{free_port()}"
+    config.tracking.samples_every = 2
     await ensure_topics(config, REGION)
     learner = Learner(config.model, config.algorithm, DistContext())
     trainer = Trainer(config, reverse_prompts, learner)
@@ -150,6 +157,32 @@ async def test_each_valid_group_trained_once_malformed_dead_lettered_stale_count
     assert regenerated >= 3 * 2  # three groups of two samples, each at least a token long
     assert m.get_sample_value("fleetrl_cost_tokens_regenerated_total", {"region": REGION}) == regenerated
     assert ckpt.state["cost"]["regions"][REGION][2] == len(trained)  # groups trained, in the checkpoint
+    _check_tracking(config, trainer)
+
+
+def _check_tracking(config: FleetConfig, trainer: Trainer) -> None:
+    """Every step's figures once in metrics.jsonl and in TensorBoard's event files; MLflow disabled."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fleetrl.trainer.tracking import tracking_dir
+
+    folder = tracking_dir(config)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steps = list(range(1, trainer.step + 1))
+    assert [r["step"] for r in rows if "table" not in r] == steps
+    assert [r["step"] for r in rows if "table" in r] == [s for s in steps if s % 2 == 0]
+    expected = {"train/reward_mean", "train/reward_std", "train/loss", "train/kl", "train/entropy",
+                "train/clip_fraction", "train/grad_norm", "train/staleness_mean", "train/tokens_per_s",
+                "train/groups", f"train/groups/{REGION}"}
+    assert expected <= set(rows[0]) and rows[0]["train/entropy"] > 0
+    assert [r["train/reward_mean"] for r in rows if "table" not in r] == pytest.approx(trainer.result.rewards)
+    acc = EventAccumulator(str(folder / "tensorboard" / config.run))
+    acc.Reload()
+    for tag in expected:
+        assert [e.step for e in acc.Scalars(tag)] == steps, tag
+    assert set(trainer.tracking.log.failed()) == {"mlflow"}
 
 
 async def test_an_unreachable_region_does_not_stop_training(make_fleet: Callable[..., FleetConfig]) -> None:
