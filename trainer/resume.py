@@ -26,6 +26,7 @@ from fleetrl.log import get_logger
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
+from fleetrl.trainer.eval_runner import EvalRunner
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
 from fleetrl.trainer.learner import Learner
 from fleetrl.trainer.metrics import TrainerMetrics
@@ -40,9 +41,9 @@ class Checkpoints:
     report into (handed to `RegionClients` once restored)."""
 
     def __init__(self, config: FleetConfig, learner: Learner, collector: Collector, dispatcher: Dispatcher,
-                 cost: CostMeter, metrics: TrainerMetrics) -> None:
+                 cost: CostMeter, metrics: TrainerMetrics, evals: EvalRunner | None = None) -> None:
         self.config, self.learner, self.collector = config, learner, collector
-        self.dispatcher, self.cost, self.metrics = dispatcher, cost, metrics
+        self.dispatcher, self.cost, self.metrics, self.evals = dispatcher, cost, metrics, evals
         self.saved_step = -1
         self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
 
@@ -64,6 +65,8 @@ class Checkpoints:
         step, version, self.saved_step = int(s["step"]), int(s["version"]), int(s["step"])
         self.collector.restore(s["collector"], drawn=int(s["dispatcher"]["next_index"]))
         self.cost.restore(s.get("cost", {}))
+        if self.evals is not None:
+            self.evals.restore(s.get("eval"))
         self.dispatcher.restore(s["dispatcher"], prompts())
         self.offsets = {r: {(t, int(p)): int(o) for t, p, o in rows} for r, rows in s["offsets"].items()}
         for r in self.config.regions:
@@ -120,6 +123,7 @@ class Checkpoints:
         state = {
             "run": self.config.run, "step": step, "version": version, "saved_at": time.time(),
             "collector": self.collector.state(), "dispatcher": self.dispatcher.state(), "cost": self.cost.state(),
+            **({"eval": self.evals.state()} if self.evals is not None else {}),
             "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
         }
         directory = self.config.trainer.checkpoint_dir

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +66,7 @@ from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.eval_runner import EvalRunner, ExperimentLog
 from fleetrl.trainer.handover import Handover
 from fleetrl.trainer.learner import Learner, StepStats
 from fleetrl.trainer.metrics import TrainerMetrics
@@ -97,7 +98,9 @@ class TrainerResult:
 
 class Trainer:
     def __init__(self, config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]], learner: Learner,
-                 *, metrics: TrainerMetrics | None = None, use_mqtt: bool = True) -> None:
+                 *, metrics: TrainerMetrics | None = None, use_mqtt: bool = True,
+                 eval_prompts: Mapping[str, Sequence[PromptItem]] | None = None,
+                 experiment_log: ExperimentLog | None = None) -> None:
         self.config, self.learner, self._prompts = config, learner, prompts
         self.metrics = metrics or TrainerMetrics()
         self.use_mqtt = use_mqtt
@@ -115,8 +118,11 @@ class Trainer:
         self.clients: RegionClients | None = None
         self.announcer: ControlPlane | None = None
         self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits, waste=self.cost)
-        self.step, self.version = 0, 0
-        self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics)
+        self.evals = EvalRunner(config, eval_prompts or {}, self._send_eval, self.credits, experiment_log)
+        """Held-out evaluations on the fleet (eval_runner.py): their groups never reach the collector."""
+        self.step, self.version, self._target = 0, 0, 0
+        self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics,
+                                       self.evals)
         self.round_trips = RoundTrips(self.metrics)
         self._version_at: dict[int, float] = {}
         """When each recent version became the newest: a group sent ahead for it could start then."""
@@ -126,6 +132,7 @@ class Trainer:
 
     async def run(self, max_steps: int | None = None, stop: asyncio.Event | None = None) -> TrainerResult:
         target = max_steps if max_steps is not None else self.config.algorithm.max_steps
+        self._target = target
         stop = stop or asyncio.Event()
         async with AsyncExitStack() as stack:
             hub = Hub.from_config(self.config)
@@ -147,6 +154,7 @@ class Trainer:
             stack.push_async_callback(self.handover.close)
             self.handover.start()
             await self._loop(target, stop)
+            await self._finish_evals(stop)
             await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
         self.result.steps, self.result.version = self.step, self.version
         self.result.trained_groups = self.collector.ledger.trained_count
@@ -160,6 +168,7 @@ class Trainer:
         assert self.clients is not None
         if self.publisher.last is not None:
             await self.publisher.announce()
+        self.evals.on_start(self.version, self.step)
         while self.step < target and not stop.is_set():
             now = time.time()
             moved = await self.dispatcher.redispatch_silent(now, self.config.trainer.silent_region_timeout_s)
@@ -179,6 +188,17 @@ class Trainer:
                 log.info("trainer.out_of_work", step=self.step, admitted=self.dispatcher.admitted)
                 break
 
+    async def _finish_evals(self, stop: asyncio.Event) -> None:
+        """Training is done: take in the evaluations still out (bounded by `eval.finish_timeout_s`)."""
+        assert self.clients is not None
+        deadline = time.monotonic() + self.config.eval.finish_timeout_s
+        while self.evals.unfinished and not stop.is_set() and time.monotonic() < deadline:
+            _, polled = await asyncio.gather(self.evals.dispatch(time.time(), self.dispatcher.per_region()),
+                                             self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
+            await self._handle(polled)
+        if self.evals.unfinished:
+            log.warning("eval.unfinished", evals=[(e.set_name, e.version) for e in self.evals.book.unfinished()])
+
     async def _stop_pricing(self) -> None:
         """A price read still in flight (a thread: it cannot be cancelled) ends within its own timeout."""
         if self._pricing is not None:
@@ -193,6 +213,11 @@ class Trainer:
     async def _on_group(self, region: str, delivery: Any) -> None:
         record = delivery.record
         assert isinstance(record, GroupRecord)
+        if record.eval is not None and record.run == self.config.run:
+            self.evals.on_group(record, self.step)  # never trained: the eval's own books
+            assert self.clients is not None
+            self.clients.handled(region, delivery)
+            return
         now = time.time()
         flight = self.dispatcher.in_flight.get(record.group_id)
         latency = None
@@ -243,6 +268,17 @@ class Trainer:
 
     async def _send_prompt(self, region: str, record: Any) -> None:
         """One bounded send: a partitioned region costs the loop one request timeout, then it is skipped."""
+        partition, offset = await self._produce_prompt(region, record)
+        crash_point("trainer.dispatch.prompt_produced")
+        self.collector.note_dispatched(record.group_id, region, partition, offset)
+        crash_point("trainer.dispatch.ledger_updated")
+        self.metrics.dispatched.labels(region).inc()
+
+    async def _send_eval(self, region: str, record: Any) -> None:
+        """An eval prompt: sent as a training prompt is, counted in the eval books, not the ledger."""
+        await self._produce_prompt(region, record)
+
+    async def _produce_prompt(self, region: str, record: Any) -> tuple[int, int]:
         assert self.clients is not None
         timeout_s = self.config.kafka.request_timeout_s
         try:
@@ -253,10 +289,7 @@ class Trainer:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
                              retriable=True) from exc
-        crash_point("trainer.dispatch.prompt_produced")
-        self.collector.note_dispatched(record.group_id, region, partition, offset)
-        crash_point("trainer.dispatch.ledger_updated")
-        self.metrics.dispatched.labels(region).inc()
+        return partition, offset
 
     async def _hand_over(self, now: float) -> None:
         """Move the work of regions whose nodes are all draining, offline or silent; a gone region is
@@ -302,6 +335,7 @@ class Trainer:
             self.cost.on_trained(g.region, sum(len(smp.completion_ids) for smp in g.samples))
         self.step += 1
         self.version = await self._publish_step(self.version + 1, self.learner.snapshot_wait_s - cast_wait0)
+        self.evals.on_published(self.version, self.step, last=self.step >= self._target)
         self._version_at[self.version] = time.time()
         self._version_at.pop(self.version - 64, None)  # (groups ask at most `dispatch_ahead_steps` ahead)
         self.result.step_spans.append((wall0, time.time()))
@@ -322,14 +356,17 @@ class Trainer:
                  lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3),
                  **_reward_parts(groups), **self.round_trips.summary(),
                  **self.cost.step_fields(time.time(), len(groups), stats.tokens))
-        if self.step % self.config.trainer.checkpoint_every == 0:
+        # The last step's checkpoint waits for its evaluations (`_finish_evals`, then `_drain`): it holds them done.
+        if self.step % self.config.trainer.checkpoint_every == 0 and not (self.evals.enabled and self.step >= self._target):
             await self._checkpoint()
         return True
 
     async def _dispatch(self, now: float) -> int:
-        """Admit and send what the bound allows now (prompts ask for the newest version)."""
-        return await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
+        """Admit and send what the bound allows now (prompts ask for the newest version), and the eval
+        prompts their share allows."""
+        sent = await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
                                               released=self.collector.ledger.stale_count)
+        return sent + await self.evals.dispatch(now, self.dispatcher.per_region())
 
     async def _handle(self, polled: dict[str, list[Any]]) -> None:
         for region, deliveries in polled.items():

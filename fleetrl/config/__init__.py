@@ -10,6 +10,7 @@ from fleetrl.config.engine import (
     TorchEngineConfig,
     VllmEngineConfig,
 )
+from fleetrl.config.eval import GREEDY_TEMPERATURE, EvalConfig, EvalSetConfig
 from fleetrl.config.errors import ConfigError, SecretError
 from fleetrl.config.fleet import FleetConfig
 from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
@@ -50,7 +51,10 @@ __all__ = [
     "EngineConfig",
     "EngineEmulation",
     "EnvConfig",
+    "EvalConfig",
+    "EvalSetConfig",
     "FilePriceConfig",
+    "GREEDY_TEMPERATURE",
     "FleetConfig",
     "HubConfig",
     "KafkaClusterConfig",
