@@ -241,7 +241,8 @@ class RecordLimits:
             max_tokens_per_sample=max(config.algorithm.max_new_tokens, _episode_tokens(config.dataset),
                                       *(s.max_new_tokens or 0 for s in _eval_sets(config))),
             max_prompt_tokens=config.dataset.max_prompt_tokens,
-            max_samples_per_group=max([config.algorithm.n_samples, *(s.samples_per_prompt for s in _eval_sets(config))]),
+            max_samples_per_group=max([config.algorithm.n_samples,
+                                       *(s.samples_per_prompt for s in _eval_sets(config))]),
         )
 
 

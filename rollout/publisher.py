@@ -66,7 +66,8 @@ class GroupPublisher:
         """Score a finished group with the task's reward (`rewards`: an eval set's own) and produce it to
         `trajectories`."""
         try:
-            scores = await (rewards or self.rewards).score(job.prompt.task, reward_input(job, group.samples, self.codec))
+            scores = await (rewards or self.rewards).score(job.prompt.task,
+                                                           reward_input(job, group.samples, self.codec))
         except RewardError as exc:  # the user's reward failed on this group: it goes, the worker goes on
             log.warning("worker.reward_error", group_id=job.group_id, error=str(exc))
             await self.dead_letter(job.delivery, "reward_error", str(exc), "reward")

@@ -26,8 +26,8 @@ from fleetrl.log import get_logger
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
-from fleetrl.trainer.eval_runner import EvalRunner
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.eval_runner import EvalRunner
 from fleetrl.trainer.learner import Learner
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher

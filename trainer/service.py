@@ -357,7 +357,8 @@ class Trainer:
                  **_reward_parts(groups), **self.round_trips.summary(),
                  **self.cost.step_fields(time.time(), len(groups), stats.tokens))
         # The last step's checkpoint waits for its evaluations (`_finish_evals`, then `_drain`): it holds them done.
-        if self.step % self.config.trainer.checkpoint_every == 0 and not (self.evals.enabled and self.step >= self._target):
+        last_with_evals = self.evals.enabled and self.step >= self._target
+        if self.step % self.config.trainer.checkpoint_every == 0 and not last_with_evals:
             await self._checkpoint()
         return True
 

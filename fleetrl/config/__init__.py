@@ -10,8 +10,8 @@ from fleetrl.config.engine import (
     TorchEngineConfig,
     VllmEngineConfig,
 )
-from fleetrl.config.eval import GREEDY_TEMPERATURE, EvalConfig, EvalSetConfig
 from fleetrl.config.errors import ConfigError, SecretError
+from fleetrl.config.eval import GREEDY_TEMPERATURE, EvalConfig, EvalSetConfig
 from fleetrl.config.fleet import FleetConfig
 from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
 from fleetrl.config.policy import LoraAdapterConfig, ModelConfig
@@ -41,6 +41,7 @@ from fleetrl.config.transport import (
 )
 
 __all__ = [
+    "GREEDY_TEMPERATURE",
     "AgentConfig",
     "AlgorithmConfig",
     "AwsSpotPriceConfig",
@@ -54,7 +55,6 @@ __all__ = [
     "EvalConfig",
     "EvalSetConfig",
     "FilePriceConfig",
-    "GREEDY_TEMPERATURE",
     "FleetConfig",
     "HubConfig",
     "KafkaClusterConfig",
