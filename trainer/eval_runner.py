@@ -80,7 +80,7 @@ class EvalRunner:
 
     def _schedule(self, version: int, step: int) -> None:
         for s in self.cfg.sets:
-            ev = self.book.schedule(s.name, version, step, len(self.prompts[s.name]))
+            ev = self.book.schedule(s.name, version, step, min(s.num_prompts, len(self.prompts[s.name])))
             if ev is not None:
                 log.info("eval.scheduled", set=s.name, version=version, step=step, prompts=ev.prompts)
 
