@@ -111,9 +111,10 @@ class Checkpoints:
         log.info("trainer.started", version=version, resumed=False)
         return version
 
-    async def save(self, step: int, version: int, clients: RegionClients) -> None:
-        """Save everything the next start needs, then (only then) commit the offsets it covers."""
-        if step == self.saved_step:
+    async def save(self, step: int, version: int, clients: RegionClients, *, amend: bool = False) -> None:
+        """Save everything the next start needs, then (only then) commit the offsets it covers. `amend`: the
+        step's checkpoint exists already; replace its loop state (what settled since: evaluations)."""
+        if step == self.saved_step and not amend:
             return
         t0 = time.monotonic()
         covered = clients.take_handled()
@@ -127,6 +128,11 @@ class Checkpoints:
             "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
         }
         directory = self.config.trainer.checkpoint_dir
+        if step == self.saved_step:
+            path = await asyncio.to_thread(checkpoint.amend_state, directory, step, state)
+            log.info("checkpoint.amended", step=step, path=str(path))
+            await clients.commit(covered)
+            return
         tmp = await asyncio.to_thread(checkpoint.begin, directory, step)
         await asyncio.to_thread(self.learner.save_shards, str(tmp / checkpoint.WEIGHTS_DIR))
         crash_point("trainer.checkpoint.weights_written")

@@ -189,10 +189,14 @@ class Trainer:
                 break
 
     async def _finish_evals(self, stop: asyncio.Event) -> None:
-        """Training is done: take in the evaluations still out (bounded by `eval.finish_timeout_s`)."""
+        """Training is done: take in the evaluations still out, bounded by `eval.finish_timeout_s` (by half
+        of `trainer.drain_timeout_s` when a signal stopped the trainer: its drain is bounded)."""
         assert self.clients is not None
-        deadline = time.monotonic() + self.config.eval.finish_timeout_s
-        while self.evals.unfinished and not stop.is_set() and time.monotonic() < deadline:
+        bound = self.config.eval.finish_timeout_s
+        if stop.is_set():
+            bound = min(bound, self.config.trainer.drain_timeout_s / 2)
+        deadline = time.monotonic() + bound
+        while self.evals.unfinished and time.monotonic() < deadline:
             _, polled = await asyncio.gather(self.evals.dispatch(time.time(), self.dispatcher.per_region()),
                                              self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
             await self._handle(polled)
@@ -356,9 +360,7 @@ class Trainer:
                  lag_mean=round(batch.stats["lag_mean"], 3), groups=len(groups), seconds=round(seconds, 3),
                  **_reward_parts(groups), **self.round_trips.summary(),
                  **self.cost.step_fields(time.time(), len(groups), stats.tokens))
-        # The last step's checkpoint waits for its evaluations (`_finish_evals`, then `_drain`): it holds them done.
-        last_with_evals = self.evals.enabled and self.step >= self._target
-        if self.step % self.config.trainer.checkpoint_every == 0 and not last_with_evals:
+        if self.step % self.config.trainer.checkpoint_every == 0:
             await self._checkpoint()
         return True
 
@@ -432,6 +434,9 @@ class Trainer:
         await self.publisher.flush()
         if self.step != self.checkpoints.saved_step and self.step > 0:
             await self._checkpoint()
+        elif self.evals.enabled and self.step > 0:  # the evaluations taken in since the step's checkpoint
+            assert self.clients is not None
+            await self.checkpoints.save(self.step, self.version, self.clients, amend=True)
         log.info("trainer.drained", step=self.step, version=self.version)
 
 

@@ -1,8 +1,8 @@
 """`reward.png`: a demo run at a glance (matplotlib, drawn off-screen).
 
 Top: the mean reward of each step (the spread of its samples shaded), and each held-out evaluation's
-pass@1 and mean reward at the step that published its version (the eval curve, `eval.sets`). Bottom: the staleness of the
-groups each step trained (mean and max, in policy versions). Every injected fault is a vertical line
+pass@1 and mean reward at the step that published its version (the eval curve, `eval.sets`). Bottom:
+the staleness of the groups each step trained (mean and max, in policy versions). Every injected fault is a vertical line
 at the step the trainer was on when it happened, coloured by kind; a partition is a shaded span.
 """
 
