@@ -29,6 +29,7 @@ from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import PromptItem
 from fleetrl.trainer.eval_book import EvalBook, Evaluation, Flight, eval_group_id, parse_eval_group_id
 from fleetrl.trainer.eval_figures import ReturnedGroup
+from fleetrl.trainer.metrics import TrainerMetrics
 
 log = get_logger(__name__)
 
@@ -49,8 +50,10 @@ TABLE_COLUMNS = ("set", "version", "prompts", "samples", "pass@1", "pass@k", "re
 
 class EvalRunner:
     def __init__(self, config: FleetConfig, prompts: Mapping[str, Sequence[PromptItem]], send: SendEval,
-                 credits: RegionCredits, experiment_log: ExperimentLog | None = None) -> None:
+                 credits: RegionCredits, experiment_log: ExperimentLog | None = None,
+                 metrics: TrainerMetrics | None = None) -> None:
         self.config, self.cfg, self.send, self.credits = config, config.eval, send, credits
+        self.metrics = metrics
         self.prompts = dict(prompts)
         self.experiment_log = experiment_log
         self.book = EvalBook(config.run)
@@ -114,6 +117,8 @@ class EvalRunner:
         for ev, index, flight in sends:
             ev.in_flight[index] = flight
         results = await asyncio.gather(*(self._send(ev, index, flight) for ev, index, flight in sends))
+        if self.metrics is not None:
+            self.metrics.eval_groups_in_flight.set(self.book.in_flight())
         return sum(results)
 
     def _pick(self, now: float, per_region: Mapping[str, int], exclude: frozenset[str] = frozenset()) -> str:
@@ -164,6 +169,11 @@ class EvalRunner:
         f = ev.measure(s.samples_per_prompt, s.pass_threshold)
         ev.row = {"step": ev.step, **f.row()}
         log.info("eval.done", step=ev.step, resent=ev.resent, duplicates=ev.duplicates, **f.row())
+        if self.metrics is not None:
+            self.metrics.eval_pass_at_1.labels(ev.set_name).set(f.pass_at_1)
+            self.metrics.eval_reward_mean.labels(ev.set_name).set(f.reward_mean)
+            self.metrics.eval_version.labels(ev.set_name).set(ev.version)
+            self.metrics.eval_groups_in_flight.set(self.book.in_flight())
         if self.experiment_log is not None:
             self.experiment_log.scalars(ev.step, f.scalars())
             self.experiment_log.table(ev.step, f"eval/{ev.set_name}", TABLE_COLUMNS,

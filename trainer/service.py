@@ -118,7 +118,7 @@ class Trainer:
         self.clients: RegionClients | None = None
         self.announcer: ControlPlane | None = None
         self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits, waste=self.cost)
-        self.evals = EvalRunner(config, eval_prompts or {}, self._send_eval, self.credits, experiment_log)
+        self.evals = EvalRunner(config, eval_prompts or {}, self._send_eval, self.credits, experiment_log, self.metrics)
         """Held-out evaluations on the fleet (eval_runner.py): their groups never reach the collector."""
         self.step, self.version, self._target = 0, 0, 0
         self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics,

@@ -105,9 +105,13 @@ class EvalConfig(Model):
         return self
 
 
-def check_eval(eval_cfg: EvalConfig, dataset: DatasetConfig, algorithm: Any) -> None:
+def check_eval(eval_cfg: EvalConfig, dataset: DatasetConfig, model: Any) -> None:
     """Cross-section checks (FleetConfig calls it): a set's task must be known to the records, a
-    generated set must not be the training stream, and a set must fit the sample bounds."""
+    generated set must not be the training stream, greedy sampling is one sample, and the policy is
+    not a LoRA adapter (the workers' eval lane loads full weights only)."""
+    if eval_cfg.sets and getattr(model, "lora", None) is not None:
+        raise ReferenceProblem(("eval", "sets"), "evaluation of a LoRA run (model.lora) is not supported yet: "
+                                                 "the eval lane pins full weights only")
     for i, s in enumerate(eval_cfg.sets):
         task = s.task or dataset.task
         if task not in dataset.known_tasks:

@@ -59,7 +59,7 @@ class FleetConfig(Model):
             for j, node in enumerate(nodes):
                 if nodes.index(node) != j:
                     raise ReferenceProblem(("regions", i, "nodes", j), f"node {node!r} is defined twice")
-        check_eval(self.eval, self.dataset, self.algorithm)
+        check_eval(self.eval, self.dataset, self.model)
         return self
 
     def region(self, name: str) -> RegionConfig:

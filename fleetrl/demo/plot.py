@@ -2,8 +2,9 @@
 
 Top: the mean reward of each step (the spread of its samples shaded), and each held-out evaluation's
 pass@1 and mean reward at the step that published its version (the eval curve, `eval.sets`). Bottom:
-the staleness of the groups each step trained (mean and max, in policy versions). Every injected fault is a vertical line
-at the step the trainer was on when it happened, coloured by kind; a partition is a shaded span.
+the staleness of the groups each step trained (mean and max, in policy versions). Every injected fault
+is a vertical line at the step the trainer was on when it happened, coloured by kind; a partition is a
+shaded span.
 """
 
 from __future__ import annotations
