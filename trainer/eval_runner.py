@@ -54,6 +54,9 @@ class EvalRunner:
                  metrics: TrainerMetrics | None = None) -> None:
         self.config, self.cfg, self.send, self.credits = config, config.eval, send, credits
         self.metrics = metrics
+        self.pin: Callable[[int, bool], None] | None = None
+        """Pins a version in the home store through retention, or releases it (`Hub.pin`; set by the trainer)."""
+        self._pinned: set[int] = set()
         self.prompts = dict(prompts)
         self.experiment_log = experiment_log
         self.book = EvalBook(config.run)
@@ -98,6 +101,7 @@ class EvalRunner:
         `per_region`: the training groups in flight per region (placement sees both)."""
         if not self.book.evals:
             return 0
+        await self._sync_pins()
         sends: list[tuple[Evaluation, int, Flight]] = []
         for ev in self.book.unfinished():
             for index, f in ev.in_flight.items():
@@ -149,6 +153,17 @@ class EvalRunner:
         flight.sent = True
         return 1
 
+    async def _sync_pins(self) -> None:
+        """Retention keeps every version an unfinished evaluation needs (`<run>/pins/<N>` in the home store)."""
+        wanted = self.book.pinned_versions()
+        if self.pin is None or wanted == self._pinned:
+            return
+        for version in sorted(wanted - self._pinned):
+            await asyncio.to_thread(self.pin, version, True)
+        for version in sorted(self._pinned - wanted):
+            await asyncio.to_thread(self.pin, version, False)
+        self._pinned = wanted
+
     # -- arrivals -------------------------------------------------------------------------------
 
     def on_group(self, record: GroupRecord, step: int) -> None:
@@ -187,3 +202,4 @@ class EvalRunner:
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self.book.restore(state)
+        self._pinned = {e.version for e in self.book.evals.values()}  # the finished ones are released again

@@ -141,6 +141,7 @@ class Trainer:
             if self.use_mqtt:
                 announcer = await stack.enter_async_context(ControlPlane(self.config, f"{self.config.run}-trainer"))
             self.publisher = WeightPublisher(hub, announcer, self.metrics)
+            self.evals.pin = hub.pin
             stack.push_async_callback(self.publisher.close, self.config.trainer.drain_timeout_s)
             self.announcer = announcer
             await self._restore_or_start()

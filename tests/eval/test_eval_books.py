@@ -92,6 +92,8 @@ async def test_an_evaluation_goes_out_within_its_share_and_reports_at_the_publis
     sent: list[tuple[str, PromptRecord]] = []
     log = Log()
     runner = _runner(config, sent, log=log)
+    pins: list[tuple[int, bool]] = []
+    runner.pin = lambda version, pinned: pins.append((version, pinned))
     assert runner.max_in_flight == 3  # 0.25 of (1 + 1 + 1) steps x 4 groups
     runner.on_start(version=0, step=0)
     runner.on_published(version=1, step=1, last=False)  # not a multiple of 2
@@ -112,6 +114,8 @@ async def test_an_evaluation_goes_out_within_its_share_and_reports_at_the_publis
         for region, r in sent[n:]:
             runner.on_group(_answer(r, region, [1.0, 0.0] if r.eval == EvalTag("h", 0) else [1.0, 1.0]), step=9)
     assert not runner.unfinished and len(sent) == 10
+    await runner.dispatch(103.0, {})  # nothing left to send: the versions are released from retention
+    assert pins == [(0, True), (2, True), (0, False), (2, False)]
     rows = runner.book.rows()
     assert [(r["version"], r["step"], r["pass@1"], r["pass@2"]) for r in rows] == [(0, 0, 0.5, 1.0), (2, 2, 1.0, 1.0)]
     assert [step for step, _ in log.scalars_at] == [0, 2]  # the steps that published the versions
