@@ -59,7 +59,9 @@ def _engine(config: FleetConfig, args: argparse.Namespace) -> tuple[Any, int, An
     if engine_cfg.kind != "torch":
         engine_cfg = _torch_engine_config()
     if args.model is not None:
-        model_cfg = config.model.model_copy(update={"path": args.model, "tiny": config.model.tiny, "lora": None})
+        # The run's tokenizer: a folder run's (the export carries it), or the tiny model's character tokenizer.
+        tokenizer = config.model.tokenizer if config.model.path is not None else config.model.tokenizer or "char"
+        model_cfg = config.model.model_copy(update={"path": args.model, "tokenizer": tokenizer, "lora": None})
         engine = TorchEngine.from_config(model_cfg, engine_cfg)
         return engine, 0, load_codec(model_cfg, sorted(engine.eos_ids))
     from fleetrl.hub import Hub, UnknownVersion
