@@ -68,8 +68,10 @@ def _engine(config: FleetConfig, args: argparse.Namespace) -> tuple[Any, int, An
 
     with Hub.from_config(config) as hub:
         version = hub.latest() if args.eval_version == "latest" else int(args.eval_version)
-        if version is None:
-            raise UnknownVersion(f"run {config.run!r} has no published version in the home store")
+        held = hub.versions()
+        if version is None or version not in held:
+            raise UnknownVersion(f"the home store of run {config.run!r} holds no version {args.eval_version} "
+                                 f"(it holds {f'{held[0]}..{held[-1]}' if held else 'none'})", argument="--version")
         state = hub.materialize(version)
     engine = TorchEngine.from_config(config.model, engine_cfg)
     engine.stage_weights(state, version)

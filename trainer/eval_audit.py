@@ -69,8 +69,8 @@ def reconcile_evals(dispatched: dict[str, list[tuple[str, int]]], arrived: dict[
         parsed = parse_eval_group_id(gid, run)
         if parsed is None:
             continue
-        ev = book.evals.get((parsed[0], parsed[1]))
-        if ev is None or parsed[2] >= ev.next_index:
+        known = book.evals.get((parsed[0], parsed[1]))
+        if known is None or parsed[2] >= known.next_index:
             out.after_checkpoint += 1
     out.returned_again = sum(len(places) - 1 for gid, places in arrived.items()
                              if len(places) > 1 and parse_eval_group_id(gid, run) is not None)

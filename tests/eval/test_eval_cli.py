@@ -67,3 +67,6 @@ def test_eval_refuses_an_unknown_set_naming_the_field(tmp_path: pathlib.Path,
     assert main(["eval", "--config", str(path), "--version", "0", "--set", "nope"]) != 0
     err = capsys.readouterr().err
     assert "eval.sets" in err and "nope" in err
+    # a version the store does not hold: a bad argument, named
+    assert main(["eval", "--config", str(path), "--version", "7"]) == 2
+    assert "argument --version" in capsys.readouterr().err
