@@ -33,6 +33,10 @@ synchronous trainer over the same workers would split its batch.
 A SIGKILL anywhere leaves the newest checkpoint consistent with itself; what a checkpoint holds and
 how a restart takes it up (republishing its weights when the store moved past it) is `resume.py`'s.
 
+Held-out evaluations (`eval_runner.py`, docs/eval.md) ride the same loop: scheduled when a version is
+published, their prompts sent with the round's dispatch within `eval.max_share`, their groups taken to
+the eval books instead of the collector, and the ones still out taken in before the drain.
+
 A LoRA policy (`model.lora`) publishes its frozen base once, as a version of full weights, before
 its first adapter version (`WeightPublisher.ensure_base`; a restart finds it again); every step's
 version is then the adapter alone.
