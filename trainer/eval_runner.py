@@ -125,6 +125,17 @@ class EvalRunner:
             self.metrics.eval_groups_in_flight.set(self.book.in_flight())
         return sum(results)
 
+    def region_gone(self, region: str) -> int:
+        """`region` is gone (trainer/handover.py): its eval prompts are sent again elsewhere at the next
+        dispatch, from scratch (an eval partial left there is superseded by the new attempt); how many."""
+        moved = 0
+        for ev in self.book.unfinished():
+            for f in ev.in_flight.values():
+                if f.region == region and f.sent and f.dispatched_at > 0.0:
+                    f.dispatched_at = 0.0  # past any deadline: re-sent with the next attempt, excluding `region`
+                    moved += 1
+        return moved
+
     def _pick(self, now: float, per_region: Mapping[str, int], exclude: frozenset[str] = frozenset()) -> str:
         counts = dict(per_region)
         for ev in self.book.evals.values():

@@ -307,6 +307,10 @@ class Trainer:
         partials, prompts = await self.handover.tick(now, self.version, nodes)
         self.metrics.partials_moved.inc(partials)
         self.metrics.redispatched.inc(prompts)
+        gone = self.handover.watch.gone
+        for region, (since, _) in gone.items():  # eval prompts there go elsewhere, while a region serves
+            if now - since >= self.config.rollout.handover_timeout_s and len(gone) < len(self.config.regions):
+                self.evals.region_gone(region)
 
     def _heartbeats(self, now: float) -> None:
         nodes = self.announcer.nodes if self.announcer is not None else {}

@@ -142,6 +142,10 @@ async def test_a_silent_eval_prompt_is_sent_again_elsewhere_and_a_failed_send_wa
     again_region, again = sent[-1]
     assert again.group_id == first.group_id and again.attempt == 1 and again_region != region
     assert runner.book.evals[("h", 0)].resent == 1
+    assert runner.region_gone(again_region) == 1  # its region is gone: sent again at once, elsewhere
+    assert await runner.dispatch(41.0, {}) == 1
+    assert sent[-1][0] != again_region and sent[-1][1].attempt == 2
+    assert runner.region_gone("nowhere") == 0
 
 
 def test_the_audit_finds_a_lost_eval_prompt_and_counts_later_ones_apart() -> None:
