@@ -107,11 +107,14 @@ class EvalConfig(Model):
 
 def check_eval(eval_cfg: EvalConfig, dataset: DatasetConfig, model: Any) -> None:
     """Cross-section checks (FleetConfig calls it): a set's task must be known to the records, a
-    generated set must not be the training stream, greedy sampling is one sample, and the policy is
-    not a LoRA adapter (the workers' eval lane loads full weights only)."""
+    generated set must not be the training stream, greedy sampling is one sample, the policy is not a
+    LoRA adapter (the workers' eval lane loads full weights only) and samples are not episodes."""
     if eval_cfg.sets and getattr(model, "lora", None) is not None:
         raise ReferenceProblem(("eval", "sets"), "evaluation of a LoRA run (model.lora) is not supported yet: "
                                                  "the eval lane pins full weights only")
+    if eval_cfg.sets and dataset.env is not None:
+        raise ReferenceProblem(("eval", "sets"), "evaluation of a run with episodes (dataset.env) is not supported "
+                                                 "yet: the eval lane generates single completions")
     for i, s in enumerate(eval_cfg.sets):
         task = s.task or dataset.task
         if task not in dataset.known_tasks:

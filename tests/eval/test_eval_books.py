@@ -39,6 +39,16 @@ def test_a_bad_eval_section_is_refused_naming_the_field(section: dict[str, Any],
     assert err.value.field == field and words in err.value.message
 
 
+def test_eval_of_lora_or_episodes_is_refused_naming_the_section() -> None:
+    cases = (({"model": {"lora": {"r": 4}}}, "LoRA"), ({"dataset": {"env": {"name": "gsm8k"}}}, "episodes"))
+    for extra, words in cases:
+        data = {"run": "ev", "eval": {"sets": [{"name": "h"}]}, **extra,
+                "regions": [{"name": "a", "kafka": "127.0.0.1:1", "store": "/tmp/x"}]}
+        with pytest.raises(ConfigError) as err:
+            parse_config(yaml.safe_dump(data), source="eval-test.yaml", env={})
+        assert err.value.field == "eval.sets" and words in err.value.message
+
+
 def test_eval_sets_widen_the_record_bounds() -> None:
     from fleetrl.broker import RecordLimits
 
