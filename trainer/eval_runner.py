@@ -110,16 +110,17 @@ class EvalRunner:
                         ev.resent += 1
                         log.warning("eval.resent", set=ev.set_name, version=ev.version, index=index, region=f.region)
                     exclude = frozenset({f.region}) if f.sent else frozenset()
-                    sends.append((ev, index, Flight(self._pick(now, per_region, exclude), f.attempt + int(f.sent),
-                                                    now, sent=False)))
+                    # (in the book at once: the next placement of this round counts it)
+                    ev.in_flight[index] = Flight(self._pick(now, per_region, exclude), f.attempt + int(f.sent), now,
+                                                 sent=False)
+                    sends.append((ev, index, ev.in_flight[index]))
         room = self.max_in_flight - self.book.in_flight()
         for ev in self.book.unfinished():
             while room > 0 and ev.next_index < ev.prompts:
-                sends.append((ev, ev.next_index, Flight(self._pick(now, per_region), 0, now, sent=False)))
+                ev.in_flight[ev.next_index] = Flight(self._pick(now, per_region), 0, now, sent=False)
+                sends.append((ev, ev.next_index, ev.in_flight[ev.next_index]))
                 ev.next_index += 1
                 room -= 1
-        for ev, index, flight in sends:
-            ev.in_flight[index] = flight
         results = await asyncio.gather(*(self._send(ev, index, flight) for ev, index, flight in sends))
         if self.metrics is not None:
             self.metrics.eval_groups_in_flight.set(self.book.in_flight())

@@ -114,6 +114,7 @@ async def test_an_evaluation_goes_out_within_its_share_and_reports_at_the_publis
     first = [r for _, r in sent]
     assert all(r.eval == EvalTag("h", 0) and r.min_version == 0 and r.n_samples == 2 for r in first)
     assert [r.group_id for r in first] == [eval_group_id("ev", "h", 0, i) for i in range(3)]
+    assert {region for region, _ in sent} == {"a", "b"}  # one round's prompts spread over the regions
     for region, r in sent:
         runner.on_group(_answer(r, region, [1.0, 0.0]), step=5)
     runner.on_group(_answer(first[0], "a", [1.0, 1.0]), step=5)  # a second copy: not counted again
