@@ -24,6 +24,7 @@ from fleetrl.broker.records import (
     SCHEMA_PARTIAL,
     SCHEMA_PROMPT,
     SCHEMA_PROMPT_V2,
+    EvalTag,
     FloatArray,
     GroupRecord,
     HandedOverBy,
@@ -125,7 +126,22 @@ def _prompt_map(p: PromptRecord) -> dict[str, Any]:
         **({"messages": p.messages} if p.messages is not None else {}),
         **({"columns": p.columns} if p.columns is not None else {}),
         **({"env": p.env} if p.env is not None else {}),
+        **({"eval": _eval_map(p.eval)} if p.eval is not None else {}),
     }
+
+
+def _eval_map(tag: EvalTag) -> dict[str, Any]:
+    return {"set": tag.set_name, "version": tag.version}
+
+
+def _eval_tag(value: Any) -> EvalTag | None:
+    if value is None:
+        return None
+    ok = isinstance(value, dict) and set(value) == {"set", "version"} and isinstance(value["set"], str) \
+        and isinstance(value["version"], int) and not isinstance(value["version"], bool)
+    if not ok:
+        raise RecordError("malformed", "eval must be {set: str, version: int}", field="eval")
+    return EvalTag(value["set"], value["version"])
 
 
 def _tokens_map(tokens: IntArray, logprobs: FloatArray, versions: IntArray) -> dict[str, Any]:
@@ -147,6 +163,7 @@ def to_map(record: Record) -> dict[str, Any]:
             "timings": {"queued": record.timings.queued, "started": record.timings.started,
                         "finished": record.timings.finished},
             **({"reward_parts": record.reward_parts} if record.reward_parts is not None else {}),
+            **({"eval": _eval_map(record.eval)} if record.eval is not None else {}),
         }
     if isinstance(record, PartialRecord):
         h = record.handed_over_by
@@ -246,6 +263,7 @@ def _prompt(o: dict[str, Any]) -> PromptRecord:
         reference=o.get("reference"), min_version=_i(o, "min_version"),
         dispatched_at=float(o.get("dispatched_at", 0.0)),
         messages=o.get("messages"), columns=_columns(o.get("columns")), env=o.get("env"),
+        eval=_eval_tag(o.get("eval")),
     )
 
 
@@ -284,6 +302,7 @@ def _group(o: dict[str, Any]) -> GroupRecord:
         timings=Timings(queued=float(t.get("queued", 0.0)), started=float(t.get("started", 0.0)),
                         finished=float(t.get("finished", 0.0))),
         reward_parts=_reward_parts(o.get("reward_parts")),
+        eval=_eval_tag(o.get("eval")),
     )
 
 

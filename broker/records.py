@@ -55,6 +55,17 @@ class Sampling:
     max_new_tokens: int = 64
 
 
+@dataclass(frozen=True, slots=True)
+class EvalTag:
+    """Marks a prompt, a partial and a group as held-out evaluation (`fleetrl.prompt/2`, `fleetrl.group/2`):
+    generated only with the weights of `version`, never trained on (DESIGN.md §12)."""
+
+    set_name: str
+    """The eval set (`eval.sets[].name`)."""
+    version: int
+    """The pinned policy version: every token of every sample is generated with exactly these weights."""
+
+
 @dataclass(slots=True)
 class PromptRecord:
     """`fleetrl.prompt/1`: one group of work (one prompt, n samples), produced by the dispatcher."""
@@ -78,11 +89,13 @@ class PromptRecord:
     env: dict[str, Any] | None = None
     """`fleetrl.prompt/2`: the environment that runs the episode, `{name, args}` (DESIGN.md §11); None:
     the run's `dataset.env`, if any."""
+    eval: EvalTag | None = None
+    """`fleetrl.prompt/2`: an eval prompt, pinned to `eval.version` (None: training work)."""
 
     @property
     def schema(self) -> str:
         """`/2` only when a /2 field is set, so that /1 readers keep reading plain prompts."""
-        v2 = self.messages is not None or self.columns is not None or self.env is not None
+        v2 = self.messages is not None or self.columns is not None or self.env is not None or self.eval is not None
         return SCHEMA_PROMPT_V2 if v2 else SCHEMA_PROMPT
 
 
@@ -188,11 +201,15 @@ class GroupRecord:
     timings: Timings = field(default_factory=Timings)
     reward_parts: dict[str, float] | None = None
     """Optional: each custom reward function's mean over the samples (the trainer's step log shows them)."""
+    eval: EvalTag | None = None
+    """`fleetrl.group/2`: an eval group (the collector never batches it), from the prompt's tag."""
 
     @property
     def schema(self) -> str:
-        """`/2` only when a sample carries segments, so that /1 readers keep reading single completions."""
-        return SCHEMA_GROUP_V2 if any(s.segments is not None for s in self.samples) else SCHEMA_GROUP
+        """`/2` only when a sample carries segments or the group is an eval's, so that /1 readers keep
+        reading single completions of training."""
+        v2 = self.eval is not None or any(s.segments is not None for s in self.samples)
+        return SCHEMA_GROUP_V2 if v2 else SCHEMA_GROUP
 
     @property
     def min_version(self) -> int:
@@ -221,10 +238,18 @@ class RecordLimits:
         return cls(
             vocab_size=_vocab_size(config.model),
             known_tasks=config.dataset.known_tasks,
-            max_tokens_per_sample=max(config.algorithm.max_new_tokens, _episode_tokens(config.dataset)),
+            max_tokens_per_sample=max(config.algorithm.max_new_tokens, _episode_tokens(config.dataset),
+                                      *(s.max_new_tokens or 0 for s in _eval_sets(config))),
             max_prompt_tokens=config.dataset.max_prompt_tokens,
-            max_samples_per_group=config.algorithm.n_samples,
+            max_samples_per_group=max([config.algorithm.n_samples,
+                                       *(s.samples_per_prompt for s in _eval_sets(config))]),
         )
+
+
+def _eval_sets(config: Any) -> list[Any]:
+    """The run's eval sets (`eval.sets`): their groups may hold more samples and tokens than training's."""
+    eval_cfg = getattr(config, "eval", None)
+    return list(eval_cfg.sets) if eval_cfg is not None else []
 
 
 def _episode_tokens(dataset: Any) -> int:
@@ -264,6 +289,8 @@ def _check_prompt(p: PromptRecord, limits: RecordLimits) -> None:
         _check_columns(p.columns, g)
     if p.env is not None:
         _check_env(p.env, g)
+    if p.eval is not None:
+        _check_eval(p.eval, g)
     if p.prompt_ids is not None:
         _check_ids("prompt_ids", p.prompt_ids, limits, limits.max_prompt_tokens, g)
     if not 1 <= p.n_samples <= limits.max_samples_per_group:
@@ -292,6 +319,12 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
                               field=f"samples[{i}].finish_reason", group_id=g)
         if not math.isfinite(s.reward):
             raise RecordError("reward", f"reward {s.reward} is not finite", field=f"samples[{i}].reward", group_id=g)
+    if r.eval is not None:
+        _check_eval(r.eval, g)
+        pinned = {int(v) for s in r.samples for v in np.unique(s.versions[s.versions >= 0])}
+        if pinned - {r.eval.version}:
+            raise RecordError("version_bound", f"eval group pinned to version {r.eval.version} holds tokens of "
+                              f"version(s) {sorted(pinned - {r.eval.version})}", field="samples.versions", group_id=g)
     for name, value in (r.reward_parts or {}).items():
         if not isinstance(value, float | int) or not math.isfinite(value):
             raise RecordError("reward", f"reward part {name!r} is {value!r}, not a finite number",
@@ -386,6 +419,12 @@ def _check_columns(columns: dict[str, Any], g: str) -> None:
     if size > MAX_COLUMNS_BYTES:
         raise RecordError("columns_bound", f"columns pack to {size} bytes > {MAX_COLUMNS_BYTES}", field="columns",
                           group_id=g)
+
+
+def _check_eval(tag: EvalTag, g: str) -> None:
+    if not tag.set_name or tag.version < 0:
+        raise RecordError("malformed", f"eval must be {{set: non-empty str, version: int >= 0}}, got {tag}",
+                          field="eval", group_id=g)
 
 
 def _check_env(env: Any, g: str) -> None:

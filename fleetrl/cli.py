@@ -161,6 +161,14 @@ def _add_operations(sub: Any) -> None:
         p = _cmd(ctl, name, "fleetrl.broker.cli:control", helptext)
         _region(p, required=True)
         p.add_argument("--reason", default="", help="recorded with the command")
+    p = _cmd(sub, "eval", "fleetrl.eval_cli:run_eval",
+             "evaluate one policy version (or an exported folder) on the eval sets, here with the torch engine")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--version", dest="eval_version", metavar="N|latest", type=cli_args.version,
+                       help="a version of the run's home store, or `latest`")
+    which.add_argument("--model", metavar="PATH", help="a Hugging Face folder (`fleetrl hub export` writes one)")
+    p.add_argument("--set", metavar="NAME", default=None, help="only this eval set (default: every one)")
+    _json(p)
     p = _cmd(sub, "audit", "fleetrl.trainer.cli:audit",
              "prove every dispatched group was trained once, counted stale or dead-lettered")
     _json(p)

@@ -43,17 +43,10 @@ def check_workload(config: FleetConfig, source: str = "fleet.yaml",
         _check_env(config, fail)
     if "dataset" in parts and config.dataset.path is not None:
         _check_dataset(config, chat_template, fail)
+    if "dataset" in parts:
+        _check_eval_sets(config, fail)
     if "tracking" in parts:
         _check_trackers(config, fail)
-
-
-def _check_trackers(config: FleetConfig, fail: Fail) -> None:
-    """Each tracker of `tracking.report_to` needs its library (its extra), found without importing it."""
-    import importlib.util
-
-    for i, name in enumerate(config.tracking.report_to):
-        if importlib.util.find_spec(name) is None:
-            fail(f"tracking.report_to[{i}]", f"{name} is not installed: pip install 'fleetrl[{name}]'")
 
 
 def _check_model(config: FleetConfig, fail: Fail) -> None:
@@ -138,6 +131,39 @@ def _check_env(config: FleetConfig, fail: Fail) -> None:
                                                f"({config.algorithm.max_new_tokens}), the bound of one model turn")
 
 
+def _check_eval_sets(config: FleetConfig, fail: Fail) -> None:
+    """Each eval set's source reads (its file, its first row, or its task's generator) and its own reward
+    functions import, as the training dataset's and reward's do."""
+    from fleetrl.rollout import TaskError, get_task
+    from fleetrl.rollout.errors import RewardError
+    from fleetrl.rollout.rewards import load_function
+    from fleetrl.trainer import DatasetError, load_rows
+    from fleetrl.trainer.dataset import row_item
+
+    for s in config.eval.sets:
+        where = f"eval.sets[{s.name}]"
+        d = s.dataset(config.dataset)
+        reward = s.reward or config.reward
+        for i, f in enumerate(reward.functions if s.reward is not None else []):
+            try:
+                load_function(f.fn, reward.python_path)
+            except RewardError as exc:
+                fail(f"{where}.reward.functions[{i}].fn", str(exc))
+        if d.path is None:
+            try:
+                get_task(d.task)
+            except TaskError as exc:
+                fail(f"{where}.task", str(exc))
+            continue
+        try:
+            rows = load_rows(d)
+            if len(rows) == 0:
+                fail(f"{where}.path", f"{d.path} holds no rows")
+            row_item(rows[0], f"{d.path}: row 1", d)
+        except DatasetError as exc:
+            fail(f"{where}.path", str(exc).replace("dataset.", f"{where}."))
+
+
 def _check_reachable(url: str, fail: Fail) -> None:
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -173,3 +199,12 @@ def _check_dataset(config: FleetConfig, chat_template: bool, fail: Fail) -> None
         field = "model.tokenizer" if config.model.tokenizer is not None else "model.path"
         fail(field, f"the dataset's rows are chat messages but the tokenizer {config.model.tokenizer_source!r} "
                     f"has no chat template")
+
+
+def _check_trackers(config: FleetConfig, fail: Fail) -> None:
+    """Each tracker of `tracking.report_to` needs its library (its extra), found without importing it."""
+    import importlib.util
+
+    for i, name in enumerate(config.tracking.report_to):
+        if importlib.util.find_spec(name) is None:
+            fail(f"tracking.report_to[{i}]", f"{name} is not installed: pip install 'fleetrl[{name}]'")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from fleetrl.config import FleetConfig
-from fleetrl.hub import inplace
+from fleetrl.hub import inplace, retention
 from fleetrl.hub import manifest as mf
 from fleetrl.hub.errors import BaseMismatch, HubError
 from fleetrl.hub.parent import newest
@@ -165,6 +165,13 @@ class Hub:
         """Delete from this hub's store what the retention window no longer needs."""
         return collect(self.store, self.reader, self.run, self.cfg.retention_versions, self.cfg.gc_grace_s,
                        dry_run=dry_run)
+
+    def pin(self, version: int, pinned: bool = True) -> None:
+        """Keep `version` through retention (an unfinished evaluation needs it), or release it."""
+        (retention.pin if pinned else retention.unpin)(self.store, self.run, version)
+
+    def pinned(self) -> list[int]:
+        return retention.pinned_versions(self.store, self.run)
 
     def wait_for_version(self, min_version: int, timeout_s: float) -> int:
         """Poll `latest` until it reaches `min_version`; returns it, or raises a retriable HubError."""

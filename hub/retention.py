@@ -2,7 +2,9 @@
 
 The window is the newest `hub.retention_versions` versions; every version back to the oldest anchor
 any of them starts from is kept too, and the base version of every kept LoRA adapter version (its
-full weights, however old), so each retained version stays materializable. Manifests go
+full weights, however old), so each retained version stays materializable. A version *pinned* by an
+unfinished evaluation (`<run>/pins/<N>`, written by the trainer when it schedules the evaluation and
+removed when every eval prompt has returned, DESIGN.md §12) is kept with its chain, however old. Manifests go
 first (oldest first), then holder markers, then objects: a reader never finds a manifest whose
 objects are gone. Objects younger than `hub.gc_grace_s` stay even when unreferenced, because a
 publisher may be uploading them before it creates its manifest.
@@ -32,6 +34,24 @@ class GcReport:
     freed_bytes: int = 0
 
 
+def pin_key(run: str, version: int) -> str:
+    return f"{run}/pins/{version:012d}"
+
+
+def pin(store: ObjectStore, run: str, version: int) -> None:
+    """Keep `version` (and the chain it needs) through retention until `unpin`."""
+    store.put(pin_key(run, version), b"")
+
+
+def unpin(store: ObjectStore, run: str, version: int) -> None:
+    store.delete(pin_key(run, version))
+
+
+def pinned_versions(store: ObjectStore, run: str) -> list[int]:
+    prefix = f"{run}/pins/"
+    return sorted(int(i.key[len(prefix):]) for i in store.scan(prefix) if i.key[len(prefix):].isdigit())
+
+
 def _holder_version(key: str, run: str) -> int:
     """N of `<run>/holders/<N>/<store>`."""
     return int(key[len(f"{run}/holders/"):].split("/", 1)[0])
@@ -45,7 +65,8 @@ def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_
         return GcReport()
     latest = read_latest(store, run)
     newest = max(versions[-1], latest if latest is not None else -1)
-    window = [v for v in versions if v > newest - retention]
+    pinned = set(pinned_versions(store, run))
+    window = [v for v in versions if v > newest - retention or v in pinned]
     floor = min([reader.manifest(v).anchor for v in window] + [newest])
     return retire_below(store, reader, run, floor, grace_s, versions=versions, dry_run=dry_run)
 

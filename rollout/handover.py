@@ -15,6 +15,7 @@ import asyncio
 from fleetrl.log import get_logger
 from fleetrl.rollout.commits import Committer
 from fleetrl.rollout.episode_groups import EpisodeGroups
+from fleetrl.rollout.eval_lane import EvalLane
 from fleetrl.rollout.publisher import GroupPublisher
 from fleetrl.rollout.scheduling import JobQueue
 
@@ -23,8 +24,9 @@ log = get_logger(__name__)
 
 class Handover:
     def __init__(self, queue: JobQueue, episodes: EpisodeGroups, publisher: GroupPublisher,
-                 commits: Committer) -> None:
+                 commits: Committer, eval_lane: EvalLane | None = None) -> None:
         self.queue, self.episodes, self.publisher, self.commits = queue, episodes, publisher, commits
+        self.eval_lane = eval_lane
 
     async def bounded(self, reason: str, timeout_s: float) -> bool:
         """Hand everything over within `timeout_s`; False (logged) when it ran out."""
@@ -45,5 +47,7 @@ class Handover:
         for job in queue.waiting:
             publisher.spawn(publisher.hand_over(job, None, reason))
         queue.waiting = []
+        if self.eval_lane is not None:
+            self.eval_lane.hand_over(reason)
         await publisher.settle()
         await self.commits.past_dead_letters()

@@ -20,6 +20,7 @@ from fleetrl.config import EnvConfig, FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.rollout.commits import Committer
 from fleetrl.rollout.errors import TaskError
+from fleetrl.rollout.eval_lane import EvalLane
 from fleetrl.rollout.jobs import Job
 from fleetrl.rollout.publisher import GroupPublisher
 from fleetrl.rollout.scheduling import JobQueue
@@ -42,6 +43,8 @@ class Intake:
         self.publisher, self.commits, self.counters, self._env_cfg = publisher, commits, counters, env_cfg
         self.admitting = True
         self.polling = False  # inside a poll
+        self.eval_lane: EvalLane | None = None
+        """Where eval prompts go (rollout/eval_lane.py); the worker sets it."""
 
     async def run(self) -> None:
         """Poll Kafka beside the engine (a poll costs round trips) whenever a group slot is free."""
@@ -91,10 +94,14 @@ class Intake:
             publisher.spawn(publisher.dead_letter(d, "tokens_bound", f"rendered prompt of {len(job.prompt_ids)} "
                                                   f"tokens > {limit} (dataset.max_prompt_tokens)", "messages"))
             return
-        if self.queue.holds(job.group_id):
+        if self.queue.holds(job.group_id) or (self.eval_lane is not None and self.eval_lane.holds(job.group_id)):
             # A second delivery of a group already here (a redispatch): the first one's record serves.
             log.info("worker.duplicate_delivery", group_id=job.group_id, offset=d.offset)
             publisher.spawn(publisher.mark_done(d))
+            return
+        if job.prompt.eval is not None and self.eval_lane is not None:
+            log.info("worker.admitted", group_id=job.group_id, stream=d.stream, offset=d.offset, eval=True)
+            self.eval_lane.admit(job)
             return
         job.resolve_env(self._env_cfg())
         log.info("worker.admitted", group_id=job.group_id, stream=d.stream, offset=d.offset)

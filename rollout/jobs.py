@@ -106,7 +106,7 @@ def group_record(job: Job, samples: list[PartialSample], rewards: list[float], r
         group_id=p.group_id, run=p.run, task=p.task, attempt=p.attempt, region=region, node=node,
         prompt_ids=ids(job.prompt_ids), samples=scored,
         timings=Timings(queued=job.received_wall, started=job.started_wall, finished=time.time()),
-        reward_parts=reward_parts,
+        reward_parts=reward_parts, eval=p.eval,
     )
 
 

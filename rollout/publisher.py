@@ -62,10 +62,12 @@ class GroupPublisher:
 
     # -- the records ------------------------------------------------------------------------------
 
-    async def finish(self, job: Job, group: FinishedGroup) -> None:
-        """Score a finished group with the task's reward and produce it to `trajectories`."""
+    async def finish(self, job: Job, group: FinishedGroup, rewards: Rewards | None = None) -> None:
+        """Score a finished group with the task's reward (`rewards`: an eval set's own) and produce it to
+        `trajectories`."""
         try:
-            scores = await self.rewards.score(job.prompt.task, reward_input(job, group.samples, self.codec))
+            scores = await (rewards or self.rewards).score(job.prompt.task,
+                                                           reward_input(job, group.samples, self.codec))
         except RewardError as exc:  # the user's reward failed on this group: it goes, the worker goes on
             log.warning("worker.reward_error", group_id=job.group_id, error=str(exc))
             await self.dead_letter(job.delivery, "reward_error", str(exc), "reward")

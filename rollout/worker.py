@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fleetrl.broker import Consumer, PartialSample, Producer, RecordLimits, Sampling, rollout_group
@@ -47,6 +47,7 @@ from fleetrl.log import get_logger
 from fleetrl.rollout.commits import Committer
 from fleetrl.rollout.engine import Engine
 from fleetrl.rollout.episode_groups import EpisodeGroups
+from fleetrl.rollout.eval_lane import EvalLane
 from fleetrl.rollout.handover import Handover
 from fleetrl.rollout.intake import IDLE_WAKE_S, Intake
 from fleetrl.rollout.jobs import Job
@@ -87,7 +88,8 @@ class RolloutWorker:
     """The worker's Kafka clients, once `run()` opened them."""
 
     def __init__(self, config: FleetConfig, region: str, node: str, engine: Engine | None = None,
-                 hub: Hub | None = None, codec: TextCodec | None = None) -> None:
+                 hub: Hub | None = None, codec: TextCodec | None = None,
+                 eval_engine: Callable[[], Engine] | None = None) -> None:
         config.region(region)
         self.config, self.region, self.node, self.cfg = config, region, node, config.rollout
         self.engine = engine if engine is not None else build_engine(config, region, node)
@@ -106,6 +108,7 @@ class RolloutWorker:
         self.region_history = self._region_history()
         """Feeds the engine's history with the region's answers (`engine.speculative.region_history`), or None."""
         self._feed: asyncio.Task[None] | None = None
+        self._lane: asyncio.Task[None] | None = None
         self.counters = WorkerCounters()
         self.commits = Committer()
         self.publisher = GroupPublisher(region, node, self.rewards, self.codec, self.commits, self.counters,
@@ -115,7 +118,12 @@ class RolloutWorker:
                                       lambda rid, context, sampling: self._generate_turn(rid, context, sampling))
         self.intake = Intake(config, self.codec, self.queue, self.publisher, self.commits, self.counters,
                              lambda: self.episodes.env_cfg)
-        self.handover = Handover(self.queue, self.episodes, self.publisher, self.commits)
+        self.eval_lane = EvalLane(config, self.publisher, eval_engine or (lambda: build_engine(config, region, node)),
+                                  Hub.from_config(config, store=region), self._held, self.cfg.max_groups_in_flight,
+                                  seed=self.cfg.seed)
+        """Eval prompts, each generated with exactly its pinned version (rollout/eval_lane.py)."""
+        self.intake.eval_lane = self.eval_lane
+        self.handover = Handover(self.queue, self.episodes, self.publisher, self.commits, self.eval_lane)
         self._stats = WorkerStats(self.counters, self.engine, self.weights, self.rewards, self.region_history,
                                   lambda: len(self.queue), self.cfg.stats_interval_s)
 
@@ -125,6 +133,11 @@ class RolloutWorker:
             return None
         return RegionHistory(self.config, self.region, self.engine, f"{self.client_id}-history",
                              window=spec.region_history_window, poll_s=self.cfg.idle_poll_s)
+
+    def _held(self) -> int | None:
+        """The newest version the region store is known to hold (the eval lane loads no newer one)."""
+        known = [v for v in (self.weights.have, self.weights.announced) if v is not None]
+        return max(known) if known else None
 
     def stats(self) -> dict[str, Any]:
         """Counters for heartbeats and logs (the region agent reports them)."""
@@ -136,6 +149,8 @@ class RolloutWorker:
             await self._run(stop, preempted)
         finally:
             self.hub.close()
+            self.eval_lane.hub.close()
+            self.eval_lane.close()
             self.episodes.close()
 
     async def _run(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
@@ -160,12 +175,14 @@ class RolloutWorker:
                     return
                 poller = asyncio.create_task(self.weights.run(), name="weight-sync")
                 intake = asyncio.create_task(self.intake.run(), name="intake")
+                self._lane = asyncio.create_task(self.eval_lane.run(), name="eval-lane")
                 try:
                     reason = await self._loop(stop, preempted, intake)
                 finally:
                     poller.cancel()
                     self.intake.admitting = False
                 await self.intake.stop(intake, reason, self.handover_timeout_s)
+                await self.eval_lane.stop(self._lane, self.handover_timeout_s / 4)
                 await self._hand_over(reason)
 
     # -- the loop -------------------------------------------------------------------------------
@@ -199,6 +216,8 @@ class RolloutWorker:
         """A background part that ended raises here: its exception stops the worker."""
         if intake.done():
             intake.result()  # the intake died: surface why
+        if self._lane is not None and self._lane.done():
+            self._lane.result()  # the eval lane died: surface why
         if self._feed is not None and self._feed.done():
             self._feed.result()  # it retries Kafka failures itself: anything else is a bug to surface
 

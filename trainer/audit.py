@@ -39,6 +39,8 @@ from fleetrl.broker import (
     topic_name,
 )
 from fleetrl.config import FleetConfig
+from fleetrl.trainer.eval_audit import EvalAudit, reconcile_evals
+from fleetrl.trainer.eval_book import parse_eval_group_id
 from fleetrl.trainer.ledger import IndexRanges, group_index
 
 
@@ -87,9 +89,11 @@ class AuditReport:
     written by someone else (a fuzzer, a misconfigured tool). Not the trainer's groups, so neither
     dispatched nor lost; workers dead-letter the invalid ones, and the collector trains a valid
     one at most once."""
+    eval: EvalAudit = field(default_factory=EvalAudit)
+    """The eval books (eval_audit.py): eval prompts are not training groups and are counted apart."""
 
     def problems(self) -> list[str]:
-        out = list(self.ledger_problems)
+        out = list(self.ledger_problems) + self.eval.problems()
         if self.cut_by_retention:
             out.append(f"records after the settled watermark were removed (retention?) in {self.cut_by_retention}: "
                        f"the groups they held cannot be proven")
@@ -115,8 +119,9 @@ def reconcile(view: TopicView, state: dict[str, Any] | None, run: str) -> AuditR
     pending = {_group_id(raw) for raw in s["collector"]["pending"]}
     in_flight = set(s["dispatcher"]["in_flight"])
     drawn = int(s["dispatcher"]["next_index"])
-    foreign = {gid for gid in view.dispatched if group_index(gid, run) is None}
-    dispatched = set(view.dispatched) - foreign
+    evals = {gid for gid in view.dispatched if parse_eval_group_id(gid, run) is not None}
+    foreign = {gid for gid in view.dispatched if group_index(gid, run) is None} - evals
+    dispatched = set(view.dispatched) - foreign - evals
 
     def is_folded(gid: str) -> bool:
         index = group_index(gid, run)
@@ -145,6 +150,7 @@ def reconcile(view: TopicView, state: dict[str, Any] | None, run: str) -> AuditR
                           for r, starts in sorted(view.log_starts.items()) for p, start in sorted(starts.items())
                           if start > view.read_from.get(r, {}).get(p, 0)],
         ledger_problems=ledger_problems, foreign_prompts=len(foreign),
+        eval=reconcile_evals(view.dispatched, view.arrived, view.dead, state, run),
     )
     report.ok = not report.problems()
     return report

@@ -136,6 +136,24 @@ def save(directory: str | os.PathLike[str], state: dict[str, Any], model: dict[s
     return commit(directory, tmp, state, keep)
 
 
+def amend_state(directory: str | os.PathLike[str], step: int, state: dict[str, Any]) -> pathlib.Path:
+    """Replace the loop state of the durable checkpoint of `step` (its weights stay: same step), atomically:
+    the state file is written beside the old one and renamed over it, so a crash leaves one or the other,
+    each consistent with the weights. Used to record what settled after the step's checkpoint without a
+    new step (the evaluations a draining trainer took in)."""
+    folder = pathlib.Path(directory) / f"step-{int(step):09d}"
+    tmp = folder / f"{STATE_FILE}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(msgpack.packb({"format": FORMAT, **state}, use_bin_type=True))
+            _sync(f)
+        os.replace(tmp, folder / STATE_FILE)
+        _sync_dir(folder)
+    except OSError as exc:
+        raise CheckpointError(f"cannot amend checkpoint {folder}: {exc}", retriable=True) from exc
+    return folder
+
+
 def latest(directory: str | os.PathLike[str], run: str | None = None) -> Checkpoint | None:
     """The newest complete checkpoint, or None. Leftover `.tmp` folders are ignored."""
     root = pathlib.Path(directory)

@@ -31,6 +31,13 @@ def audit(args: argparse.Namespace, config: FleetConfig) -> int:
               f"once, {report.stale} stale, {report.dead_lettered} dead-lettered, {report.pending} buffered, "
               f"{report.in_flight} in flight, {report.after_checkpoint} dispatched after the checkpoint")
         print(_watermark_line(report))
+        e = report.eval
+        if e.scheduled or e.after_checkpoint:
+            print(f"eval books: {e.scheduled} evaluation(s) scheduled, {e.complete} complete"
+                  f"{f' (unfinished: {e.unfinished})' if e.unfinished else ''}; {e.dispatched} eval prompt(s) "
+                  f"dispatched, {e.returned} returned once, {e.in_flight} in flight, {e.dead_lettered} "
+                  f"dead-lettered, {e.resent} re-sent, {len(e.lost)} lost, {e.after_checkpoint} dispatched after "
+                  f"the checkpoint")
         if report.foreign_prompts:
             print(f"{report.foreign_prompts} prompt record(s) with group ids the trainer never issues (not "
                   f"'{config.run}-<index>'): written by another producer; not counted as dispatched")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fleetrl.config import FleetConfig
@@ -25,8 +25,9 @@ log = get_logger(__name__)
 
 
 def run_daemon(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]],
-               max_steps: int | None = None) -> int:
-    """Train until `max_steps` (default `algorithm.max_steps`) or a signal; returns the exit code."""
+               max_steps: int | None = None, eval_prompts: Mapping[str, Sequence[PromptItem]] | None = None) -> int:
+    """Train until `max_steps` (default `algorithm.max_steps`) or a signal; returns the exit code.
+    `eval_prompts`: each eval set's prompts (`eval.sets`)."""
     import torch
 
     from fleetrl.trainer.dist import DistContext
@@ -35,19 +36,20 @@ def run_daemon(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]],
     torch.set_num_threads(config.trainer.threads)
     ctx = DistContext.from_env(config.trainer.device)
     try:
-        _run_rank(config, prompts, max_steps, Learner(config.model, config.algorithm, ctx, config.trainer.emulate))
+        _run_rank(config, prompts, max_steps, Learner(config.model, config.algorithm, ctx, config.trainer.emulate),
+                  eval_prompts)
         return 0
     finally:
         ctx.close()  # the learner is unreachable by now (see DistContext.close)
 
 
 def _run_rank(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]], max_steps: int | None,
-              learner: Learner) -> None:
+              learner: Learner, eval_prompts: Mapping[str, Sequence[PromptItem]] | None = None) -> None:
     if not learner.ctx.is_leader:
         learner.follow()
         return
     try:
-        result = asyncio.run(_lead(config, prompts, learner, max_steps))
+        result = asyncio.run(_lead(config, prompts, learner, max_steps, eval_prompts))
     finally:
         learner.stop_followers()
     log.info("trainer.finished", steps=result.steps, version=result.version,
@@ -55,7 +57,7 @@ def _run_rank(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]], 
 
 
 async def _lead(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]], learner: Learner,
-                max_steps: int | None) -> TrainerResult:
+                max_steps: int | None, eval_prompts: Mapping[str, Sequence[PromptItem]] | None) -> TrainerResult:
     from fleetrl.trainer.metrics import TrainerMetrics
     from fleetrl.trainer.service import Trainer
 
@@ -68,7 +70,7 @@ async def _lead(config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]]
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stopper(stop, sig))
     try:
-        return await Trainer(config, prompts, learner, metrics=metrics).run(max_steps, stop)
+        return await Trainer(config, prompts, learner, metrics=metrics, eval_prompts=eval_prompts).run(max_steps, stop)
     finally:
         metrics.close()
 

@@ -287,6 +287,10 @@ class Dispatcher:
                 sends.append((gid, f))
         return await self._send_all(sends, now)
 
+    def per_region(self) -> dict[str, int]:
+        """Groups in flight per region."""
+        return self._per_region()
+
     def _per_region(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for f in self.in_flight.values():

@@ -77,6 +77,16 @@ class TrainerMetrics(MetricsRegistry):
                                             buckets=_STEP_BUCKETS, registry=r)
         self.version = Gauge("fleetrl_trainer_policy_version", "Newest published policy version", registry=r)
         self.steps = Counter("fleetrl_trainer_steps_total", "Optimizer steps", registry=r)
+        self.eval_pass_at_1 = Gauge("fleetrl_trainer_eval_pass_at_1_ratio",
+                                    "pass@1 of the newest complete evaluation of a held-out eval set", ["set"],
+                                    registry=r)
+        self.eval_reward_mean = Gauge("fleetrl_trainer_eval_reward_mean",
+                                      "Mean reward of the newest complete evaluation of a held-out eval set",
+                                      ["set"], registry=r)
+        self.eval_version = Gauge("fleetrl_trainer_eval_policy_version", "Policy version of the newest complete "
+                                  "evaluation of a held-out eval set", ["set"], registry=r)
+        self.eval_groups_in_flight = Gauge("fleetrl_trainer_eval_groups_in_flight", "Eval groups dispatched and not "
+                                           "returned (bounded by eval.max_share)", registry=r)
         self.clip_fraction = Gauge("fleetrl_trainer_clip_fraction_ratio",
                                    "Fraction of the last step's tokens whose PPO ratio was clipped (over every "
                                    "update of the step)", registry=r)

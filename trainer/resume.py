@@ -27,6 +27,7 @@ from fleetrl.trainer import checkpoint
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.eval_runner import EvalRunner
 from fleetrl.trainer.learner import Learner
 from fleetrl.trainer.metrics import TrainerMetrics
 from fleetrl.trainer.publisher import WeightPublisher
@@ -41,10 +42,11 @@ class Checkpoints:
     report into (handed to `RegionClients` once restored)."""
 
     def __init__(self, config: FleetConfig, learner: Learner, collector: Collector, dispatcher: Dispatcher,
-                 cost: CostMeter, metrics: TrainerMetrics, tracking: TrainerTracking | None = None) -> None:
+                 cost: CostMeter, metrics: TrainerMetrics, tracking: TrainerTracking | None = None,
+                 evals: EvalRunner | None = None) -> None:
         self.config, self.learner, self.collector = config, learner, collector
         self.tracking = tracking
-        self.dispatcher, self.cost, self.metrics = dispatcher, cost, metrics
+        self.dispatcher, self.cost, self.metrics, self.evals = dispatcher, cost, metrics, evals
         self.saved_step = -1
         self.offsets: dict[str, dict[tuple[str, int], int]] = {r.name: {} for r in config.regions}
 
@@ -66,6 +68,8 @@ class Checkpoints:
         step, version, self.saved_step = int(s["step"]), int(s["version"]), int(s["step"])
         self.collector.restore(s["collector"], drawn=int(s["dispatcher"]["next_index"]))
         self.cost.restore(s.get("cost", {}))
+        if self.evals is not None:
+            self.evals.restore(s.get("eval"))
         if self.tracking is not None:  # the same tracker run goes on (a checkpoint from before tracking: a new one)
             self.tracking.restore(s.get("tracking"), step)
         self.dispatcher.restore(s["dispatcher"], prompts())
@@ -112,9 +116,10 @@ class Checkpoints:
         log.info("trainer.started", version=version, resumed=False)
         return version
 
-    async def save(self, step: int, version: int, clients: RegionClients) -> None:
-        """Save everything the next start needs, then (only then) commit the offsets it covers."""
-        if step == self.saved_step:
+    async def save(self, step: int, version: int, clients: RegionClients, *, amend: bool = False) -> None:
+        """Save everything the next start needs, then (only then) commit the offsets it covers. `amend`: the
+        step's checkpoint exists already; replace its loop state (what settled since: evaluations)."""
+        if step == self.saved_step and not amend:
             return
         t0 = time.monotonic()
         covered = clients.take_handled()
@@ -124,10 +129,16 @@ class Checkpoints:
         state = {
             "run": self.config.run, "step": step, "version": version, "saved_at": time.time(),
             "collector": self.collector.state(), "dispatcher": self.dispatcher.state(), "cost": self.cost.state(),
+            **({"eval": self.evals.state()} if self.evals is not None else {}),
             **({"tracking": self.tracking.state()} if self.tracking is not None else {}),
             "offsets": {r: [[t, p, o] for (t, p), o in sorted(tps.items())] for r, tps in self.offsets.items()},
         }
         directory = self.config.trainer.checkpoint_dir
+        if step == self.saved_step:
+            path = await asyncio.to_thread(checkpoint.amend_state, directory, step, state)
+            log.info("checkpoint.amended", step=step, path=str(path))
+            await clients.commit(covered)
+            return
         tmp = await asyncio.to_thread(checkpoint.begin, directory, step)
         await asyncio.to_thread(self.learner.save_shards, str(tmp / checkpoint.WEIGHTS_DIR))
         crash_point("trainer.checkpoint.weights_written")

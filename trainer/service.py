@@ -33,6 +33,10 @@ synchronous trainer over the same workers would split its batch.
 A SIGKILL anywhere leaves the newest checkpoint consistent with itself; what a checkpoint holds and
 how a restart takes it up (republishing its weights when the store moved past it) is `resume.py`'s.
 
+Held-out evaluations (`eval_runner.py`, docs/eval.md) ride the same loop: scheduled when a version is
+published, their prompts sent with the round's dispatch within `eval.max_share`, their groups taken to
+the eval books instead of the collector, and the ones still out taken in before the drain.
+
 A LoRA policy (`model.lora`) publishes its frozen base once, as a version of full weights, before
 its first adapter version (`WeightPublisher.ensure_base`; a restart finds it again); every step's
 version is then the adapter alone.
@@ -43,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +70,7 @@ from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.eval_runner import EvalRunner
 from fleetrl.trainer.handover import Handover
 from fleetrl.trainer.learner import Learner, StepStats
 from fleetrl.trainer.metrics import TrainerMetrics
@@ -98,7 +103,8 @@ class TrainerResult:
 
 class Trainer:
     def __init__(self, config: FleetConfig, prompts: Callable[[], Iterator[PromptItem]], learner: Learner,
-                 *, metrics: TrainerMetrics | None = None, use_mqtt: bool = True) -> None:
+                 *, metrics: TrainerMetrics | None = None, use_mqtt: bool = True,
+                 eval_prompts: Mapping[str, Sequence[PromptItem]] | None = None) -> None:
         self.config, self.learner, self._prompts = config, learner, prompts
         self.metrics = metrics or TrainerMetrics()
         self.use_mqtt = use_mqtt
@@ -116,11 +122,15 @@ class Trainer:
         self.clients: RegionClients | None = None
         self.announcer: ControlPlane | None = None
         self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits, waste=self.cost)
-        self.step, self.version = 0, 0
         self.tracking = TrainerTracking(config, on_drop=lambda name: self.metrics.tracking_dropped.labels(name).inc())
         """Experiment figures (trainer/tracking/): each step's, released once a checkpoint covers it."""
+        self.evals = EvalRunner(config, eval_prompts or {}, self._send_eval, self.credits, self.tracking.deferred,
+                                self.metrics)
+        """Held-out evaluations on the fleet (eval_runner.py): their groups never reach the collector; their
+        figures are released, like a step's, once a checkpoint covers the evaluation's end."""
+        self.step, self.version, self._target = 0, 0, 0
         self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics,
-                                       self.tracking)
+                                       self.tracking, self.evals)
         self.round_trips = RoundTrips(self.metrics)
         self._version_at: dict[int, float] = {}
         """When each recent version became the newest: a group sent ahead for it could start then."""
@@ -130,6 +140,7 @@ class Trainer:
 
     async def run(self, max_steps: int | None = None, stop: asyncio.Event | None = None) -> TrainerResult:
         target = max_steps if max_steps is not None else self.config.algorithm.max_steps
+        self._target = target
         stop = stop or asyncio.Event()
         async with AsyncExitStack() as stack:
             hub = Hub.from_config(self.config)
@@ -138,6 +149,7 @@ class Trainer:
             if self.use_mqtt:
                 announcer = await stack.enter_async_context(ControlPlane(self.config, f"{self.config.run}-trainer"))
             self.publisher = WeightPublisher(hub, announcer, self.metrics)
+            self.evals.pin = hub.pin
             stack.push_async_callback(self.publisher.close, self.config.trainer.drain_timeout_s)
             self.announcer = announcer
             await self._restore_or_start()
@@ -153,6 +165,7 @@ class Trainer:
             stack.push_async_callback(self.handover.close)
             self.handover.start()
             await self._loop(target, stop)
+            await self._finish_evals(stop)
             await asyncio.wait_for(self._drain(), self.config.trainer.drain_timeout_s)
         self.result.steps, self.result.version = self.step, self.version
         self.result.trained_groups = self.collector.ledger.trained_count
@@ -166,6 +179,7 @@ class Trainer:
         assert self.clients is not None
         if self.publisher.last is not None:
             await self.publisher.announce()
+        self.evals.on_start(self.version, self.step)
         while self.step < target and not stop.is_set():
             now = time.time()
             moved = await self.dispatcher.redispatch_silent(now, self.config.trainer.silent_region_timeout_s)
@@ -185,6 +199,21 @@ class Trainer:
                 log.info("trainer.out_of_work", step=self.step, admitted=self.dispatcher.admitted)
                 break
 
+    async def _finish_evals(self, stop: asyncio.Event) -> None:
+        """Training is done: take in the evaluations still out, bounded by `eval.finish_timeout_s` (by half
+        of `trainer.drain_timeout_s` when a signal stopped the trainer: its drain is bounded)."""
+        assert self.clients is not None
+        bound = self.config.eval.finish_timeout_s
+        if stop.is_set():
+            bound = min(bound, self.config.trainer.drain_timeout_s / 2)
+        deadline = time.monotonic() + bound
+        while self.evals.unfinished and time.monotonic() < deadline:
+            _, polled = await asyncio.gather(self.evals.dispatch(time.time(), self.dispatcher.per_region()),
+                                             self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
+            await self._handle(polled)
+        if self.evals.unfinished:
+            log.warning("eval.unfinished", evals=[(e.set_name, e.version) for e in self.evals.book.unfinished()])
+
     async def _stop_pricing(self) -> None:
         """A price read still in flight (a thread: it cannot be cancelled) ends within its own timeout."""
         if self._pricing is not None:
@@ -199,6 +228,11 @@ class Trainer:
     async def _on_group(self, region: str, delivery: Any) -> None:
         record = delivery.record
         assert isinstance(record, GroupRecord)
+        if record.eval is not None and record.run == self.config.run:
+            self.evals.on_group(record, self.step)  # never trained: the eval's own books
+            assert self.clients is not None
+            self.clients.handled(region, delivery)
+            return
         now = time.time()
         flight = self.dispatcher.in_flight.get(record.group_id)
         latency = None
@@ -249,6 +283,17 @@ class Trainer:
 
     async def _send_prompt(self, region: str, record: Any) -> None:
         """One bounded send: a partitioned region costs the loop one request timeout, then it is skipped."""
+        partition, offset = await self._produce_prompt(region, record)
+        crash_point("trainer.dispatch.prompt_produced")
+        self.collector.note_dispatched(record.group_id, region, partition, offset)
+        crash_point("trainer.dispatch.ledger_updated")
+        self.metrics.dispatched.labels(region).inc()
+
+    async def _send_eval(self, region: str, record: Any) -> None:
+        """An eval prompt: sent as a training prompt is, counted in the eval books, not the ledger."""
+        await self._produce_prompt(region, record)
+
+    async def _produce_prompt(self, region: str, record: Any) -> tuple[int, int]:
         assert self.clients is not None
         timeout_s = self.config.kafka.request_timeout_s
         try:
@@ -259,10 +304,7 @@ class Trainer:
             # The record may still land: a second copy of a prompt is deduplicated downstream.
             raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
                              retriable=True) from exc
-        crash_point("trainer.dispatch.prompt_produced")
-        self.collector.note_dispatched(record.group_id, region, partition, offset)
-        crash_point("trainer.dispatch.ledger_updated")
-        self.metrics.dispatched.labels(region).inc()
+        return partition, offset
 
     async def _hand_over(self, now: float) -> None:
         """Move the work of regions whose nodes are all draining, offline or silent; a gone region is
@@ -271,6 +313,10 @@ class Trainer:
         partials, prompts = await self.handover.tick(now, self.version, nodes)
         self.metrics.partials_moved.inc(partials)
         self.metrics.redispatched.inc(prompts)
+        gone = self.handover.watch.gone
+        for region, (since, _) in gone.items():  # eval prompts there go elsewhere, while a region serves
+            if now - since >= self.config.rollout.handover_timeout_s and len(gone) < len(self.config.regions):
+                self.evals.region_gone(region)
 
     def _heartbeats(self, now: float) -> None:
         nodes = self.announcer.nodes if self.announcer is not None else {}
@@ -308,6 +354,7 @@ class Trainer:
             self.cost.on_trained(g.region, sum(len(smp.completion_ids) for smp in g.samples))
         self.step += 1
         self.version = await self._publish_step(self.version + 1, self.learner.snapshot_wait_s - cast_wait0)
+        self.evals.on_published(self.version, self.step, last=self.step >= self._target)
         self._version_at[self.version] = time.time()
         self._version_at.pop(self.version - 64, None)  # (groups ask at most `dispatch_ahead_steps` ahead)
         self.result.step_spans.append((wall0, time.time()))
@@ -336,9 +383,11 @@ class Trainer:
         return True
 
     async def _dispatch(self, now: float) -> int:
-        """Admit and send what the bound allows now (prompts ask for the newest version)."""
-        return await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
+        """Admit and send what the bound allows now (prompts ask for the newest version), and the eval
+        prompts their share allows."""
+        sent = await self.dispatcher.dispatch(self.step, self.version, now, self.collector.is_resolved,
                                               released=self.collector.ledger.stale_count)
+        return sent + await self.evals.dispatch(now, self.dispatcher.per_region())
 
     async def _handle(self, polled: dict[str, list[Any]]) -> None:
         for region, deliveries in polled.items():
@@ -404,6 +453,10 @@ class Trainer:
         await self.publisher.flush()
         if self.step != self.checkpoints.saved_step and self.step > 0:
             await self._checkpoint()
+        elif self.evals.enabled and self.step > 0:  # the evaluations taken in since the step's checkpoint
+            assert self.clients is not None
+            await self.checkpoints.save(self.step, self.version, self.clients, amend=True)
+            self.tracking.release(self.step)  # their figures, now that the amended checkpoint holds them
         log.info("trainer.drained", step=self.step, version=self.version)
 
 

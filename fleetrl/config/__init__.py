@@ -11,6 +11,7 @@ from fleetrl.config.engine import (
     VllmEngineConfig,
 )
 from fleetrl.config.errors import ConfigError, SecretError
+from fleetrl.config.eval import GREEDY_TEMPERATURE, EvalConfig, EvalSetConfig
 from fleetrl.config.fleet import FleetConfig
 from fleetrl.config.loader import apply_env_overrides, load_config, parse_config
 from fleetrl.config.policy import LoraAdapterConfig, ModelConfig
@@ -41,6 +42,7 @@ from fleetrl.config.transport import (
 )
 
 __all__ = [
+    "GREEDY_TEMPERATURE",
     "AgentConfig",
     "AlgorithmConfig",
     "AwsSpotPriceConfig",
@@ -51,6 +53,8 @@ __all__ = [
     "EngineConfig",
     "EngineEmulation",
     "EnvConfig",
+    "EvalConfig",
+    "EvalSetConfig",
     "FilePriceConfig",
     "FleetConfig",
     "HubConfig",

@@ -14,6 +14,7 @@ from fleetrl.config.agent import AgentConfig
 from fleetrl.config.algorithm import AlgorithmConfig
 from fleetrl.config.base import NAME_RE, Model, ReferenceProblem
 from fleetrl.config.dataset import DatasetConfig
+from fleetrl.config.eval import EvalConfig, check_eval
 from fleetrl.config.policy import ModelConfig
 from fleetrl.config.region import RegionConfig
 from fleetrl.config.reward import RewardConfig
@@ -39,6 +40,8 @@ class FleetConfig(Model):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation on the fleet (docs/eval.md); none unless `eval.sets` is given."""
     regions: list[RegionConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -58,6 +61,7 @@ class FleetConfig(Model):
             for j, node in enumerate(nodes):
                 if nodes.index(node) != j:
                     raise ReferenceProblem(("regions", i, "nodes", j), f"node {node!r} is defined twice")
+        check_eval(self.eval, self.dataset, self.model)
         return self
 
     def region(self, name: str) -> RegionConfig:

@@ -158,7 +158,7 @@ def _line_of(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 
 
 def _resolve_paths(config: FleetConfig, base: pathlib.Path) -> None:
-    """Relative store paths, checkpoint, model, tokenizer and dataset folders, and price files are relative to
+    """Relative store paths, checkpoint, model, tokenizer, dataset and eval set folders, and price files are relative to
     the config file."""
     for store in config.stores().values():
         if store.scheme == "file" and not store.url.startswith("file://"):
@@ -173,6 +173,11 @@ def _resolve_paths(config: FleetConfig, base: pathlib.Path) -> None:
     r.python_path = [_resolve(base, folder) for folder in r.python_path]
     if d.env is not None:
         d.env.python_path = [_resolve(base, folder) for folder in d.env.python_path]
+    for eval_set in config.eval.sets:
+        if eval_set.path is not None:
+            eval_set.path = _resolve(base, eval_set.path)
+        if eval_set.reward is not None:
+            eval_set.reward.python_path = [_resolve(base, folder) for folder in eval_set.reward.python_path]
     for region in config.regions:
         for price in [region.price, *(p.price for p in region.pools)]:
             if isinstance(price, FilePriceConfig):

@@ -1,8 +1,10 @@
 """`reward.png`: a demo run at a glance (matplotlib, drawn off-screen).
 
-Top: the mean reward of each step (the spread of its samples shaded). Bottom: the staleness of the
-groups each step trained (mean and max, in policy versions). Every injected fault is a vertical line
-at the step the trainer was on when it happened, coloured by kind; a partition is a shaded span.
+Top: the mean reward of each step (the spread of its samples shaded), and each held-out evaluation's
+pass@1 and mean reward at the step that published its version (the eval curve, `eval.sets`). Bottom:
+the staleness of the groups each step trained (mean and max, in policy versions). Every injected fault
+is a vertical line at the step the trainer was on when it happened, coloured by kind; a partition is a
+shaded span.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def _step_at(rows: list[dict[str, Any]], t: float) -> float:
     return last["step"] + (t - last["t"]) / max(1e-9, nxt["t"] - last["t"])
 
 
-def plot_run(rows: list[dict[str, Any]], faults: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path:
+def plot_run(rows: list[dict[str, Any]], faults: list[dict[str, Any]], path: pathlib.Path,
+             evals: list[dict[str, Any]] | None = None) -> pathlib.Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,6 +43,12 @@ def plot_run(rows: list[dict[str, Any]], faults: list[dict[str, Any]], path: pat
     top.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
                      [m + s for m, s in zip(mean, std, strict=True)], color="tab:blue", alpha=0.15,
                      label="± std of its samples")
+    for name in sorted({e["set"] for e in evals or []}):
+        points = sorted((e["step"], e["pass@1"], e["reward_mean"]) for e in evals or [] if e["set"] == name)
+        top.plot([x for x, _, _ in points], [y for _, y, _ in points], color="tab:red", marker="o",
+                 label=f"eval {name}: pass@1")
+        top.plot([x for x, _, _ in points], [r for _, _, r in points], color="tab:red", marker="x", linestyle=":",
+                 label=f"eval {name}: reward")
     top.set_ylabel("reward")
     bottom.plot(steps, [r.get("staleness_mean") or 0.0 for r in rows], color="tab:green", label="staleness mean")
     bottom.plot(steps, [r.get("staleness_max") or 0.0 for r in rows], color="tab:green", linestyle="--",
@@ -65,7 +74,8 @@ def plot_run(rows: list[dict[str, Any]], faults: list[dict[str, Any]], path: pat
     top.legend(loc="upper left", fontsize=8)
     bottom.legend(loc="upper left", fontsize=8)
     n = sum(1 for f in faults if f["kind"] in _COLOURS)
-    top.set_title(f"fleetrl demo: reward and staleness per step, {n} injected faults")
+    title = "reward, held-out eval" if evals else "reward"
+    top.set_title(f"fleetrl demo: {title} and staleness per step, {n} injected faults")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

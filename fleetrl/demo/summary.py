@@ -50,8 +50,10 @@ def summarize(p: Progress, audit: dict[str, Any], wall_s: float, pids: dict[str,
             "dead_lettered_dispatched": audit.get("dead_lettered"), "in_flight": audit.get("in_flight"),
             "pending": audit.get("pending"), "after_checkpoint": audit.get("after_checkpoint"),
             "foreign_prompts": audit.get("foreign_prompts"),
+            "eval": audit.get("eval") or {},
             "problems": audit.get("problems", []),
         },
+        "eval": p.eval_rows(),
         "reward": {"start": first, "end": last},
         "faults": [dataclasses.asdict(f) for f in faults or []],
         "fault_plan": plan or {},
@@ -96,7 +98,7 @@ def write_artefacts(summary: dict[str, Any], p: Progress, faults: list[Any], wor
     with open(out / "metrics.jsonl", "w") as f:
         for row in p.metric_rows():
             f.write(json.dumps(row) + "\n")
-    plot_run(p.metric_rows(), [dataclasses.asdict(x) for x in faults], out / "reward.png")
+    plot_run(p.metric_rows(), [dataclasses.asdict(x) for x in faults], out / "reward.png", p.eval_rows())
 
 
 def export_command(config_path: pathlib.Path, stores: list[dict[str, Any]], home_in_s3: bool) -> str | None:
@@ -168,6 +170,8 @@ def render(s: dict[str, Any]) -> Table:
                             f"{a.get('stale')} stale, {a.get('dead_lettered')} dead-lettered, "
                             f"{a.get('in_flight')} in flight, {a.get('pending')} buffered, "
                             f"{a.get('after_checkpoint')} after the checkpoint")
+    if s.get("eval"):
+        table.add_row("eval", _eval_line(s["eval"], a.get("eval") or {}))
     table.add_row("audit", "ok" if a.get("ok") else "FAILED: " + "; ".join(a.get("problems", [])))
     if s.get("cost"):
         table.add_row("cost", _cost_line(s["cost"]))
@@ -196,6 +200,18 @@ def render(s: dict[str, Any]) -> Table:
     if s.get("export_command"):
         table.add_row("export", f"the trained model as a Hugging Face folder: {s['export_command']}")
     return table
+
+
+def _eval_line(rows: list[dict[str, Any]], books: dict[str, Any]) -> str:
+    """Each eval set's pass@1 from its first evaluated version to its last, and the eval books."""
+    parts = []
+    for name in sorted({r["set"] for r in rows}):
+        mine = [r for r in rows if r["set"] == name]
+        parts.append(f"{name}: pass@1 {mine[0]['pass@1']:.3f} (v{mine[0]['version']}) -> {mine[-1]['pass@1']:.3f} "
+                     f"(v{mine[-1]['version']}) over {len(mine)} evaluations")
+    lost = len(books.get("lost") or [])
+    return "; ".join(parts) + (f"; eval books: {books.get('returned')} of {books.get('dispatched')} prompts "
+                               f"returned, lost {lost}" if books else "")
 
 
 def _cost_line(c: dict[str, Any]) -> str:

@@ -8,7 +8,8 @@ docs/regions.md):
 
     trainer     step.done (step, version, reward_mean, reward_std, lag_mean, lag_max, groups, tokens,
                 cost_usd_* and the other running cost totals when the fleet is priced),
-                weights.published (version, anchor, bytes), group.stale
+                weights.published (version, anchor, bytes), group.stale, eval.done (set, version, step,
+                pass@1, pass@k, reward_mean, length_mean, ...: one evaluation's figures, docs/eval.md)
     replicator  replicator.copied (version, region, source, bytes)
     agent       worker.group_done, agent.state (state)
 """
@@ -100,6 +101,8 @@ class Progress:
     """When (monotonic) the trainer last saved a checkpoint."""
     faults: list[Any] = field(default_factory=list)
     """The injected faults (`fleetrl.demo.chaos.Fault`), shown as they happen."""
+    evals: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    """(eval set, version) -> its figures (`eval.done`), in the order they completed."""
     _printed: list[str] = field(default_factory=list)
 
     def on_fault(self, fault: Any) -> None:
@@ -130,6 +133,10 @@ class Progress:
                 del self.steps[redone]
         if name == "checkpoint.saved":
             self.last_checkpoint_at = time.monotonic()
+        if name == "eval.done":
+            row = {k: v for k, v in event.items() if k not in ("event", "level", "timestamp", "component")}
+            self.evals[(str(event["set"]), int(event["version"]))] = row
+            return f"eval {event['set']} at version {event['version']}: pass@1 {float(event['pass@1']):.3f}"
         if name == "group.stale":
             self.stale_dropped += 1
         if name == "weights.published":
@@ -178,12 +185,23 @@ class Progress:
     def metric_rows(self) -> list[dict[str, Any]]:
         return [self.steps[k] for k in sorted(self.steps)]
 
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """One row per evaluated (set, version), by version: `summary.json`'s `eval`."""
+        return [self.evals[k] for k in sorted(self.evals, key=lambda k: (k[1], k[0]))]
+
+    def eval_label(self) -> str:
+        """The last evaluation's pass@1, for the view's title and step lines ("" before the first)."""
+        if not self.evals:
+            return ""
+        last = next(reversed(self.evals.values()))
+        return f"  eval {last['set']} pass@1 {float(last['pass@1']):.3f} (v{last['version']})"
+
     def step_line(self) -> str:
         now = time.monotonic()
         regions = "  ".join(f"{n}: {r.groups_per_s(now):.1f} groups/s, replica v{_v(r.replica_version)}"
                             for n, r in self.regions.items())
         return (f"step {self.step}/{self.target_steps}  reward {self.rewards[-1]:.3f}  version {self.version}  "
-                f"{regions}  ({now - self.started:.0f} s)")
+                f"{regions}{self.eval_label()}  ({now - self.started:.0f} s)")
 
     def holding_latest(self) -> list[str]:
         return [n for n, r in self.regions.items()
@@ -195,7 +213,8 @@ class Progress:
         first = f" (first {self.rewards[0]:.3f})" if len(self.rewards) > 1 else ""
         table = Table(title=f"fleetrl demo: step {self.step}/{self.target_steps}, reward {reward}{first} "
                             f"{sparkline(self.rewards[-_SPARK_STEPS:])}, policy version "
-                            f"{self.version if self.version is not None else '-'}, {now - self.started:.0f} s",
+                            f"{self.version if self.version is not None else '-'},{self.eval_label()[1:]}"
+                            f"{',' if self.evals else ''} {now - self.started:.0f} s",
                       title_justify="left")
         if self.faults:
             recent = ", ".join(f"{f.t:.0f}s {f.kind} {f.target}" for f in self.faults[-4:])

@@ -163,6 +163,21 @@ def assert_accounted(summary: dict[str, Any], steps: int | None = STEPS) -> None
     assert summary["still_running"] == []
 
 
+def assert_evals_balanced(summary: dict[str, Any]) -> None:
+    """The shipped config's held-out evaluations (`eval:` in examples/fleet.demo.yaml) all finished, their
+    books balance (every eval prompt dispatched returned once, none lost), and `summary.json` has a row of
+    figures per evaluated version."""
+    books = summary["audit"]["eval"]
+    assert books["scheduled"] >= 1 and books["complete"] == books["scheduled"] and books["unfinished"] == [], books
+    assert books["lost"] == [] and books["in_flight"] == 0 and books["dispatched"] == books["returned"] > 0, books
+    rows = summary["eval"]
+    assert len({(r["set"], r["version"]) for r in rows}) >= books["complete"], rows
+    for r in rows:
+        assert r["set"] == "reverse-held-out" and r["prompts"] == 16 and r["samples"] == 16 * r["k"] == 64, r
+        assert 0.0 <= r["pass@1"] <= r["pass@4"] <= 1.0 and 0.0 <= r["reward_mean"] <= 1.0, r
+        assert 1 <= r["length_mean"] <= 6 and sum(r["regions"].values()) == 16, r
+
+
 def assert_learned(summary: dict[str, Any], steps: int, label: str) -> None:
     """The audit is ok and the mean reward of the last 10 steps is above that of the first 10."""
     assert summary["audit"]["ok"] and summary["audit"]["problems"] == [], summary["audit"]

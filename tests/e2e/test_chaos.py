@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from demo_testkit import assert_accounted, kills_of, run_demo
+from demo_testkit import assert_accounted, assert_evals_balanced, kills_of, run_demo
 from slowdown import scaled
 
 CHAOS_TIMEOUT_S = 420
@@ -46,6 +46,7 @@ def test_each_kind_of_process_sigkilled_mid_flight_loses_nothing(demo_config: pa
     first_trainer_kill = min(f["t"] for f in kills_of(summary, "trainer"))
     assert any(row["t"] > first_trainer_kill for row in summary["_rows"]), (first_trainer_kill, summary["_rows"])
     assert_accounted(summary, steps=None)
+    assert_evals_balanced(summary)
 
 
 def test_a_partitioned_region_is_drained_and_preempted_nodes_are_replaced(demo_config: pathlib.Path,
@@ -68,6 +69,7 @@ def test_a_partitioned_region_is_drained_and_preempted_nodes_are_replaced(demo_c
         log = (workdir / "logs" / f"{p['target']}.log").read_text()
         assert '"agent.notice"' in log
     assert_accounted(summary, steps=steps)
+    assert_evals_balanced(summary)
 
 
 def _s(seconds: float) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from demo_testkit import STALL, alive, assert_tracked, ctrl_c_reaches_it
+from demo_testkit import STALL, alive, assert_evals_balanced, assert_tracked, ctrl_c_reaches_it
 from slowdown import scaled
 
 from fleetrl.demo.supervision import BACKOFF_MAX_S, START_LIMIT
@@ -105,6 +105,10 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
         assert region["replica_version"] == STEPS, f"region {name} did not get the final version: {region}"
         assert region["wan_copies"] >= 1 and region["groups_done"] >= 1
     assert "audit" in out and f"step {STEPS}/{STEPS}" in out
+    # The shipped config evaluates a held-out set before training and at the run's last version.
+    assert_evals_balanced(summary)
+    assert [(r["version"], r["step"]) for r in summary["eval"]] == [(0, 0), (STEPS, STEPS)]
+    assert f"eval reverse-held-out at version {STEPS}: pass@1" in out
     # The shipped config prices local-a on demand and local-b spot: the run's cost, by capacity type.
     cost = summary["cost"]
     assert cost["usd"] > 0 and cost["trained_groups"] == audit["trained"]

@@ -15,8 +15,8 @@ COMMANDS = [
     ["demo"], ["config", "check"], ["config", "reference"], ["topics", "create"], ["topics", "list"],
     ["topics", "describe"], ["topics", "lag"], ["topics", "dlq", "show"], ["topics", "dlq", "replay"],
     ["hub", "publish"], ["hub", "pull"], ["hub", "verify"], ["hub", "ls"], ["hub", "export"], ["hub", "gc"],
-    ["trainer"], ["agent"], ["replicator"], ["status"], ["audit"], ["control", "drain"], ["control", "resume"],
-    ["control", "stop"], ["units", "install"],
+    ["trainer"], ["agent"], ["replicator"], ["status"], ["audit"], ["eval"], ["control", "drain"],
+    ["control", "resume"], ["control", "stop"], ["units", "install"],
 ]
 
 

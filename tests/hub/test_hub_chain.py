@@ -139,6 +139,21 @@ def test_gc_keeps_the_window_and_the_chains_it_needs(dir_config: Callable[..., F
         assert hub.gc().deleted_objects == []
 
 
+def test_gc_keeps_a_version_an_unfinished_evaluation_pinned(dir_config: Callable[..., FleetConfig]) -> None:
+    """An evaluation pinned version 7 (DESIGN.md §12): retention keeps it and the chain from its anchor 5,
+    however old, until the pin is released; then the window alone decides."""
+    with Hub.from_config(dir_config(anchor_interval=5, retention_versions=4, gc_grace_s=0)) as hub:
+        states = publish_chain(hub, 14)
+        hub.pin(7)
+        assert hub.pinned() == [7]
+        report = hub.gc()
+        assert report.deleted_versions == list(range(5))
+        assert same_bits(hub.materialize(7), states[7])
+        hub.pin(7, pinned=False)
+        assert hub.pinned() == [] and hub.gc().deleted_versions == list(range(5, 10))
+        assert hub.versions() == [10, 11, 12, 13]
+
+
 def _changed(a: torch.Tensor, b: torch.Tensor) -> list[int]:
     return torch.nonzero(a.reshape(-1).view(torch.int16) != b.reshape(-1).view(torch.int16)).flatten().tolist()
 

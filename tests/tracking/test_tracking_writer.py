@@ -151,6 +151,33 @@ def test_figures_leave_only_once_a_checkpoint_covers_them_and_a_resume_releases_
     assert [r["step"] for r in _jsonl(tmp_path / "ckpt" / "tracking")] == [1, 2, 3]
 
 
+def test_an_evaluations_figures_leave_with_the_checkpoint_after_them_and_never_twice(tmp_path: pathlib.Path) -> None:
+    """`deferred` (the evaluations' writer): figures reported at an earlier step are held until a checkpoint
+    written after they came is durable; one that comes while that checkpoint is being written waits for
+    the next; a restart releases what its checkpoint carried, unless metrics.jsonl already holds it."""
+    config = _fleet(tmp_path)
+    first = TrainerTracking(config)
+    first.start()
+    first.deferred.scalars(2, {"eval/held/pass@1": 0.25})
+    first.deferred.table(2, "eval/held", ["set", "pass@1"], [["held", 0.25]])
+    first.release(4)  # no checkpoint state was taken since they came: they stay held
+    assert _jsonl(tmp_path / "ckpt" / "tracking") == []
+    state = first.state()  # the checkpoint of step 4 holds both
+    first.deferred.scalars(4, {"eval/held/pass@1": 0.5})  # came while that checkpoint was written
+    first.release(4)
+    rows = _jsonl(tmp_path / "ckpt" / "tracking")
+    assert [(r["step"], r.get("eval/held/pass@1"), r.get("table")) for r in rows] == [
+        (2, 0.25, None), (2, None, "eval/held")]
+    first.log.close()  # killed: the step-4 evaluation no checkpoint covers is finished again after a restart
+
+    resumed = TrainerTracking(config)
+    resumed.restore(state, 4)  # metrics.jsonl holds the step-2 figures already: not again
+    resumed.start()
+    resumed.close()
+    assert [(r["step"], r.get("eval/held/pass@1")) for r in _jsonl(tmp_path / "ckpt" / "tracking")
+            if "table" not in r] == [(2, 0.25)]
+
+
 def test_char_decode_is_the_char_tokenizers() -> None:
     tok = CharTokenizer()
     ids = [*tok.encode("Hello, world!\n~ ?", bos=True), 2, 5, 6]

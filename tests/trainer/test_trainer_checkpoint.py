@@ -44,3 +44,19 @@ def test_wrong_run_and_damage_are_named(tmp_path: pathlib.Path) -> None:
     (tmp_path / "step-000000001" / ck.STATE_FILE).write_bytes(b"not msgpack at all \xc1")
     with pytest.raises(CheckpointError, match="step-000000001"):
         ck.latest(tmp_path, "other")
+
+
+def test_amending_the_newest_checkpoint_replaces_its_state_and_keeps_its_weights(tmp_path: pathlib.Path) -> None:
+    """What a draining trainer took in after its last step's checkpoint (evaluations, docs/eval.md) goes into
+    that checkpoint's state; the weights stay, and a leftover of a killed amend is not read."""
+    model = {"w": torch.arange(4.0)}
+    ck.save(tmp_path, _state(3), model, {}, keep=2)
+    ck.amend_state(tmp_path, 3, {**_state(3), "eval": {"evals": [], "orphans": 2}})
+    latest = ck.latest(tmp_path, "r")
+    assert latest is not None and latest.step == 3 and latest.state["eval"] == {"evals": [], "orphans": 2}
+    assert torch.equal(latest.weights()[0]["w"], model["w"])
+    (latest.path / f"{ck.STATE_FILE}.tmp").write_bytes(b"\x00garbage")  # killed mid-amend: the old state holds
+    again = ck.latest(tmp_path, "r")
+    assert again is not None and again.state["eval"]["orphans"] == 2
+    with pytest.raises(CheckpointError, match="cannot amend"):
+        ck.amend_state(tmp_path, 9, _state(9))  # no such checkpoint

@@ -14,6 +14,12 @@ each tracker again the released steps after that mark, read back from metrics.js
 queue or an SDK buffer at a SIGKILL is not lost either. A duplicate remains possible only for a kill
 between a tracker's flush and its mark (TensorBoard hides it: `purge_step`).
 
+Figures that are not a step's own (an evaluation's, reported at the step that published its version)
+go through `deferred`, the same writer interface: they are held the same way, carried by the
+checkpoint, and released with the next checkpoint that was written after they came (an evaluation
+finished after the last checkpoint is finished again by a restarted trainer, from its re-read groups;
+written at once it would appear twice).
+
 The identity of the tracker run (a key: W&B's run id, MLflow's tag, with the run name) is part of the
 checkpoint (`state`/`restore`), so a resumed trainer continues the same run; TensorBoard additionally
 reopens with `purge_step` past the checkpoint's step.
@@ -99,11 +105,19 @@ class TrainerTracking:
         self._pending: dict[int, tuple[dict[str, float], list[list[Any]] | None]] = {}
         """Step -> its figures and samples table rows, until released."""
         self._decode: Callable[[Sequence[int]], str] | None = None
+        self._held: list[dict[str, Any]] = []
+        """Records of `deferred` in arrival order: {"step", "figures"} or {"step", "table", "columns", "rows"}."""
+        self._held_covered = 0
+        """How many of `_held` the last checkpoint state holds (those `release` may write)."""
+        self.deferred = _Deferred(self._held)
+        """The writer for figures other than the steps' (evaluations): held until a checkpoint covers them."""
 
     def state(self) -> dict[str, Any]:
         """For the checkpoint: the tracker run, and the figures not released yet (those it covers)."""
+        self._held_covered = len(self._held)
         return {"key": self.key, "run_name": self.run_name,
-                "pending": [[step, figures, rows] for step, (figures, rows) in sorted(self._pending.items())]}
+                "pending": [[step, figures, rows] for step, (figures, rows) in sorted(self._pending.items())],
+                "held": list(self._held)}
 
     def restore(self, state: Mapping[str, Any] | None, step: int) -> None:
         """Continue the tracker run of a checkpoint (one written before tracking existed starts a new one)."""
@@ -111,6 +125,8 @@ class TrainerTracking:
         if state:
             self.key, self.run_name = str(state["key"]), str(state["run_name"])
             self._pending = {int(s): (dict(f), rows) for s, f, rows in state.get("pending", []) if int(s) <= step}
+            self._held[:] = list(state.get("held", []))
+            self._held_covered = len(self._held)
 
     def start(self) -> None:
         """Open metrics.jsonl and the trackers (each in its own thread: this returns at once)."""
@@ -139,6 +155,12 @@ class TrainerTracking:
         written = max((r["step"] for r in rows if "table" not in r), default=-1)
         for step in [s for s in self._pending if s <= written]:
             del self._pending[step]
+        # held figures already written (a kill between the checkpoint and its release): not again
+        seen = {(r["step"], key) for r in rows if "table" not in r for key in r}
+        kept = [h for h in self._held[:self._held_covered]
+                if "figures" not in h or not all((h["step"], key) in seen for key in h["figures"])]
+        self._held[:] = kept + self._held[self._held_covered:]
+        self._held_covered = len(kept)
         self.release(resume_step)
 
     def record_step(self, step: int, version: int, groups: Sequence[Any], **figures_of: Any) -> None:
@@ -155,14 +177,35 @@ class TrainerTracking:
         self._pending[step] = (figures, rows)
 
     def release(self, step: int) -> None:
-        """A checkpoint covering `step` is durable: write the figures of every step up to it, in order."""
+        """A checkpoint covering `step` is durable: write the figures of every step up to it, in order,
+        then the held ones its state carried."""
         for s in sorted(k for k in self._pending if k <= step):
             figures, rows = self._pending.pop(s)
             self.log.scalars(s, figures)
             if rows is not None:
                 self.log.table(s, SAMPLES_TABLE, SAMPLE_COLUMNS, rows)
+        covered, self._held_covered = self._held[:self._held_covered], 0
+        del self._held[:len(covered)]
+        for h in covered:
+            if "figures" in h:
+                self.log.scalars(int(h["step"]), h["figures"])
+            else:
+                self.log.table(int(h["step"]), h["table"], h["columns"], h["rows"])
 
     def close(self, timeout_s: float | None = None) -> None:
         if self._pending:  # steps no checkpoint covers (a failed run): they will be redone, not written
             log.info("tracking.unreleased", steps=sorted(self._pending))
         self.log.close(self.config.tracking.close_timeout_s if timeout_s is None else timeout_s)
+
+
+class _Deferred:
+    """`ExperimentLog`'s writing half over a list that `TrainerTracking` releases at its checkpoints."""
+
+    def __init__(self, held: list[dict[str, Any]]) -> None:
+        self._held = held
+
+    def scalars(self, step: int, figures: Mapping[str, float]) -> None:
+        self._held.append({"step": step, "figures": {k: float(v) for k, v in figures.items()}})
+
+    def table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        self._held.append({"step": step, "table": name, "columns": list(columns), "rows": [list(r) for r in rows]})
