@@ -141,7 +141,12 @@ def assert_tracked(config: pathlib.Path, folder: pathlib.Path, steps: int) -> li
     """The trainer's own metrics.jsonl, and TensorBoard's event files where the config asks for them, hold
     every step exactly once, whatever was killed and restarted (trainer/tracking/session.py)."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "table" not in r] == list(range(1, steps + 1))
+    scalars = [r for r in rows if "table" not in r]
+    assert [r["step"] for r in scalars if any(k.startswith("train/") for k in r)] == list(range(1, steps + 1))
+    # an evaluation's figures: at the step that published its version, once per set (never redone twice)
+    evals = [(k, r["step"]) for r in scalars for k in r if k.startswith("eval/") and k.endswith("/pass@1")]
+    assert len(evals) == len(set(evals)), evals
+    assert all(any(k.startswith(("train/", "eval/")) for k in r) for r in scalars), scalars
     if "tensorboard" in (yaml.safe_load(config.read_text()).get("tracking") or {}).get("report_to", []):
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -150,6 +155,8 @@ def assert_tracked(config: pathlib.Path, folder: pathlib.Path, steps: int) -> li
         acc.Reload()
         for tag in ("train/reward_mean", "train/loss", "train/entropy", "train/tokens_per_s"):
             assert [e.step for e in acc.Scalars(tag)] == list(range(1, steps + 1)), tag
+        for tag in {k for k, _ in evals}:
+            assert sorted(e.step for e in acc.Scalars(tag)) == sorted(s for k, s in evals if k == tag), tag
     return rows
 
 

@@ -127,11 +127,15 @@ def test_demo_trains_replicates_audits_and_leaves_nothing_running(demo_config: p
     rows = assert_tracked(demo_config, workdir / "tracking", STEPS)
     tables = [r for r in rows if r.get("table") == "samples"]
     assert [t["step"] for t in tables] == list(range(2, STEPS + 1, 2)) and tables[0]["rows"], tables
-    steps = [r for r in rows if "table" not in r]
+    steps = [r for r in rows if "table" not in r and "train/loss" in r]
     per_region = {k: v for k, v in steps[0].items() if k.startswith("train/groups/")}
     assert set(per_region) == {f"train/groups/{r}" for r in summary["regions"]}  # every region, 0 included
     assert sum(per_region.values()) == groups_per_step
     assert steps[-1]["cost/usd_total"] > 0  # the shipped config prices its regions
+    # each evaluation's figures reach the trackers too, at the step that published its version, once
+    tracked = {(r["step"], round(r[f"eval/{e['set']}/pass@1"], 4)) for r in rows for e in summary["eval"]
+               if f"eval/{e['set']}/pass@1" in r}
+    assert tracked == {(e["step"], e["pass@1"]) for e in summary["eval"]}, (tracked, summary["eval"])
 
 
 def test_a_dying_agent_fails_the_demo_with_its_log_and_stops_the_rest(demo_config: pathlib.Path,
