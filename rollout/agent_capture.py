@@ -95,6 +95,8 @@ class SampleCapture:
     key: str
     max_calls: int
     max_tokens: int
+    name: str = ""
+    """The sample's id (`<group id>#<index>`): its engine requests are `<name>#<call>` (a handover finds them)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -121,7 +123,7 @@ class SampleCapture:
             if last is not None and last.messages is not None and tools == last.tools:
                 k = len(last.messages)
                 for j, ch in enumerate(last.choices):
-                    if ch.reply is None or len(messages) <= k + 1 or not _prefix(messages, last.messages + [ch.reply]):
+                    if ch.reply is None or len(messages) <= k + 1 or not _prefix(messages, [*last.messages, ch.reply]):
                         continue
                     stopped = len(ch.sample.completion_ids) > 0 and int(ch.sample.completion_ids[-1]) in template.eos
                     added = template.observation_ids(messages[k + 1:], tools, stopped)

@@ -11,6 +11,7 @@ honour is refused with `Refusal`, which the server answers as an OpenAI-shaped 4
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -258,10 +259,8 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
         raise Refusal(where, "a tool call must be {type: function, function: {name, arguments}}")
     args = fn.get("arguments")
     if isinstance(args, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: the template renders the string as it is
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            pass  # the template renders the string as it is
     return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
@@ -277,8 +276,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, []
         args = obj.get("arguments", {})
+        arguments = args if isinstance(args, str) else json.dumps(args)
         calls.append({"id": f"call_{len(calls)}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+                      "function": {"name": obj["name"], "arguments": arguments}})
     if not calls:
         return text, []
     before = text[:text.index("<tool_call>")].strip()

@@ -29,8 +29,15 @@ from fleetrl.broker import PartialSample, Sampling
 from fleetrl.log import get_logger
 from fleetrl.rollout.agent_capture import AgentTemplate, Call, Choice, SampleCapture
 from fleetrl.rollout.errors import TaskError
-from fleetrl.rollout.openai_schema import ParsedRequest, Refusal, created, cut_at_stop, parse_chat, parse_completion, \
-    parse_tool_calls
+from fleetrl.rollout.openai_schema import (
+    ParsedRequest,
+    Refusal,
+    created,
+    cut_at_stop,
+    parse_chat,
+    parse_completion,
+    parse_tool_calls,
+)
 from fleetrl.rollout.tokenize import TextCodec
 
 log = get_logger(__name__)
@@ -130,7 +137,7 @@ class AgentEndpoint:
                 raise Refusal(None, f"this agent run is over its budget ({capture.exhausted})",
                               code="budget_exhausted")
             capture.begin(prompt_ids, choice, extends)
-            max_tokens, rid = min(max_tokens, room), f"{capture.key}#{capture.calls}"
+            max_tokens, rid = min(max_tokens, room), f"{capture.name or capture.key}#{capture.calls}"
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p,
                             max_new_tokens=max(1, min(max_tokens, self.max_context - len(prompt_ids))))
         key = None if req.seed is None else f"seed:{req.seed}"
