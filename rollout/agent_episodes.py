@@ -87,7 +87,14 @@ class AgentRunner:
     async def run_group(self, group_id: str, prompt: PromptRecord, prompt_ids: list[int],
                         args: dict[str, Any]) -> list[EpisodeResult]:
         row = {**self.cfg.config, **args, **(prompt.columns or {})}
-        runs = await asyncio.gather(*(self._run(f"{group_id}#{i}", prompt, row) for i in range(prompt.n_samples)))
+        tasks = [asyncio.ensure_future(self._run(f"{group_id}#{i}", prompt, row)) for i in range(prompt.n_samples)]
+        try:
+            runs = await asyncio.gather(*tasks)
+        except BaseException:  # one run failed the group (or it was cancelled): the others stop with it
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         missing = [i for i, (_, reward) in enumerate(runs) if reward is None]
         if missing:
             scores = await self._score(prompt, [runs[i][0] for i in missing])
