@@ -39,7 +39,8 @@ async def test_chat_and_completions(agent_folder: pathlib.Path) -> None:
         assert prompt == s.endpoint.template.render(ASK, None)  # the chat template, add_generation_prompt
 
         text = await client.completions.create(model="policy", prompt="What is 3 + 4?", max_tokens=5)
-        assert text.object == "text_completion" and text.choices[0].text == s.codec.decode(s.turns[-1][1][0].completion_ids)
+        assert text.object == "text_completion"
+        assert text.choices[0].text == s.codec.decode(s.turns[-1][1][0].completion_ids)
         assert s.turns[-1][0] == s.codec.encode("What is 3 + 4?")
         ids = await client.completions.create(model="policy", prompt=[5, 6, 7, 8], max_tokens=3)
         assert s.turns[-1][0] == [5, 6, 7, 8] and ids.usage is not None and ids.usage.prompt_tokens == 4
