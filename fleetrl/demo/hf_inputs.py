@@ -28,28 +28,28 @@ CHAT_TEMPLATE = (
 )
 """ChatML, as Qwen2 folders ship it (without the default system message)."""
 AGENT_CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    "{% else %}You are a helpful assistant.{% endif %}\n\n# Tools\n\nYou are provided with function signatures "
-    "within <tools></tools> XML tags:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>"
-    "\n\nFor each function call, return a json object with function name and arguments within <tool_call>"
-    "</tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
-    "</tool_call><|im_end|>\n"
-    "{%- elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    # No `{%-` and a newline after a block tag only as {{ NL }}: transformers renders with trim_blocks.
+    "{% set NL = '\\n' %}"
+    "{% if tools %}<|im_start|>system{{ NL }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}You are a helpful assistant.{% endif %}{{ NL }}# Tools{{ NL }}<tools>{% for tool in tools %}{{ NL }}"
+    "{{ tool | tojson }}{% endfor %}{{ NL }}</tools>{{ NL }}Call a tool as <tool_call>{{ NL }}"
+    "{\"name\": ..., \"arguments\": {...}}{{ NL }}</tool_call><|im_end|>{{ NL }}"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system{{ NL }}{{ messages[0]['content'] }}<|im_end|>{{ NL }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first)"
     " or (message.role == 'assistant' and not message.tool_calls) %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{%- elif message.role == 'assistant' %}<|im_start|>assistant{% if message.content %}\n{{ message.content }}"
+    "<|im_start|>{{ message.role }}{{ NL }}{{ message.content }}<|im_end|>{{ NL }}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant{% if message.content %}{{ NL }}{{ message.content }}"
     "{% endif %}{% for call in message.tool_calls %}{% if call.function is defined %}{% set call = call.function %}"
-    "{% endif %}\n<tool_call>\n{\"name\": \"{{ call.name }}\", \"arguments\": {{ call.arguments | tojson }}}"
-    "\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "<|im_start|>user{% endif %}\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endif %}{{ NL }}<tool_call>{{ NL }}{\"name\": \"{{ call.name }}\", \"arguments\": {{ call.arguments | tojson }}}"
+    "{{ NL }}</tool_call>{% endfor %}<|im_end|>{{ NL }}"
+    "{% elif message.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "<|im_start|>user{% endif %}{{ NL }}<tool_response>{{ NL }}{{ message.content }}{{ NL }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ NL }}{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ NL }}{% endif %}"
 )
 """Qwen2.5's tool-calling ChatML (Hermes `<tool_call>` JSON, tool results as `<tool_response>`), shortened:
 the agent example's template (`--rows arithmetic`)."""
@@ -103,8 +103,13 @@ def agent_corpus(seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     lines = [m["content"] for r in arithmetic_rows(200, seed) for m in r["prompt"]]
     lines += [" ".join(str(rng.randrange(100)) for _ in range(10)) for _ in range(200)]
-    lines += ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 7"}}\n</tool_call>',
-              "<tool_response>\n19\n</tool_response>", "The calculator says 12 + 7 = 19. The answer is 19."] * 20
+    tool = ('{"type": "function", "function": {"name": "calculator", "description": "Evaluate a sum or a difference '
+            'of two integers.", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, '
+            '"required": ["expression"]}}}')
+    lines += ["You are a helpful assistant.\n# Tools\n<tools>\n" + tool + "\n</tools>\nCall a tool as <tool_call>\n"
+              '{"name": ..., "arguments": {...}}\n</tool_call>',
+              '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 + 7"}}\n</tool_call>',
+              "<tool_response>\n19\n</tool_response>", "The calculator says 12 + 7 = 19. The answer is 19."] * 40
     return lines
 
 
@@ -151,7 +156,7 @@ def build_model_folder(out: str | pathlib.Path, *, arch: str = "qwen2", dtype: s
 
     path = pathlib.Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(path, chat_template=AGENT_CHAT_TEMPLATE, extra=agent_corpus()) if agent else \
+    tok = build_tokenizer(path, 512, chat_template=AGENT_CHAT_TEMPLATE, extra=agent_corpus()) if agent else \
         build_tokenizer(path)
     im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     common: dict[str, Any] = dict(
