@@ -10,14 +10,16 @@ comes back, the model answers again.
 * direct (the baseline): each sample is a skyrl-gym episode through `rollout/episodes.py`, its turns
   handed to the engine in-process, the environment's message appended as template ids.
 
-Both paths decode with the same engine, the same turn lengths (`--tokens`) and the same batch; rounds
-alternate between them and the median round counts. The ratio is endpoint / direct wall time of one
-round of episodes (target <= 1.15), and per generated token (the paths sample different random
-streams, so their completions differ in length).
+Both paths decode with the same engine, the same turn bounds and the same batch; rounds alternate
+between them and the median round counts. The ratio is endpoint / direct wall time of one round of
+episodes (target <= 1.15), and per generated token (the paths sample different random streams, so
+their completions differ in length). It is measured twice: with the tiny model's own CPU step (a few
+ms: the endpoint's fixed cost per call, HTTP, the SDK, the template, weighs most), and with an
+emulated accelerator step (`--step-delay-s`, `engine.emulate.step_delay_s`) of a real model's size.
 
     .venv/bin/python bench/agent_endpoint.py [--quick]
 
-Last line: `result: ratio=... ratio_per_token=... endpoint_s=... direct_s=... episodes=...`
+Last line: `result: ratio=... ratio_per_token=... ratio_step=... step_delay_s=... endpoint_s=... direct_s=... episodes=...`
 """
 
 from __future__ import annotations
@@ -81,10 +83,13 @@ async def calculator_agent(client: Any, prompt: list[dict[str, Any]], **row: Any
     return 1.0
 
 
-async def measure(model: pathlib.Path, groups: int, n: int, rounds: int) -> dict[str, float]:
+async def measure(model: pathlib.Path, groups: int, n: int, rounds: int, step_delay_s: float) -> dict[str, float]:
+    engine_cfg: dict[str, Any] = {"kind": "torch", "max_batch": groups * n, "dtype": "bfloat16"}
+    if step_delay_s:  # an accelerator's decoding step, the same for both paths (lengths stay the model's own)
+        engine_cfg["emulate"] = {"step_delay_s": step_delay_s, "short_tokens": 10_000}
     config = parse_config(yaml.safe_dump({"run": "bench", "model": {"path": str(model)}, "regions": [
-        {"name": "r", "kafka": "127.0.0.1:1", "store": "/nonexistent",
-         "engine": {"kind": "torch", "max_batch": groups * n, "dtype": "bfloat16"}}]}), source="bench.yaml", env={})
+        {"name": "r", "kafka": "127.0.0.1:1", "store": "/nonexistent", "engine": engine_cfg}]}),
+        source="bench.yaml", env={})
     engine = TorchEngine.from_config(config.model, config.regions[0].engine)
     codec = load_codec(config.model, sorted(engine.eos_ids))
     turns = EngineTurns(engine, seed=0)
@@ -105,7 +110,7 @@ async def measure(model: pathlib.Path, groups: int, n: int, rounds: int) -> dict
     prompt_ids = codec.render(QUESTION)
 
     async def endpoint_round(r: int) -> int:
-        runners = [AgentRunner(cfg, calculator_agent, endpoint, server.base_url, rewards, 4 * TOKENS + 64)
+        runners = [AgentRunner(cfg, calculator_agent, server, rewards, 4 * TOKENS + 64)
                    for _ in range(groups)]
         out = await asyncio.gather(*(x.run_group(f"e{r}-{g}", prompt, prompt_ids, {}) for g, x in enumerate(runners)))
         return sum(int((res.sample.versions >= 0).sum()) for group in out for res in group)
@@ -145,17 +150,24 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--step-delay-s", type=float, default=0.02,
+                        help="the emulated accelerator step of the second measurement (FACTS.md: a 0.5 B Qwen2 at "
+                             "batch 64 takes 5 ms with CUDA graphs, 84 ms eager)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
     rounds = args.rounds or (4 if args.quick else 10)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model_folder(pathlib.Path(tmp) / "model", agent=True)
-        res = asyncio.run(measure(model, args.groups, args.n, rounds))
-    print(f"endpoint: {res['endpoint_s']:.3f} s a round ({res['tokens_endpoint']:.0f} model tokens), "
-          f"direct: {res['direct_s']:.3f} s ({res['tokens_direct']:.0f}), {res['episodes']} episodes a round")
-    print(f"result: ratio={res['ratio']:.3f} ratio_per_token={res['ratio_per_token']:.3f} "
-          f"endpoint_s={res['endpoint_s']:.3f} direct_s={res['direct_s']:.3f} episodes={res['episodes']}")
+        raw = asyncio.run(measure(model, args.groups, args.n, rounds, 0.0))
+        slow = asyncio.run(measure(model, args.groups, args.n, rounds, args.step_delay_s))
+    for label, res in (("tiny model, CPU step", raw), (f"{args.step_delay_s * 1e3:.0f} ms step", slow)):
+        print(f"{label}: endpoint {res['endpoint_s']:.3f} s a round ({res['tokens_endpoint']:.0f} model tokens), "
+              f"direct {res['direct_s']:.3f} s ({res['tokens_direct']:.0f}), {res['episodes']} episodes a round, "
+              f"ratio {res['ratio']:.3f}")
+    print(f"result: ratio={raw['ratio']:.3f} ratio_per_token={raw['ratio_per_token']:.3f} "
+          f"ratio_step={slow['ratio']:.3f} step_delay_s={args.step_delay_s} endpoint_s={raw['endpoint_s']:.3f} "
+          f"direct_s={raw['direct_s']:.3f} episodes={raw['episodes']}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class AgentTemplate:
         last = max((i for i, t in enumerate(prefix) if t in self.eos), default=None)
         self._end = [prefix[last]] if last is not None else []
         self._tail = prefix[last + 1:] if last is not None else []
+        self._bases: dict[str, list[int]] = {}  # tools (as JSON) -> the fixed conversation rendered with them
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                generation_prompt: bool = True) -> list[int]:
@@ -55,7 +56,12 @@ class AgentTemplate:
                         stopped: bool) -> list[int] | None:
         """The ids `messages` add after a model turn (`stopped`: it ended with an end token); None when the
         template renders a conversation's start differently once it grows (no exact append)."""
-        prefix = self.render(list(_BASE), tools, generation_prompt=False)
+        key = json.dumps(tools, sort_keys=True)
+        prefix = self._bases.get(key)
+        if prefix is None:
+            prefix = self._bases[key] = self.render(list(_BASE), tools, generation_prompt=False)
+            if len(self._bases) > 64:  # agents with ever-changing tools: keep the newest few
+                self._bases.pop(next(iter(self._bases)))
         full = self.render(list(_BASE) + messages, tools, generation_prompt=True)
         if full[:len(prefix)] != prefix:
             return None

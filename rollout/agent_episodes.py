@@ -36,7 +36,7 @@ from fleetrl.log import get_logger
 from fleetrl.rollout.agent_capture import SampleCapture
 from fleetrl.rollout.episodes import EpisodeResult
 from fleetrl.rollout.errors import EnvError
-from fleetrl.rollout.openai_server import AgentEndpoint
+from fleetrl.rollout.openai_server import EndpointServer
 from fleetrl.rollout.rewards import GroupInput, Rewards
 
 log = get_logger(__name__)
@@ -68,12 +68,11 @@ def last_line(exc: BaseException) -> str:
 
 @dataclass(slots=True)
 class AgentRunner:
-    """Runs one group's agent runs against `endpoint` (served at `base_url`)."""
+    """Runs one group's agent runs against the worker's endpoint (`server`)."""
 
     cfg: EnvConfig
     agent: AgentFn
-    endpoint: AgentEndpoint
-    base_url: str
+    server: EndpointServer
     rewards: Rewards
     max_tokens: int
     """The run's token budget after its first prompt (model and environment tokens)."""
@@ -109,8 +108,9 @@ class AgentRunner:
         key = f"fleetrl-{secrets.token_hex(12)}"
         capture = SampleCapture(key, max_calls=self.cfg.max_turns, max_tokens=self.max_tokens, name=sample_id)
         self._captures.append(capture)
-        self.endpoint.captures[key] = capture
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=self.cfg.wall_time_s)
+        self.server.endpoint.captures[key] = capture
+        client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=key, max_retries=0,
+                                    timeout=self.cfg.wall_time_s, http_client=self.server.http_client())
         reward: float | None
         try:
             value = await asyncio.wait_for(self.agent(client, prompt.messages or prompt.prompt or "", **row),
@@ -125,7 +125,7 @@ class AgentRunner:
                 raise EnvError(f"agent {self.cfg.name} ({sample_id}) raised: {last_line(exc)}") from exc
             reward = self.cfg.failure_reward  # it gave up when a budget refused its call
         finally:
-            self.endpoint.captures.pop(key, None)
+            self.server.endpoint.captures.pop(key, None)
             capture.close()
             await client.close()
         return capture, reward

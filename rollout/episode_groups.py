@@ -91,8 +91,8 @@ class EpisodeGroups:
             from fleetrl.rollout.agent_episodes import AgentRunner, load_agent
 
             server = await self._agent_endpoint(cfg)
-            return AgentRunner(cfg, load_agent(job.env["name"], cfg.python_path), server.endpoint, server.base_url,
-                               self.publisher.rewards, budget)
+            return AgentRunner(cfg, load_agent(job.env["name"], cfg.python_path), server, self.publisher.rewards,
+                               budget)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="fleetrl-env")
         return EpisodeRunner(cfg, load_env_factory(job.env["name"], cfg.python_path), self.codec,

@@ -1,6 +1,6 @@
 """An OpenAI-compatible endpoint on a rollout worker, backed by its engine (DESIGN.md §11, §13).
 
-`AgentEndpoint` answers `/v1/chat/completions` and `/v1/completions` (FastAPI under uvicorn, on a
+`AgentEndpoint` answers `/v1/chat/completions` and `/v1/completions` (Starlette under uvicorn, on a
 loopback port of its own) with the worker's engine: each request is one model turn of n samples in
 the continuous batch beside every other request (`EngineTurns`). Chat messages and `tools` go through
 the tokenizer's chat template; the completion's Hermes / Qwen `<tool_call>` blocks come back as
@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from fleetrl.broker import PartialSample, Sampling
 from fleetrl.log import get_logger
@@ -170,45 +173,39 @@ def _usage(prompt_ids: list[int], outs: list[PartialSample]) -> dict[str, int]:
 
 
 def _loads(arguments: str) -> Any:
-    import json
-
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
         return arguments
 
 
-def build_app(endpoint: AgentEndpoint) -> Any:
-    """The FastAPI app of `endpoint`: the two routes and `/v1/models`, errors in OpenAI's shape."""
-    app = FastAPI(title="fleetrl agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(endpoint: AgentEndpoint) -> Starlette:
+    """The ASGI app of `endpoint` (Starlette: the routes and nothing else on the hot path), errors in
+    OpenAI's shape."""
 
-    async def answer(request: Request, route: Callable[[str | None, Any], Awaitable[dict[str, Any]]]) -> Any:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:] if auth.lower().startswith("bearer ") else None
-        try:
+    def route(handler: Callable[[str | None, Any], Awaitable[dict[str, Any]]]) -> Callable[..., Any]:
+        async def answer(request: Request) -> JSONResponse:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:] if auth.lower().startswith("bearer ") else None
             try:
-                body = await request.json()
-            except ValueError:
-                raise Refusal(None, "the request body is not JSON") from None
-            return JSONResponse(await route(key, body))
-        except Refusal as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except TaskError as exc:  # the chat template refused the conversation
-            return JSONResponse(Refusal("messages", str(exc)).body(), status_code=400)
+                try:
+                    body = json.loads(await request.body())
+                except ValueError:
+                    raise Refusal(None, "the request body is not JSON") from None
+                return JSONResponse(await handler(key, body))
+            except Refusal as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
+            except TaskError as exc:  # the chat template refused the conversation
+                return JSONResponse(Refusal("messages", str(exc)).body(), status_code=400)
+        return answer
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        return await answer(request, endpoint.chat)
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": endpoint.model, "object": "model",
+                                                         "owned_by": "fleetrl"}]})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await answer(request, endpoint.completion)
-
-    @app.get("/v1/models")
-    async def models() -> Any:
-        return {"object": "list", "data": [{"id": endpoint.model, "object": "model", "owned_by": "fleetrl"}]}
-
-    return app
+    return Starlette(routes=[Route("/v1/chat/completions", route(endpoint.chat), methods=["POST"]),
+                             Route("/v1/completions", route(endpoint.completion), methods=["POST"]),
+                             Route("/v1/models", models, methods=["GET"])])
 
 
 def _quiet_server_class() -> Any:
@@ -230,7 +227,20 @@ class EndpointServer:
         self.endpoint, self._port = endpoint, port
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._tls: Any = None
         self.port = 0
+
+    def http_client(self) -> Any:
+        """An HTTP client for one agent client: the SDK's own, with this worker's one TLS context. A fresh
+        context per client loads the system's CA certificates (~80 ms, more than a whole call); one pool
+        for every sample makes each request scan every connection."""
+        import ssl
+
+        import openai
+
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return openai.DefaultAsyncHttpxClient(verify=self._tls)
 
     @property
     def base_url(self) -> str:
@@ -240,7 +250,7 @@ class EndpointServer:
         import uvicorn
 
         _QuietServer = _quiet_server_class()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY on it
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self._port))
         self.port = sock.getsockname()[1]

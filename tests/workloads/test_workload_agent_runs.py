@@ -45,7 +45,7 @@ def _runner(s: Served, agent: str, max_turns: int = 8, max_tokens: int = 200,
     cfg = EnvConfig(kind="openai_agent", name=f"agent_fns:{agent}", python_path=[str(HERE)], max_turns=max_turns,
                     wall_time_s=120.0)
     rewards = build_rewards(reward or RewardConfig(), get_task)
-    return AgentRunner(cfg, load_agent(cfg.name, cfg.python_path), s.endpoint, s.server.base_url, rewards, max_tokens)
+    return AgentRunner(cfg, load_agent(cfg.name, cfg.python_path), s.server, rewards, max_tokens)
 
 
 def _prompt(n: int, **columns: object) -> PromptRecord:
