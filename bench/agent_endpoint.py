@@ -19,7 +19,8 @@ emulated accelerator step (`--step-delay-s`, `engine.emulate.step_delay_s`) of a
 
     .venv/bin/python bench/agent_endpoint.py [--quick]
 
-Last line: `result: ratio=... ratio_per_token=... ratio_step=... step_delay_s=... endpoint_s=... direct_s=... episodes=...`
+Last line: `result: ratio=... ratio_per_token=... ratio_step=... step_delay_s=... endpoint_s=... direct_s=...
+episodes=...`
 """
 
 from __future__ import annotations

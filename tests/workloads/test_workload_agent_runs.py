@@ -7,6 +7,7 @@ context per segment."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -88,7 +89,8 @@ async def test_a_history_rewrite_makes_a_second_segment(agent_folder: pathlib.Pa
     assert set(res.segments) == {SOURCE_POLICY}  # no environment id: nothing joined the two calls
     # On the wire and in the trainer: one sample, two loss contexts with their own prompts, one reward.
     record = _record([res])
-    limits = RecordLimits(vocab_size=400, known_tasks=frozenset({"reverse"}))
+    vocab = json.loads((agent_folder / "config.json").read_text())["vocab_size"]
+    limits = RecordLimits(vocab_size=vocab, known_tasks=frozenset({"reverse"}))
     back = decode_record(encode_record(record, limits), limits)
     assert isinstance(back, GroupRecord) and back.schema == "fleetrl.group/2"
     ctx = back.samples[0].contexts
