@@ -40,7 +40,7 @@ def score(answer: str, result: str) -> float:
 
 async def run(client: AsyncOpenAI, prompt: list[dict[str, Any]], expression: str, answer: str, **row: Any) -> float:
     messages: list[Any] = list(prompt)
-    first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=24,
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=12,
                                                  temperature=1.0)
     reply = first.choices[0].message
     messages.append(reply.model_dump(exclude_none=True))
@@ -54,6 +54,6 @@ async def run(client: AsyncOpenAI, prompt: list[dict[str, Any]], expression: str
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     else:
         messages.append({"role": "user", "content": f"The calculator says {expression} = {calculator(expression)}."})
-    second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=8,
+    second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6,
                                                   temperature=1.0)
     return score(second.choices[0].message.content or "", answer)
