@@ -48,7 +48,8 @@ async def run(client: AsyncOpenAI, prompt: list[dict[str, Any]], expression: str
         for call in reply.tool_calls:
             try:
                 args = json.loads(call.function.arguments)
-                result = calculator(str(args.get("expression", ""))) if isinstance(args, dict) else "error: bad arguments"
+                expr = str(args.get("expression", "")) if isinstance(args, dict) else ""
+                result = calculator(expr) if expr else "error: no expression"
             except json.JSONDecodeError:
                 result = "error: arguments are not JSON"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})

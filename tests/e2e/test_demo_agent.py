@@ -39,6 +39,7 @@ def test_agent_example_learns_through_the_endpoint_across_faults(tmp_path: pathl
             if line.startswith("{")]
     done = [e for e in logs if e.get("event") == "worker.group_done"]
     # 8 agent runs a group, each of 2 calls that extend one context: one segment per sample
-    assert done and all(e["episodes"] == 8 and e["segments"] == [1] * 8 and e["turns"] == 16 for e in done[:5]), done[:5]
+    assert done and all(e["episodes"] == 8 and e["segments"] == [1] * 8 and e["turns"] == 16
+                        for e in done[:5]), done[:5]
     stats = [e for e in logs if e.get("event") == "worker.stats" and e.get("agent_samples")]
     assert stats and stats[-1]["agent_samples_resegmented"] == 0
