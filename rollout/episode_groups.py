@@ -141,6 +141,7 @@ class EpisodeGroups:
                 runner.tokens_generated if runner is not None else 0)
             for rid in turns:
                 self.engine.take(rid)
+            self.turns.abort(f"{gid}#")
             if gid in self.queue.running:
                 self.publisher.spawn(self.publisher.hand_over(self.queue.running.pop(gid), None, reason))
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)

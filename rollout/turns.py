@@ -53,6 +53,15 @@ class EngineTurns:
             turn.set_result(group.samples)
         return True
 
+    def abort(self, prefix: str) -> None:
+        """Answer every waiting turn whose id starts with `prefix` with empty samples (finish `abort`): the
+        worker took them out of the engine (a handover), and a caller that is not cancelled with them (an
+        HTTP request of an agent run) must not wait forever."""
+        for rid, turn in list(self._turns.items()):
+            if rid.startswith(prefix) and not turn.done():
+                turn.set_result([PartialSample(ids([]), floats([]), ids([]), "abort")])
+        self._queue = [r for r in self._queue if not r.group_id.startswith(prefix)]
+
     def pending(self) -> bool:
         return bool(self._queue or self._withdraw)
 
