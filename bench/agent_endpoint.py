@@ -5,7 +5,7 @@ tool-calling template, built locally): the model answers a question, a fixed "ca
 comes back, the model answers again.
 
 * endpoint: each sample is an `openai_agent` run (rollout/agent_episodes.py): two
-  `client.chat.completions.create` calls over HTTP to the worker's endpoint (FastAPI under uvicorn),
+  `client.chat.completions.create` calls over HTTP to the worker's endpoint (Starlette under uvicorn),
   rendered through the chat template and recorded token for token (rollout/agent_capture.py);
 * direct (the baseline): each sample is a skyrl-gym episode through `rollout/episodes.py`, its turns
   handed to the engine in-process, the environment's message appended as template ids.
