@@ -126,8 +126,7 @@ class AgentRunner:
             reward = self.cfg.failure_reward  # it gave up when a budget refused its call
         finally:
             self.server.endpoint.captures.pop(key, None)
-            capture.close()
-            await client.close()
+            capture.close()  # the client's HTTP pool is the server's: it stays open for the next runs
         return capture, reward
 
     async def _score(self, prompt: PromptRecord, captures: list[SampleCapture]) -> list[float]:

@@ -44,6 +44,8 @@ from fleetrl.rollout.openai_schema import (
 from fleetrl.rollout.tokenize import TextCodec
 
 log = get_logger(__name__)
+HTTP_CLIENTS = 16
+"""HTTP clients (connection pools) the agent runs of one worker share in turn."""
 Generate = Callable[[str, list[int], Sampling, int, str | None], Awaitable[list[PartialSample]]]
 """(request id, prompt ids, sampling, n, randomness key) -> n finished samples (`EngineTurns.generate`)."""
 
@@ -227,20 +229,26 @@ class EndpointServer:
         self.endpoint, self._port = endpoint, port
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._http: list[Any] = []
+        self._next_http = 0
         self._tls: Any = None
         self.port = 0
 
     def http_client(self) -> Any:
-        """An HTTP client for one agent client: the SDK's own, with this worker's one TLS context. A fresh
-        context per client loads the system's CA certificates (~80 ms, more than a whole call); one pool
-        for every sample makes each request scan every connection."""
-        import ssl
+        """An HTTP client for an agent client, one of `HTTP_CLIENTS` the worker's runs share in turn (the
+        server closes them). A client per run would cost ~2.5 ms of CPU to build (a fresh TLS context
+        loads the CA store, ~80 ms); one for every run makes each request scan every connection."""
+        if len(self._http) < HTTP_CLIENTS:
+            import ssl
 
-        import openai
+            import openai
 
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return openai.DefaultAsyncHttpxClient(verify=self._tls)
+            if self._tls is None:  # loopback HTTP needs none, but the client builds one: share it
+                self._tls = ssl.create_default_context()
+            self._http.append(openai.DefaultAsyncHttpxClient(verify=self._tls))
+            return self._http[-1]
+        self._next_http = (self._next_http + 1) % len(self._http)
+        return self._http[self._next_http]
 
     @property
     def base_url(self) -> str:
@@ -273,6 +281,9 @@ class EndpointServer:
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         self.request_stop()
+        clients, self._http = self._http, []
+        for client in clients:
+            await client.aclose()
         if self._task is not None:
             await asyncio.wait([self._task], timeout=timeout_s)
             if not self._task.done():
