@@ -33,7 +33,9 @@ class EnvConfig(Model):
     """`skyrl_gym`: `name` is a skyrl-gym environment. `openai_agent`: `name` is an agent function
     `package.module:function`, `async def run(client, prompt, **row) -> float | None`, called once per
     sample with an `openai.AsyncOpenAI` client bound to the worker's endpoint and to that sample
-    (docs/agents.md); needs the `agents` extra and a tokenizer with a chat template."""
+    (docs/agents.md); needs the `agents` extra and a tokenizer with a chat template. An agent that raises
+    sends its group to `dead-letter` (`env_error`) whatever `on_error` says; `tool_timeout_s` and
+    `threads` do not apply (the agent runs its own tools)."""
     name: str = Field(min_length=1)
     """A skyrl-gym registered id (`gsm8k`, `gsm8k_multi_turn`, or one your module registers), or
     `package.module:Class` (a `BaseTextEnv` subclass or a factory) imported from `python_path`, then the
