@@ -104,9 +104,11 @@ class EpisodeGroups:
         if self._endpoint is None:
             from fleetrl.rollout.openai_server import AgentEndpoint, EndpointServer
 
+            sample_bound = max(self.config.algorithm.max_new_tokens, cfg.max_episode_tokens or 0)
             endpoint = AgentEndpoint(self.codec, sorted(self.engine.eos_ids), self.turns.generate,
                                      max_context=self.engine.max_context,
-                                     default_max_tokens=self.config.algorithm.max_new_tokens)
+                                     default_max_tokens=self.config.algorithm.max_new_tokens,
+                                     max_record_prompt=self.config.dataset.max_prompt_tokens + sample_bound)
             self._endpoint = await EndpointServer(endpoint, cfg.endpoint_port).start()
         return self._endpoint
 

@@ -54,10 +54,14 @@ class AgentEndpoint:
     """What the served routes do, without HTTP (the server below calls it; tests may too)."""
 
     def __init__(self, codec: TextCodec, eos_ids: list[int], generate: Generate, *, max_context: int,
-                 default_max_tokens: int, model: str = "fleetrl-policy", open_keys: bool = False) -> None:
+                 default_max_tokens: int, model: str = "fleetrl-policy", open_keys: bool = False,
+                 max_record_prompt: int | None = None) -> None:
         self.codec, self.generate, self.model = codec, generate, model
         self.template = AgentTemplate(codec, eos_ids)
         self.max_context, self.default_max_tokens, self.open_keys = max_context, default_max_tokens, open_keys
+        self.max_record_prompt = max_record_prompt
+        """The longest prompt a recorded call may have: a segment's context travels in the group record,
+        whose bound it is (`max_prompt_tokens` + a sample's tokens, docs/records.md)."""
         self.captures: dict[str, SampleCapture] = {}
         """API key -> the sample its calls build (registered by the agent runner)."""
         self._ids = itertools.count()
@@ -135,6 +139,10 @@ class AgentEndpoint:
                                  f"{self.max_context}", code="context_length_exceeded")
         max_tokens = req.max_tokens or self.default_max_tokens
         rid = f"agent-{next(self._ids)}"
+        if capture is not None and self.max_record_prompt is not None and len(prompt_ids) > self.max_record_prompt:
+            raise Refusal(field, f"the prompt is {len(prompt_ids)} tokens; a recorded call's context holds at most "
+                                 f"{self.max_record_prompt} (dataset.max_prompt_tokens + the sample's bound)",
+                          code="context_length_exceeded")
         if capture is not None:
             room = capture.room(prompt_ids, choice, extends)
             if capture.calls >= capture.max_calls or room <= 0:

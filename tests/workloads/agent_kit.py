@@ -32,7 +32,7 @@ class Served:
 
 @asynccontextmanager
 async def serve(model: pathlib.Path, max_batch: int = 64, open_keys: bool = True,
-                default_max_tokens: int = 8) -> AsyncIterator[Served]:
+                default_max_tokens: int = 8, max_record_prompt: int | None = None) -> AsyncIterator[Served]:
     config = parse_config(yaml.safe_dump({
         "run": "agent-test", "model": {"path": str(model)},
         "regions": [{"name": "r1", "kafka": "127.0.0.1:1", "store": "/nonexistent",
@@ -49,7 +49,8 @@ async def serve(model: pathlib.Path, max_batch: int = 64, open_keys: bool = True
         return out
 
     endpoint = AgentEndpoint(codec, sorted(engine.eos_ids), generate, max_context=engine.max_context,
-                             default_max_tokens=default_max_tokens, open_keys=open_keys)
+                             default_max_tokens=default_max_tokens, open_keys=open_keys,
+                             max_record_prompt=max_record_prompt)
     server = await EndpointServer(endpoint).start()
     served = Served(engine, codec, endpoint, server)
     stop = asyncio.Event()

@@ -138,6 +138,15 @@ async def test_an_agent_that_raises_fails_its_group_with_the_last_line(agent_fol
         assert s.endpoint.captures == {}  # its keys are gone with it
 
 
+async def test_a_prompt_over_the_records_bound_is_refused(agent_folder: pathlib.Path) -> None:
+    """A recorded call's context travels in the group record: one longer than its bound is a 400 (the
+    agent that does not handle it fails its group), never a record the producer would refuse."""
+    async with serve(agent_folder, open_keys=False, max_record_prompt=10) as s:
+        with pytest.raises(EnvError, match=r"BadRequestError: .*a recorded call.s context holds at most 10"):
+            await _runner(s, "three_turns").run_group("g-1", _prompt(1), [], {})
+        assert s.turns == []
+
+
 async def test_none_is_scored_by_the_runs_reward_functions(agent_folder: pathlib.Path) -> None:
     reward = RewardConfig(functions=[{"fn": "reward_fns:length_reward"}], python_path=[str(HERE)])
     async with serve(agent_folder, open_keys=False) as s:
