@@ -96,7 +96,7 @@ class AgentEndpoint:
         if capture is not None:
             capture.answered(Call(prompt_ids, made, req.messages, req.tools))
         return {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": created(),
-                "model": req.model, "choices": choices, "usage": _usage(prompt_ids, outs)}
+                "model": req.model, "choices": choices, "usage": _usage(prompt_ids, [c.sample for c in made])}
 
     async def completion(self, key: str | None, body: Any) -> dict[str, Any]:
         req = parse_completion(body)
@@ -121,7 +121,7 @@ class AgentEndpoint:
         if capture is not None:
             capture.answered(Call(prompt_ids, made))
         return {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": created(),
-                "model": req.model, "choices": choices, "usage": _usage(prompt_ids, outs)}
+                "model": req.model, "choices": choices, "usage": _usage(prompt_ids, [c.sample for c in made])}
 
     # -- parts ------------------------------------------------------------------------------------
 

@@ -151,3 +151,18 @@ async def test_an_unknown_key_is_refused_when_the_endpoint_serves_agent_runs(age
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model="policy", messages=ASK, max_tokens=4)
         await client.close()
+
+
+async def test_a_stop_string_cuts_the_completion_after_its_token(agent_folder: pathlib.Path) -> None:
+    async with serve(agent_folder) as s:
+        client = _client(s.server.base_url)
+        free = await client.chat.completions.create(model="policy", messages=ASK, max_tokens=12, seed=5)
+        text = free.choices[0].message.content or ""
+        stop = text[3:5]
+        assert len(text) >= 6 and stop, text  # the seed's completion is long enough to cut
+        cut = await client.chat.completions.create(model="policy", messages=ASK, max_tokens=12, seed=5, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].message.content == text[:text.index(stop)]
+        assert cut.usage is not None and free.usage is not None
+        assert cut.usage.completion_tokens < free.usage.completion_tokens  # what the answer holds
+        await client.close()
