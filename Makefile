@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 4
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: install refresh test test-slow test-fast test-changed test-profile demo demo-hf demo-tools lint lint-infra bench clean
+.PHONY: install refresh test test-slow test-fast test-changed test-profile demo demo-hf demo-tools demo-agent lint lint-infra bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3 ...)"; exit 1; }
@@ -79,6 +79,11 @@ demo-hf: refresh
 demo-tools: refresh
 	HF_HUB_OFFLINE=1 $(PY) -m fleetrl.demo.hf_inputs examples/tools --rows tools
 	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.tools.yaml
+
+# "Agents through an endpoint": an openai-SDK agent (a calculator tool) run against each worker's own endpoint.
+demo-agent: refresh
+	HF_HUB_OFFLINE=1 $(PY) -m fleetrl.demo.hf_inputs examples/agent --rows arithmetic
+	HF_HUB_OFFLINE=1 $(VENV)/bin/fleetrl demo --config examples/fleet.agent.yaml
 
 # ruff, mypy, then the structure (docs/architecture.md): the package layering as import-linter contracts
 # (pyproject.toml), file sizes and file-level import circles (tools/structure.py). Each runs even when

@@ -157,7 +157,9 @@ def to_map(record: Record) -> dict[str, Any]:
             "samples": [
                 {**_tokens_map(s.completion_ids, s.logprobs, s.versions), "reward": float(s.reward),
                  "finish": s.finish_reason,
-                 **({"seg": _pack_segments(s.segments)} if s.segments is not None else {})}
+                 **({"seg": _pack_segments(s.segments)} if s.segments is not None else {}),
+                 **({"ctx": [{"at": int(at), "p": _pack_array(p, _I4)} for at, p in s.contexts]}
+                    if s.contexts is not None else {})}
                 for s in record.samples
             ],
             "timings": {"queued": record.timings.queued, "started": record.timings.started,
@@ -293,7 +295,7 @@ def _group(o: dict[str, Any]) -> GroupRecord:
         tokens, logprobs, versions = _tokens(s, f"samples[{i}]")
         segments = _unpack_segments(s.get("seg"), f"samples[{i}].segments")
         samples.append(Sample(tokens, logprobs, versions, reward=float(s["reward"]), finish_reason=_s(s, "finish"),
-                              segments=segments))
+                              segments=segments, contexts=_contexts(s.get("ctx"), f"samples[{i}].contexts")))
     t = o.get("timings") or {}
     return GroupRecord(
         group_id=_s(o, "group_id"), run=_s(o, "run"), task=_s(o, "task"), attempt=_i(o, "attempt"),
@@ -304,6 +306,14 @@ def _group(o: dict[str, Any]) -> GroupRecord:
         reward_parts=_reward_parts(o.get("reward_parts")),
         eval=_eval_tag(o.get("eval")),
     )
+
+
+def _contexts(value: Any, field: str) -> list[tuple[int, IntArray]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("at"), int) for c in value):
+        raise RecordError("malformed", "contexts must be a list of {at: int, p: <i4 array>}", field=field)
+    return [(int(c["at"]), _unpack_array(c.get("p"), _I4, f"{field}[{j}]")) for j, c in enumerate(value)]
 
 
 def _reward_parts(value: Any) -> dict[str, float] | None:

@@ -8,6 +8,7 @@ with the field at fault, and the consumer sends it to `dead-letter` with that re
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import pathlib
@@ -146,6 +147,12 @@ class Sample:
     """`fleetrl.group/2`: run-length sources, shape (runs, 2) of (first token index, source); None: every
     token is the policy's. Environment tokens carry logprob 0 and version -1 and never enter the loss."""
 
+    contexts: list[tuple[int, IntArray]] | None = None
+    """`fleetrl.group/2`, optional: the sample's segments of context, each (index of its first completion
+    token, the prompt ids it continues). An agent run (DESIGN.md §13) whose calls did not all extend one
+    context is several segments of one sample; each is its own loss context with the sample's reward.
+    None: one segment, continuing the group's `prompt_ids`."""
+
     def sources(self) -> IntArray:
         """The source of every token (0 policy, 1 environment)."""
         return expand_segments(self.segments, len(self.completion_ids))
@@ -206,9 +213,9 @@ class GroupRecord:
 
     @property
     def schema(self) -> str:
-        """`/2` only when a sample carries segments or the group is an eval's, so that /1 readers keep
-        reading single completions of training."""
-        v2 = self.eval is not None or any(s.segments is not None for s in self.samples)
+        """`/2` only when a sample carries segments or contexts or the group is an eval's, so that /1 readers
+        keep reading single completions of training."""
+        v2 = self.eval is not None or any(s.segments is not None or s.contexts is not None for s in self.samples)
         return SCHEMA_GROUP_V2 if v2 else SCHEMA_GROUP
 
     @property
@@ -314,6 +321,8 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
     for i, s in enumerate(r.samples):
         if not whole:
             _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, g, s.segments)
+        if s.contexts is not None:
+            _check_contexts(f"samples[{i}].contexts", s.contexts, len(s.completion_ids), limits, g)
         if s.finish_reason not in FINISH_REASONS:
             raise RecordError("finish_reason", f"unknown finish_reason {s.finish_reason!r}",
                               field=f"samples[{i}].finish_reason", group_id=g)
@@ -334,7 +343,8 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
 def _plain_samples_in_bounds(samples: list[Sample], limits: RecordLimits) -> bool:
     """True when every sample is a plain completion (no segments) within the bounds `_check_tokens`
     checks; False says only that one of them must be checked alone."""
-    if any(s.segments is not None or not len(s.completion_ids) == len(s.logprobs) == len(s.versions)
+    if any(s.segments is not None or s.contexts is not None
+           or not len(s.completion_ids) == len(s.logprobs) == len(s.versions)
            or len(s.completion_ids) > limits.max_tokens_per_sample for s in samples):
         return False
     if not any(len(s.completion_ids) for s in samples):
@@ -357,6 +367,21 @@ def _check_count(n: int, limits: RecordLimits, g: str) -> None:
     if not 1 <= n <= limits.max_samples_per_group:
         raise RecordError("samples_bound", f"{n} samples outside 1..{limits.max_samples_per_group}",
                           field="samples", group_id=g)
+
+
+def _check_contexts(name: str, contexts: list[tuple[int, IntArray]], n_tokens: int, limits: RecordLimits,
+                    g: str) -> None:
+    """Segments start at token 0, increase, stay below the sample's length; each context is token ids
+    no longer than a prompt and a whole sample (an agent's later call carries its earlier turns)."""
+    starts = [at for at, _ in contexts]
+    if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) \
+            or starts[-1] >= max(n_tokens, 1):
+        raise RecordError("segment_bound", f"contexts must start at token 0, increase, stay below {n_tokens}",
+                          field=name, group_id=g)
+    for j, (_, prompt) in enumerate(contexts):
+        if len(prompt) == 0:
+            raise RecordError("segment_bound", "a context holds no prompt token", field=f"{name}[{j}]", group_id=g)
+        _check_ids(f"{name}[{j}]", prompt, limits, limits.max_prompt_tokens + limits.max_tokens_per_sample, g)
 
 
 def _check_ids(name: str, arr: IntArray, limits: RecordLimits, max_len: int, g: str) -> None:

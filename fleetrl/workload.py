@@ -123,7 +123,10 @@ def _check_env(config: FleetConfig, fail: Fail) -> None:
     if env is None:
         return
     try:
-        load_env_factory(env.name, env.python_path)
+        if env.kind == "openai_agent":
+            _load_agent(env.name, env.python_path)
+        else:
+            load_env_factory(env.name, env.python_path)
     except EnvError as exc:
         fail("dataset.env.name", str(exc))
     if env.max_episode_tokens is not None and env.max_episode_tokens < config.algorithm.max_new_tokens:
@@ -162,6 +165,18 @@ def _check_eval_sets(config: FleetConfig, fail: Fail) -> None:
             row_item(rows[0], f"{d.path}: row 1", d)
         except DatasetError as exc:
             fail(f"{where}.path", str(exc).replace("dataset.", f"{where}."))
+
+
+def _load_agent(name: str, python_path: list[str]) -> None:
+    """An `openai_agent` function; the endpoint's libraries (the `agents` extra) must be installed."""
+    from fleetrl.rollout.errors import EnvError
+
+    try:
+        from fleetrl.rollout.agent_episodes import load_agent
+    except ImportError as exc:
+        raise EnvError(f"{name}: kind openai_agent needs the `agents` extra (pip install 'fleetrl[agents]'): "
+                       f"{exc}") from exc
+    load_agent(name, python_path)
 
 
 def _check_reachable(url: str, fail: Fail) -> None:

@@ -56,6 +56,9 @@ class GroupRequest:
     """With (group_id, sample index, token position), fixes every sampled token."""
     resume: Sequence[PartialSample] | None = None
     """Samples as far as a previous worker got (n_samples of them); finished ones are kept as is."""
+    key: str | None = None
+    """The name the sampling randomness is keyed by (with `seed` and the sample index); None: `group_id`.
+    The agent endpoint keys a request that sets OpenAI's `seed` by that seed alone, so it repeats."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +336,7 @@ class Engine(ABC):
         prompt = [int(t) for t in r.prompt_ids]
         seqs = []
         for i in range(r.n_samples):
-            seq = SeqState(r.group_id, i, sample_key(r.seed, r.group_id, i), prompt, r.sampling)
+            seq = SeqState(r.group_id, i, sample_key(r.seed, r.key or r.group_id, i), prompt, r.sampling)
             seq.stop_at = self._emulated_length(seq)
             if r.resume is not None:
                 _restore(seq, r.resume[i], self)

@@ -1,6 +1,8 @@
 """The worker's groups that run as episodes (rollout/episodes.py), their turns decoded in the shared engine.
 
-A job with an environment runs its samples as episodes in a task of its own. Each model turn is
+A job with an environment runs its samples as episodes in a task of its own: skyrl-gym episodes
+(rollout/episodes.py), or agent runs against the worker's OpenAI-compatible endpoint
+(`kind: openai_agent`, rollout/agent_episodes.py; the endpoint starts with the first such group). Each model turn is
 a one-sample engine request (`<group id>#<sample>` and a turn number): `generate_turn` queues it,
 the worker's loop submits queued turns and withdraws those of cancelled episodes between two
 steps (`sync_turns`, the engine is not stepping then) and hands a finished turn back (`deliver`),
@@ -8,27 +10,35 @@ so turns of many episodes share the continuous batch while environment steps run
 thread pool (`env.threads`). A finished group is published by the `GroupPublisher`; one whose
 environment failed is dead-lettered. On a handover (`hand_over`) the episodes are cancelled and
 the group handed over as a restart (no samples): its episodes begin again elsewhere, and the
-tokens given up are counted (`episode_tokens_discarded`).
+tokens given up are counted (`episode_tokens_discarded`). Agent runs are handed over the same way: an
+agent's own state (its Python objects) cannot travel, so its runs restart on the receiving worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
-from fleetrl.broker import PartialSample, Sampling, floats, ids
+from fleetrl.broker import PartialSample, Sampling
 from fleetrl.config import EnvConfig, FleetConfig
 from fleetrl.log import get_logger
-from fleetrl.rollout.engine import Engine, FinishedGroup, GroupRequest
+from fleetrl.rollout.engine import Engine, FinishedGroup
 from fleetrl.rollout.episodes import EpisodeRunner, Generate, TurnTemplate, load_env_factory
-from fleetrl.rollout.errors import EngineError, EnvError, TaskError
+from fleetrl.rollout.errors import EnvError, TaskError
 from fleetrl.rollout.jobs import Job
 from fleetrl.rollout.publisher import GroupPublisher
 from fleetrl.rollout.scheduling import JobQueue
 from fleetrl.rollout.stats import WorkerCounters
 from fleetrl.rollout.tokenize import TextCodec
+from fleetrl.rollout.turns import EngineTurns
+
+if TYPE_CHECKING:
+    from fleetrl.rollout.openai_server import EndpointServer
 
 log = get_logger(__name__)
+Runner = Any
+"""An `EpisodeRunner` (skyrl-gym) or an `AgentRunner` (rollout/agent_episodes.py): `run_group`, `tokens_generated`."""
 
 
 class EpisodeGroups:
@@ -39,13 +49,12 @@ class EpisodeGroups:
         self.config, self.engine, self.codec, self.queue = config, engine, codec, queue
         self.publisher, self.counters, self._generate = publisher, counters, generate
         self.env_cfg = config.dataset.env
-        """`dataset.env`, or the first environment a record named in a run without it."""
+        """`dataset.env`: the environment of records that name none (a record's own never becomes it)."""
+        self.turns = EngineTurns(engine, config.rollout.seed, queue.arrived.set)
         self._pool: ThreadPoolExecutor | None = None
+        self._endpoint: EndpointServer | None = None  # the agent endpoint, started by the first agent group
         self._tasks: dict[str, asyncio.Task[None]] = {}  # group id -> its episodes' task
-        self._runners: dict[str, EpisodeRunner] = {}  # group id -> its episodes' runner
-        self._turns: dict[str, asyncio.Future[list[PartialSample]]] = {}  # turn request id -> its result
-        self._turn_queue: list[GroupRequest] = []  # turns to submit before the next step
-        self._turn_withdraw: list[str] = []  # turns of cancelled episodes to take out before the next step
+        self._runners: dict[str, Runner] = {}  # group id -> its episodes' runner
 
     def start(self, job: Job) -> None:
         self._tasks[job.group_id] = asyncio.create_task(self._run(job), name=f"episodes-{job.group_id}")
@@ -53,65 +62,59 @@ class EpisodeGroups:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)  # a hanging tool keeps only its thread
+        if self._endpoint is not None:
+            self._endpoint.request_stop()
 
     # -- turns through the engine -----------------------------------------------------------------
 
     def sync_turns(self) -> None:
         """Between steps (the engine is not stepping): withdraw cancelled turns, submit new ones."""
-        for rid in self._turn_withdraw:
-            if rid in self.engine.group_ids():
-                self.engine.take(rid)
-        self._turn_withdraw.clear()
-        queue, self._turn_queue = self._turn_queue, []
-        for request in queue:
-            turn = self._turns.get(request.group_id)
-            if turn is None or turn.done():
-                continue
-            try:
-                self.engine.submit(request)
-            except EngineError:  # the context is full: the turn is empty and ends its episode
-                turn.set_result([PartialSample(ids([]), floats([]), ids([]), "length")])
+        self.turns.sync()
 
     def deliver(self, group: FinishedGroup) -> bool:
         """A group back from the engine: True when it is one of these turns (its episode takes it)."""
-        turn = self._turns.get(group.group_id)
-        if turn is None:
-            return False
-        if not turn.done():
-            turn.set_result(group.samples)
-        return True
+        return self.turns.deliver(group)
 
     async def generate_turn(self, request_id: str, context: list[int], sampling: Sampling) -> PartialSample:
         """One model turn of an episode, decoded by this worker's engine beside everything else."""
-        turn: asyncio.Future[list[PartialSample]] = asyncio.get_running_loop().create_future()
-        self._turns[request_id] = turn
-        self._turn_queue.append(GroupRequest(request_id, context, sampling, 1, seed=self.config.rollout.seed))
-        self.queue.arrived.set()
-        try:
-            return (await turn)[0]
-        except asyncio.CancelledError:
-            self._turn_withdraw.append(request_id)
-            raise
-        finally:
-            self._turns.pop(request_id, None)
+        return (await self.turns.generate(request_id, context, sampling))[0]
 
     # -- a group's episodes -----------------------------------------------------------------------
 
-    def _runner(self, job: Job) -> EpisodeRunner:
-        cfg = self.env_cfg
-        if cfg is None:  # a record that names its own environment in a run without dataset.env
-            cfg = self.env_cfg = EnvConfig(name=job.env["name"] if job.env else "")
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="fleetrl-env")
+    async def _runner(self, job: Job) -> Runner:
+        # A record that names its own environment in a run without `dataset.env` runs with the defaults;
+        # it never becomes the environment of later records that name none.
+        cfg = self.env_cfg if self.env_cfg is not None else EnvConfig(name=job.env["name"] if job.env else "")
         assert job.env is not None
         budget = cfg.max_episode_tokens or self.config.algorithm.max_new_tokens
+        if cfg.kind == "openai_agent":
+            from fleetrl.rollout.agent_episodes import AgentRunner, load_agent
+
+            server = await self._agent_endpoint(cfg)
+            return AgentRunner(cfg, load_agent(job.env["name"], cfg.python_path), server, self.publisher.rewards,
+                               budget)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="fleetrl-env")
         return EpisodeRunner(cfg, load_env_factory(job.env["name"], cfg.python_path), self.codec,
                              TurnTemplate(self.codec, sorted(self.engine.eos_ids)), self._pool,
                              self._generate, budget)
 
+    async def _agent_endpoint(self, cfg: EnvConfig) -> EndpointServer:
+        """The worker's OpenAI-compatible endpoint over its engine (one per worker, started on first use)."""
+        if self._endpoint is None:
+            from fleetrl.rollout.openai_server import AgentEndpoint, EndpointServer
+
+            sample_bound = max(self.config.algorithm.max_new_tokens, cfg.max_episode_tokens or 0)
+            endpoint = AgentEndpoint(self.codec, sorted(self.engine.eos_ids), self.turns.generate,
+                                     max_context=self.engine.max_context,
+                                     default_max_tokens=self.config.algorithm.max_new_tokens,
+                                     max_record_prompt=self.config.dataset.max_prompt_tokens + sample_bound)
+            self._endpoint = await EndpointServer(endpoint, cfg.endpoint_port).start()
+        return self._endpoint
+
     async def _run(self, job: Job) -> None:
         try:
-            runner = self._runners[job.group_id] = self._runner(job)
+            runner = self._runners[job.group_id] = await self._runner(job)
             results = await runner.run_group(job.group_id, job.prompt, job.prompt_ids,
                                              (job.env or {}).get("args") or {})
         except (EnvError, TaskError) as exc:  # a group whose environment failed: it goes, the worker goes on
@@ -140,6 +143,7 @@ class EpisodeGroups:
                 runner.tokens_generated if runner is not None else 0)
             for rid in turns:
                 self.engine.take(rid)
+            self.turns.abort(f"{gid}#")
             if gid in self.queue.running:
                 self.publisher.spawn(self.publisher.hand_over(self.queue.running.pop(gid), None, reason))
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -127,6 +127,8 @@ class EpisodeResult:
     turns: int = 0
     error: str | None = None
     """Why the environment failed (the episode ended with the failure reward), or None."""
+    contexts: list[tuple[int, list[int]]] | None = None
+    """An agent run's segments of context (`Sample.contexts`); None: one, continuing the group's prompt."""
 
 
 @dataclass(slots=True)

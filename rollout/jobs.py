@@ -92,15 +92,17 @@ def reward_input(job: Job, samples: list[PartialSample], codec: TextCodec) -> Gr
 
 def group_record(job: Job, samples: list[PartialSample], rewards: list[float], region: str, node: str,
                  reward_parts: dict[str, float] | None = None,
-                 sources: list[list[int]] | None = None) -> GroupRecord:
+                 sources: list[list[int]] | None = None,
+                 contexts: list[list[tuple[int, list[int]]] | None] | None = None) -> GroupRecord:
     """Build the `fleetrl.group/1` record of finished, scored samples (`/2` with `sources`: each episode's
-    per-token sources, 0 policy, 1 environment)."""
+    per-token sources, 0 policy, 1 environment; and `contexts`: an agent run's segments of context)."""
     p = job.prompt
     segs = [segments_of(src) for src in sources] if sources is not None else [None] * len(samples)
+    ctxs = contexts if contexts is not None else [None] * len(samples)
     scored = [
         Sample(s.completion_ids, s.logprobs, s.versions, reward=float(r), finish_reason=s.finish_reason or "abort",
-               segments=seg)
-        for s, r, seg in zip(samples, rewards, segs, strict=True)
+               segments=seg, contexts=None if ctx is None else [(at, ids(prompt)) for at, prompt in ctx])
+        for s, r, seg, ctx in zip(samples, rewards, segs, ctxs, strict=True)
     ]
     return GroupRecord(
         group_id=p.group_id, run=p.run, task=p.task, attempt=p.attempt, region=region, node=node,

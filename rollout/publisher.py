@@ -89,11 +89,15 @@ class GroupPublisher:
                 self.counters.episodes_failed += 1
                 log.warning("worker.episode_failed", group_id=job.group_id, error=r.error)
         record = group_record(job, [r.sample for r in results], [r.reward for r in results], self.region,
-                              self.node, sources=[r.segments for r in results])
+                              self.node, sources=[r.segments for r in results],
+                              contexts=[r.contexts for r in results])
+        segments = [len(r.contexts) for r in results if r.contexts is not None]
+        self.counters.agent_samples += len(segments)
+        self.counters.agent_samples_resegmented += sum(1 for n in segments if n > 1)
         await self._produce(record)
         self.counters.tokens_generated += sum(int((r.sample.versions >= 0).sum()) for r in results)
         log.info("worker.group_done", group_id=job.group_id, episodes=len(results),
-                 turns=sum(r.turns for r in results),
+                 turns=sum(r.turns for r in results), **({"segments": segments} if segments else {}),
                  reward=round(sum(r.reward for r in results) / len(results), 4))
         await self.mark_done(job.delivery)
 

@@ -38,6 +38,10 @@ class WorkerCounters:
     """Records delivered again after a rebalance while this worker still held them (not work twice)."""
     polls_cancelled: int = 0
     """Polls cut short by a preemption (their records stay in Kafka for the partition's next owner)."""
+    agent_samples: int = 0
+    """Samples of agent runs (`openai_agent`) published."""
+    agent_samples_resegmented: int = 0
+    """Of those, samples of more than one segment (a call that did not extend the run's context)."""
     engine_steps: int = 0
     """Decoding steps taken: the region agent's hang check watches it move while there is work."""
     engine_busy_s: float = 0.0
@@ -73,6 +77,8 @@ class WorkerStats:
         return {"groups_done": c.groups_done, "episodes_failed": c.episodes_failed,
                 "episode_tokens_discarded": c.episode_tokens_discarded, "handed_over": c.groups_handed_over,
                 "dead_lettered": dict(c.dead_lettered),
+                **({"agent_samples": c.agent_samples, "agent_samples_resegmented": c.agent_samples_resegmented}
+                   if c.agent_samples else {}),
                 "groups_in_flight": self._in_flight(), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": engine.version,
                 "busy_tokens_per_s": round(engine.tokens_sampled / c.engine_busy_s, 2)

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from fleetrl.broker import GroupRecord
+from fleetrl.broker import GroupRecord, Sample
 from fleetrl.trainer.advantages import AdvantageKind, group_advantages
 
 
@@ -75,24 +75,15 @@ def build_step_batch(groups: Sequence[GroupRecord], kind: AdvantageKind, version
         rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
         rewards_all.extend(rewards.tolist())
         adv = group_advantages(rewards, kind).tolist()
-        prompt = np.asarray(g.prompt_ids, dtype=np.int64)
+        group_prompt = np.asarray(g.prompt_ids, dtype=np.int64)
         for s, a in zip(g.samples, adv, strict=True):
-            # With no prompt token nothing predicts the first completion token: it is not scored.
-            skip = 1 if len(prompt) == 0 else 0
-            mask = s.policy_mask()[skip:] if s.segments is not None else None
-            if len(s.completion_ids) <= skip or (mask is not None and not mask.any()):
-                continue
-            # One advantage per sample: an episode's turns share it (environment tokens are masked).
-            policy_versions = s.versions[skip:] if mask is None else s.versions[skip:][mask]
-            lags.append(version - int(policy_versions.min()))
-            samples.append(TrainSample(
-                input_ids=np.concatenate([prompt, np.asarray(s.completion_ids, dtype=np.int64)]),
-                prompt_len=max(len(prompt), 1),
-                behaviour_logprobs=np.asarray(s.logprobs[skip:], dtype=np.float32),
-                versions=np.asarray(s.versions[skip:], dtype=np.int32),
-                advantage=float(a),
-                policy_mask=mask,
-            ))
+            # One advantage per sample: an episode's turns, and an agent run's segments, share it.
+            for prompt, lo, hi in _loss_contexts(s, group_prompt):
+                sample = _train_sample(s, prompt, lo, hi, float(a))
+                if sample is not None:
+                    lags.append(version - int(sample.versions[sample.policy_mask].min() if sample.policy_mask
+                                              is not None else sample.versions.min()))
+                    samples.append(sample)
     batch = StepBatch(samples, version, sum(s.n_completion for s in samples), len(samples))
     batch.stats = {
         "reward_mean": float(np.mean(rewards_all)) if rewards_all else 0.0,
@@ -104,6 +95,34 @@ def build_step_batch(groups: Sequence[GroupRecord], kind: AdvantageKind, version
         "lag_mean": float(np.mean(lags)) if lags else 0.0,
     }
     return batch
+
+
+def _loss_contexts(s: Sample, group_prompt: npt.NDArray[np.int64]) -> list[tuple[npt.NDArray[np.int64], int, int]]:
+    """(prompt, first, end) of each segment of context: one continuing the group's prompt, or those of an
+    agent run's sample (`Sample.contexts`, each with its own prompt)."""
+    n = len(s.completion_ids)
+    if s.contexts is None:
+        return [(group_prompt, 0, n)]
+    starts = [at for at, _ in s.contexts] + [n]
+    return [(np.asarray(p, dtype=np.int64), starts[k], starts[k + 1]) for k, (_, p) in enumerate(s.contexts)]
+
+
+def _train_sample(s: Sample, prompt: npt.NDArray[np.int64], lo: int, hi: int, advantage: float) -> TrainSample | None:
+    """Completion tokens lo..hi of `s` after `prompt`, or None when none of them enters the loss."""
+    # With no prompt token nothing predicts the first completion token: it is not scored.
+    skip = 1 if len(prompt) == 0 else 0
+    lo += skip
+    mask = s.policy_mask()[lo:hi] if s.segments is not None else None
+    if hi <= lo or (mask is not None and not mask.any()):
+        return None
+    return TrainSample(
+        input_ids=np.concatenate([prompt, np.asarray(s.completion_ids[lo - skip:hi], dtype=np.int64)]),
+        prompt_len=max(len(prompt), 1),
+        behaviour_logprobs=np.asarray(s.logprobs[lo:hi], dtype=np.float32),
+        versions=np.asarray(s.versions[lo:hi], dtype=np.int32),
+        advantage=advantage,
+        policy_mask=mask,
+    )
 
 
 @dataclass(slots=True)

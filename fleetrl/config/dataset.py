@@ -26,8 +26,16 @@ class DatasetColumns(Model):
 
 class EnvConfig(Model):
     """The environment that runs each sample as an episode (multi-turn, tools): a skyrl-gym text environment
-    (`skyrl_gym.envs.BaseTextEnv`), written for SkyRL and run unchanged (DESIGN.md §11)."""
+    (`skyrl_gym.envs.BaseTextEnv`), written for SkyRL and run unchanged (DESIGN.md §11), or an agent written
+    against the OpenAI API, run against the worker's own endpoint (`kind: openai_agent`, DESIGN.md §13)."""
 
+    kind: Literal["skyrl_gym", "openai_agent"] = "skyrl_gym"
+    """`skyrl_gym`: `name` is a skyrl-gym environment. `openai_agent`: `name` is an agent function
+    `package.module:function`, `async def run(client, prompt, **row) -> float | None`, called once per
+    sample with an `openai.AsyncOpenAI` client bound to the worker's endpoint and to that sample
+    (docs/agents.md); needs the `agents` extra and a tokenizer with a chat template. An agent that raises
+    sends its group to `dead-letter` (`env_error`) whatever `on_error` says; `tool_timeout_s` and
+    `threads` do not apply (the agent runs its own tools)."""
     name: str = Field(min_length=1)
     """A skyrl-gym registered id (`gsm8k`, `gsm8k_multi_turn`, or one your module registers), or
     `package.module:Class` (a `BaseTextEnv` subclass or a factory) imported from `python_path`, then the
@@ -51,6 +59,11 @@ class EnvConfig(Model):
     """Reward of an episode that ended on an environment error (`on_error: failure_reward`)."""
     threads: int = Field(16, ge=1, le=1024)
     """Threads that run environment steps beside the engine; a hanging tool holds one until it returns."""
+    wall_time_s: float = Field(300.0, gt=0)
+    """`openai_agent`: bound of one agent run's wall time; past it the run is cancelled and its sample ends
+    with what it captured, finish reason `length` and `failure_reward`."""
+    endpoint_port: int = Field(0, ge=0, le=65535)
+    """`openai_agent`: the loopback port of the worker's endpoint; 0: a free port the kernel picks."""
 
 
 class DatasetConfig(Model):

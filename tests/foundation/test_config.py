@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MINIMAL = "run: r1\nregions:\n  - name: eu-west\n    kafka: 127.0.0.1:9092\n    store: ./stores/eu\n"
 
 
-@pytest.mark.parametrize("name", ["fleet.demo.yaml", "fleet.aws.yaml"])
+@pytest.mark.parametrize("name", ["fleet.demo.yaml", "fleet.aws.yaml", "fleet.agent.yaml"])
 def test_examples_validate(name: str) -> None:
     config = load_config(ROOT / "examples" / name, env={})
     assert config.regions and config.run

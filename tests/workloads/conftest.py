@@ -29,3 +29,9 @@ def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """Llama architecture (untied embeddings), bf16, sharded."""
     return build_model_folder(tmp_path_factory.mktemp("llama") / "model", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def agent_folder(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Qwen2 with the tool-calling chat template (Hermes `<tool_call>`), as `examples/fleet.agent.yaml` builds."""
+    return build_model_folder(tmp_path_factory.mktemp("agent") / "model", arch="qwen2", agent=True)

@@ -109,3 +109,25 @@ def test_a_skyrl_environment_passes(tmp_path: pathlib.Path, qwen2_folder: pathli
                                                     "env": {"name": "skyrl_envs:LookupEnv", "python_path": ["."]}})
     shutil.copy(HERE / "skyrl_envs.py", tmp_path / "skyrl_envs.py")  # python_path is relative to the config
     assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("agent_fns", "named `package.module:function`"),
+    ("agent_fns_nosuch:run", "cannot import 'agent_fns_nosuch'"),
+    ("agent_fns:_not_there", "has no `async def _not_there(client, prompt, **row)`"),
+    ("reward_fns:length_reward", "has no `async def length_reward(client, prompt, **row)`"),  # not async
+])
+def test_bad_agent_is_one_line_naming_the_field(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+                                                name: str, message: str) -> None:
+    path = _config(tmp_path, None, dataset={"task": "reverse", "env": {"kind": "openai_agent", "name": name,
+                                                                        "python_path": [str(HERE)]}})
+    rc, err = _check(path, capsys)
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "fleet.yaml: dataset.env.name: " in err and message in err, err
+
+
+def test_an_agent_passes(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _config(tmp_path, None, dataset={"task": "reverse", "env": {"kind": "openai_agent",
+                                                                        "name": "agent_fns:three_turns",
+                                                                        "python_path": [str(HERE)]}})
+    assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err

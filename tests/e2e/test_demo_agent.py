@@ -1,0 +1,44 @@
+"""`fleetrl demo --config examples/fleet.agent.yaml`: an agent written with the plain `openai` SDK (the example's
+own `calculator_agent.py`) trained through each worker's OpenAI-compatible endpoint, under faults.
+
+The inputs are built as the README says (`python -m fleetrl.demo.hf_inputs examples/agent --rows arithmetic`);
+the shipped config runs unchanged but for its ports and its input folder. One run, bounded by its work
+(`--until-faults`): its only worker node is preempted (and replaced) and its agent killed (and restarted)
+while agent runs are in flight; their groups are re-sent (docs/agents.md). The demo exits 0, the audit is
+ok with no group lost and none trained twice, and the groups' samples are one segment each (every call of
+the example extends its conversation). Learning is the demo's own figure (README, docs/agents.md): a run
+bounded by faults is too short to show it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import yaml
+from demo_testkit import ROOT, assert_accounted, example_config, run_demo
+from slowdown import scaled
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+DEMO_TIMEOUT_S = 300  # the faults and their recovery take ~1-2 min on 2 cores (run_demo scales it)
+
+
+def test_agent_example_through_the_endpoint_keeps_its_books_across_faults(tmp_path: pathlib.Path,
+                                                                         workdir: pathlib.Path) -> None:
+    doc, config = example_config(tmp_path, "agent", "--rows", "arithmetic")
+    doc["dataset"]["env"]["python_path"] = [str(ROOT / "examples" / "agent")]
+    config.write_text(yaml.safe_dump(doc))
+    summary = run_demo(config, workdir, "--preempt-every", f"{scaled(10):g}", "--kill-every", f"{scaled(15):g}",
+                       "--kill-only", "agent", "--until-faults", steps=None, timeout_s=DEMO_TIMEOUT_S)
+    assert_accounted(summary, steps=None)
+    kinds = [f["kind"] for f in summary["faults"]]
+    assert "preempt" in kinds and "replace" in kinds and "kill" in kinds, summary["faults"]
+    logs = [json.loads(line) for p in (workdir / "logs").glob("agent-*.log") for line in p.read_text().splitlines()
+            if line.startswith("{")]
+    done = [e for e in logs if e.get("event") == "worker.group_done"]
+    # 8 agent runs a group, each of 2 calls that extend one context: one segment per sample
+    assert done and all(e["episodes"] == 8 and e["segments"] == [1] * 8 and e["turns"] == 16 for e in done), done[:3]
+    stats = [e for e in logs if e.get("event") == "worker.stats" and e.get("agent_samples")]
+    assert stats and all(e["agent_samples_resegmented"] == 0 for e in stats)
+    assert any(e.get("event") == "worker.handed_over" for e in logs)  # a preempted worker re-sent its groups

@@ -1,0 +1,48 @@
+"""Agents written with the plain `openai` SDK, run by the agent-run tests by import path (`agent_fns:name`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+
+
+async def three_turns(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
+    """A conversation that grows: each call sends back the answer it got and a new user turn."""
+    messages = list(prompt)
+    for turn in range(3):
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": f"And then {turn}?"})
+    return float(row.get("bonus", 1.0))
+
+
+async def rewrite_history(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
+    """The second call forgets the first answer and asks afresh: its context does not extend the first."""
+    await client.chat.completions.create(model="policy", messages=list(prompt), max_tokens=5)
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Start over: 2 + 2?"}],
+                                         max_tokens=5)
+    return 0.5
+
+
+async def keeps_calling(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
+    """Calls until a budget refuses it, then returns what it has."""
+    messages = list(prompt)
+    for _ in range(100):
+        try:
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        except openai.BadRequestError as exc:
+            assert isinstance(exc.body, dict) and exc.body.get("code") == "budget_exhausted"
+            return 0.25
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    return 1.0
+
+
+async def breaks(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
+    await client.chat.completions.create(model="policy", messages=list(prompt), max_tokens=3)
+    raise ValueError("the agent's own bug")
+
+
+async def leaves_it_to_the_reward(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> None:
+    await client.chat.completions.create(model="policy", messages=list(prompt), max_tokens=4)
+    return None
