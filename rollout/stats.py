@@ -110,7 +110,10 @@ class WorkerStats:
         return (total - n0) / max(now - t0, 1e-9)
 
     def maybe_log(self) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= self._interval_s:
-            self._last_log = now
-            log.info("worker.stats", **self.stats())
+        if time.monotonic() - self._last_log >= self._interval_s:
+            self.log_now()
+
+    def log_now(self, **extra: Any) -> None:
+        """`worker.stats` now (the stopping worker's last one, whatever the interval left)."""
+        self._last_log = time.monotonic()
+        log.info("worker.stats", **self.stats(), **extra)

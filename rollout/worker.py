@@ -226,6 +226,7 @@ class RolloutWorker:
         if not await self.handover.bounded(reason, self.handover_timeout_s):
             return
         c = self.counters
+        self._stats.log_now(final=True)
         log.info("worker.stopped", reason=reason, seconds=round(time.monotonic() - started, 3),
                  groups_done=c.groups_done, handed_over=dict(c.handed_over_by_reason),
                  engine_busy_s=round(c.engine_busy_s, 3), tokens_sampled=self.engine.tokens_sampled,

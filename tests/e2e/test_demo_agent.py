@@ -39,6 +39,8 @@ def test_agent_example_through_the_endpoint_keeps_its_books_across_faults(tmp_pa
     done = [e for e in logs if e.get("event") == "worker.group_done"]
     # 8 agent runs a group, each of 2 calls that extend one context: one segment per sample
     assert done and all(e["episodes"] == 8 and e["segments"] == [1] * 8 and e["turns"] == 16 for e in done), done[:3]
+    # every worker that stops on its own (a preempted node, the run's end) logs its last stats
+    assert any(e.get("event") == "worker.stats" and e.get("final") for e in logs)
     stats = [e for e in logs if e.get("event") == "worker.stats" and e.get("agent_samples")]
     assert stats and all(e["agent_samples_resegmented"] == 0 for e in stats)
     assert any(e.get("event") == "worker.handed_over" for e in logs)  # a preempted worker re-sent its groups
