@@ -121,7 +121,7 @@ class EvalRunner:
                 sends.append((ev, ev.next_index, ev.in_flight[ev.next_index]))
                 ev.next_index += 1
                 room -= 1
-        results = await asyncio.gather(*(self._send(ev, index, flight) for ev, index, flight in sends))
+        results = await asyncio.gather(*(self._send(ev, index, flight, now) for ev, index, flight in sends))
         if self.metrics is not None:
             self.metrics.eval_groups_in_flight.set(self.book.in_flight())
         return sum(results)
@@ -144,7 +144,23 @@ class EvalRunner:
                 counts[f.region] = counts.get(f.region, 0) + 1
         return self.credits.pick(counts, now, exclude=exclude)
 
-    async def _send(self, ev: Evaluation, index: int, flight: Flight) -> int:
+    async def _send(self, ev: Evaluation, index: int, flight: Flight, now: float) -> int:
+        """Send to `flight.region`, or to the next region when its cluster fails (as the training
+        dispatcher does); 1 if one acknowledged. When every region failed it stays unsent for the next
+        round. Without the failover a region whose cluster was not connected yet kept every eval prompt
+        placed on it, failing each round, while the other region trained."""
+        tried: set[str] = set()
+        while True:
+            try:
+                return await self._send_once(ev, index, flight)
+            except _SendFailed:
+                tried.add(flight.region)
+                self.credits.on_send_failure(flight.region, now)
+                if len(tried) >= len(self.credits.regions):
+                    return 0  # stays unsent: the next round sends it again
+                flight.region = self._pick(now, {}, exclude=frozenset(tried))
+
+    async def _send_once(self, ev: Evaluation, index: int, flight: Flight) -> int:
         s = self.cfg.set(ev.set_name)
         item = PromptItem(*self.prompts[ev.set_name][index])
         record = PromptRecord(
@@ -161,7 +177,7 @@ class EvalRunner:
             if not exc.retriable:
                 raise
             log.warning("eval.send_failed", group_id=record.group_id, region=flight.region, error=str(exc))
-            return 0  # stays unsent: the next round sends it again
+            raise _SendFailed from exc
         flight.sent = True
         return 1
 
@@ -215,3 +231,7 @@ class EvalRunner:
     def restore(self, state: dict[str, Any] | None) -> None:
         self.book.restore(state)
         self._pinned = {e.version for e in self.book.evals.values()}  # the finished ones are released again
+
+
+class _SendFailed(Exception):
+    """A retriable Kafka failure of one region's send (logged where it happened)."""

@@ -159,6 +159,20 @@ async def test_a_silent_eval_prompt_is_sent_again_elsewhere_and_a_failed_send_wa
     assert runner.region_gone("nowhere") == 0
 
 
+async def test_an_eval_prompt_whose_region_refuses_the_send_goes_to_another_region_at_once() -> None:
+    """A region whose cluster is not connected (a trainer that started with one region of two) must not
+    hold the evaluation's prompts: like the training dispatcher, the send fails over to the next region
+    (before, every round placed them on the same refusing region again, and the evaluation never ran)."""
+    config = _config({"sets": [{"name": "h", "num_prompts": 3}], "before_training": True})
+    sent: list[tuple[str, PromptRecord]] = []
+    runner = _runner(config, sent, fail={"b"})
+    runner.on_start(0, 0)
+    for now in (0.0, 1.0):
+        await runner.dispatch(now, {"a": 5})  # training keeps `a` busy: placement alone would pick `b`
+    assert len(sent) == 3 and {region for region, _ in sent} == {"a"}
+    assert all(f.sent and f.region == "a" for f in runner.book.evals[("h", 0)].in_flight.values())
+
+
 def test_the_audit_finds_a_lost_eval_prompt_and_counts_later_ones_apart() -> None:
     config = _config({"sets": [{"name": "h", "num_prompts": 3}], "before_training": True})
     runner = _runner(config, [])
