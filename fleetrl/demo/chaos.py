@@ -59,7 +59,7 @@ TRAINER_RECOVER_FACTOR = 6
 default): on busy cores its start, its group joins and the first groups' arrival can take longer than
 RECOVER_S, and a trainer killed after each first step but before its next checkpoint redoes that step
 forever (a 20-minute soak with a kill every 5 s sat at step 15 for minutes that way). For the same reason
-the trainer is never killed before the run's first step."""
+the trainer is never killed before the run's first checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,10 +301,12 @@ class Chaos:
 
     def _recovered(self, name: str, now: float) -> bool:
         """Whether a process may be killed (again): `--recover` s after its restart, and a trainer only
-        once the run has trained a step and, after a restart, once it has checkpointed since, i.e. made
-        progress a kill cannot take back (at most TRAINER_RECOVER_FACTOR x `--recover` s)."""
+        once the run has saved its first checkpoint and, after a restart, once it has checkpointed since,
+        i.e. made progress a kill cannot take back (at most TRAINER_RECOVER_FACTOR x `--recover` s). A
+        trainer killed after its first step but before its first checkpoint redoes that step: the kill
+        would not have hit a fleet that trains."""
         trainer = _kind(name) == "trainer"
-        if trainer and self.demo.progress.last_step_at is None:
+        if trainer and self.demo.progress.last_checkpoint_at is None:
             return False
         since = self.restarted_at.get(name)
         if since is None:

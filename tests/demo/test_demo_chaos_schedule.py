@@ -100,6 +100,10 @@ def test_kinds_take_turns_and_a_trainer_is_spared_until_it_checkpoints(fleet: Fl
     assert kills() == []
     fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
     chaos.kill_turn = 0
+    chaos._kill_one()  # a step, but no checkpoint yet: a kill now would only make the trainer redo it
+    assert kills() == []
+    fleet.progress.feed({"event": "checkpoint.saved", "step": 1})
+    chaos.kill_turn = 0
     for _ in range(3):
         chaos._kill_one()
     assert kills() == ["trainer", "agent", "replicator"]
@@ -111,6 +115,7 @@ def test_kinds_take_turns_and_a_trainer_is_spared_until_it_checkpoints(fleet: Fl
     assert kills() == ["trainer", "agent", "replicator"]
     long_ago = time.monotonic() - RECOVER_S - 1
     chaos.restarted_at = dict.fromkeys(chaos.restarted_at, long_ago)
+    fleet.progress.last_checkpoint_at = long_ago - 1  # the run's first checkpoint came before that restart
     chaos.kill_turn = 0
     chaos._kill_one()  # RECOVER_S passed, but the restarted trainer has not checkpointed
     assert kills() == ["trainer", "agent", "replicator"]
@@ -137,6 +142,7 @@ def test_until_faults_ends_at_the_first_step_after_every_kind_was_killed_and_cam
     chaos._kill_one()  # the trainer's turn, before the fleet's first step: spared
     assert [f for f in chaos.log.faults if f.kind == "kill"] == []
     fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    fleet.progress.feed({"event": "checkpoint.saved", "step": 1})
     chaos._kill_one()  # an agent, mid-flight
     assert not chaos.all_happened()
     chaos._kill_one()  # the trainer, mid-flight
@@ -155,8 +161,10 @@ def test_recover_sets_how_long_a_restarted_process_and_trainer_are_spared(fleet:
     plan = FaultPlan(kill_every_s=1.0, kill_only=("trainer", "agent"), recover_s=50.0)
     chaos = Chaos(plan, fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
     fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    fleet.progress.feed({"event": "checkpoint.saved", "step": 1})
     now = time.monotonic()
     chaos.restarted_at = {"trainer": now - 40.0, "agent-a-node-1": now - 40.0}
+    fleet.progress.last_checkpoint_at = now - 41.0  # the run's first checkpoint, before those restarts
     assert not chaos._recovered("agent-a-node-1", now)  # 40 s < 50 s (the default 20 s would have passed)
     assert chaos._recovered("agent-a-node-1", now + 11.0)
     assert not chaos._recovered("trainer", now + 200.0)  # no checkpoint, and 240 s < 6 x 50 s
