@@ -2,7 +2,8 @@
 
 The demo ends its run itself, rather than after `--steps`, at the end of `--duration`, once every
 `--fuzz-records` record is dead-lettered (`FuzzFeed.all_read`), or once every fault asked for has
-happened and been recovered from (`--until-faults`, `Chaos.all_happened` and `Chaos.recovered`).
+happened and been recovered from and every evaluation scheduled so far has finished (`--until-faults`,
+`Chaos.all_happened`, `Chaos.recovered`, the view's `eval.scheduled` and `eval.done`).
 `RunEnd.tick`, called from the runner's watch loop, then stops the faults and the fuzzer's orders
 and, after a grace for the consumers to read what was sent, SIGTERMs the trainer, which drains,
 checkpoints and exits 0; the runner's watch loop ends when the trainer has exited.
@@ -56,6 +57,8 @@ class RunEnd:
         if self.plan.until_faults:
             if not self.chaos.stopped and self.chaos.all_happened():
                 self.chaos.stop()  # no new faults: a step after the last recovery ends the run
-            if self.chaos.recovered():
+            progress = self.chaos.demo.progress
+            if self.chaos.recovered() and progress.evals_scheduled <= progress.evals.keys():
+                # (and every evaluation scheduled so far finished: the run proves they survive the faults)
                 return _DURATION_GRACE_S if self.plan.fuzzing else 0.0
         return None

@@ -103,6 +103,8 @@ class Progress:
     """The injected faults (`fleetrl.demo.chaos.Fault`), shown as they happen."""
     evals: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     """(eval set, version) -> its figures (`eval.done`), in the order they completed."""
+    evals_scheduled: set[tuple[str, int]] = field(default_factory=set)
+    """(eval set, version) of every `eval.scheduled`: those not in `evals` are still out."""
     _printed: list[str] = field(default_factory=list)
 
     def on_fault(self, fault: Any) -> None:
@@ -133,6 +135,8 @@ class Progress:
                 del self.steps[redone]
         if name == "checkpoint.saved":
             self.last_checkpoint_at = time.monotonic()
+        if name == "eval.scheduled":
+            self.evals_scheduled.add((str(event["set"]), int(event["version"])))
         if name == "eval.done":
             row = {k: v for k, v in event.items() if k not in ("event", "level", "timestamp", "component")}
             self.evals[(str(event["set"]), int(event["version"]))] = row

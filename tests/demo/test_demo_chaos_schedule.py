@@ -169,3 +169,25 @@ def test_recover_sets_how_long_a_restarted_process_and_trainer_are_spared(fleet:
     assert chaos._recovered("agent-a-node-1", now + 11.0)
     assert not chaos._recovered("trainer", now + 200.0)  # no checkpoint, and 240 s < 6 x 50 s
     assert chaos._recovered("trainer", now + 261.0)
+
+
+def test_until_faults_also_waits_for_the_evaluations_scheduled_so_far(fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    """Every fault happened and was recovered from, but an evaluation is still out: the run goes on (its
+    books must balance at the end, under the faults) until its `eval.done`."""
+    from fleetrl.demo.ending import RunEnd
+
+    trainer = fleet.start("trainer")
+    plan = FaultPlan(kill_every_s=1.0, kill_only=("agent",), until_faults=True)
+    chaos = Chaos(plan, fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
+    end = RunEnd(plan, None, time.monotonic(), chaos, trainer, None)
+    fleet.progress.feed({"event": "eval.scheduled", "set": "held", "version": 0, "step": 0, "prompts": 4})
+    fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    fleet.progress.feed({"event": "checkpoint.saved", "step": 1})
+    chaos._kill_one()  # an agent, mid-flight
+    assert end._run_over(time.monotonic()) is None  # all happened: chaos stops and restarts the agent
+    assert chaos.stopped
+    fleet.progress.feed({"event": "step.done", "step": 2, "version": 2, "reward_mean": 0.1})
+    assert chaos.recovered()
+    assert end._run_over(time.monotonic()) is None  # recovered, but the evaluation of version 0 is out
+    fleet.progress.feed({"event": "eval.done", "set": "held", "version": 0, "step": 0, "pass@1": 0.5})
+    assert end._run_over(time.monotonic()) == 0.0
