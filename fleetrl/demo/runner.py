@@ -305,7 +305,9 @@ class Demo:
 
     def _record_pids(self) -> None:
         """Kept current from the first start on: whoever cleans up after a crashed demo finds them all."""
-        (self.workdir / "pids.json").write_text(json.dumps(self.pids(), indent=2))
+        tmp = self.workdir / "pids.json.tmp"  # replaced whole: a reader never sees it half written
+        tmp.write_text(json.dumps(self.pids(), indent=2))
+        tmp.replace(self.workdir / "pids.json")
 
     # -- watch ----------------------------------------------------------------------------------
 
