@@ -20,11 +20,9 @@ raises otherwise sends the group to `dead-letter` (`env_error`) with the traceba
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import secrets
-import sys
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from fleetrl.broker import PromptRecord
 from fleetrl.config import EnvConfig
 from fleetrl.log import get_logger
 from fleetrl.rollout.agent_capture import SampleCapture
-from fleetrl.rollout.episodes import EpisodeResult
+from fleetrl.rollout.episodes import EpisodeResult, import_user_module
 from fleetrl.rollout.errors import EnvError
 from fleetrl.rollout.openai_server import EndpointServer
 from fleetrl.rollout.rewards import GroupInput, Rewards
@@ -48,13 +46,7 @@ def load_agent(name: str, python_path: Sequence[str] = ()) -> AgentFn:
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
         raise EnvError(f"{name}: an openai_agent is named `package.module:function` (dataset.env.name)")
-    for folder in reversed(python_path):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # an import runs arbitrary code
-        raise EnvError(f"{name}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    module = import_user_module(name, module_name, python_path)
     fn = getattr(module, attr, None)
     if not inspect.iscoroutinefunction(fn):
         raise EnvError(f"{name}: module {module_name!r} has no `async def {attr}(client, prompt, **row)`")

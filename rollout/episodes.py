@@ -39,19 +39,25 @@ Generate = Callable[[str, list[int], Sampling], Awaitable[PartialSample]]
 EnvFactory = Callable[[dict[str, Any], dict[str, Any]], Any]
 
 
+def import_user_module(name: str, module_name: str, python_path: Sequence[str]) -> Any:
+    """Import a user's module (an environment, an agent), searching `python_path` first; `EnvError`
+    naming `name` when the import fails (it runs arbitrary code)."""
+    for folder in reversed(python_path):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:  # an import runs arbitrary code
+        raise EnvError(f"{name}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+
+
 def load_env_factory(name: str, python_path: Sequence[str] = ()) -> EnvFactory:
     """`name`: a skyrl-gym registered id, or `package.module:Class` (or a factory); EnvError when it cannot be used."""
     import skyrl_gym
 
     if ":" in name:
         module_name, _, attr = name.partition(":")
-        for folder in reversed(python_path):
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # an import runs arbitrary code
-            raise EnvError(f"{name}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+        module = import_user_module(name, module_name, python_path)
         creator = getattr(module, attr, None)
         if not callable(creator):
             raise EnvError(f"{name}: module {module_name!r} has no environment class or factory {attr!r}")
