@@ -30,7 +30,7 @@ a part that would start past `--budget-s` is skipped):
 Last line: `result: engine_tok_s_b64=... engine_tok_s_b256=... generate_tok_s_b64=... speedup_cuda=...
 learner_ms_per_1k_tok=... learner_peak_gib=... learner_mfu=... update_s_gpu=... dense_h2d_s=...`, then
 each learner path's `learner_<path>_{ms_per_1k_tok,peak_gib,mfu}` (full, chunked, mb16, mb8, sel, ckpt,
-compile, liger, liger_sel), `learner_fits` (the fastest path within 16 GiB, whose figures the first
+compile, compile_sel, liger, liger_sel), `learner_fits` (the fastest path within 16 GiB, whose figures the first
 learner_* are), `liger_dlogp`, `liger_dgrad` and a few more.
 """
 
@@ -302,8 +302,8 @@ def part_engine(s: Setup) -> str:
 
 def part_weights(s: Setup) -> str:
     # Without Liger: its patches are process-wide, and its part runs last.
-    learner = s.learner or Learner(ModelConfig(tiny=s.shape), AlgorithmConfig(lr=1e-6, fused_kernels=False),
-                                   DistContext(device=torch.device(s.device)))
+    algo = AlgorithmConfig(lr=1e-6, fused_kernels=False, compile=False)
+    learner = s.learner or Learner(ModelConfig(tiny=s.shape), algo, DistContext(device=torch.device(s.device)))
     res = []
     with tempfile.TemporaryDirectory() as tmp:
         w = pathlib.Path(tmp)

@@ -4,7 +4,8 @@ and MFU, and Liger Kernel against the chunked path.
 `part_learner`: one step of 16,384 tokens (8 groups x 8 samples x (64 + 192)) in one micro-batch, per path:
 whole logits (`logprob_chunk_tokens: 0`, the baseline), chunked, chunked at micro-batches of 16 and 8 (for
 the record), selective checkpointing at `--activation-gib` (`activation_memory_gib`), every layer
-checkpointed, and chunked with each decoder layer compiled (`algorithm.compile`). `fused_kernels` is
+checkpointed, and chunked with each decoder layer compiled (`algorithm.compile`), alone and with selective
+checkpointing. `fused_kernels` is
 false in all of them: Liger patches modules process-wide, so it runs in its own part, last.
 
 `part_liger`: on a tiny fp32 model, the Liger-patched policy with Liger's fused head against the plain
@@ -101,7 +102,7 @@ def _measure(s: Any, learner: Learner, groups: list[GroupRecord], tokens: int, k
 
 def _learner(s: Any, **algo: Any) -> Learner:
     cfg = AlgorithmConfig(**{"lr": 1e-6, "micro_batch_samples": 64, "logprob_chunk_tokens": 1024,
-                             "fused_kernels": False, **algo})
+                             "fused_kernels": False, "compile": False, **algo})
     return Learner(ModelConfig(tiny=s.shape), cfg, DistContext(device=torch.device(s.device)))
 
 
@@ -120,6 +121,9 @@ def part_learner(s: Any) -> str:
     _drop(s)  # part_weights builds its own learner
     compiled = _learner(s, compile=True)
     res.append(_measure(s, compiled, groups, tokens, "learner_compile", "chunked+compile"))
+    compiled._selective = SelectiveCheckpointing(compiled.model, s.activation_gib, 2 if s.device == "cuda" else 4)
+    res.append(_measure(s, compiled, groups, tokens, "learner_compile_sel",
+                        f"chunked+compile+selective {s.activation_gib:g} GiB"))
     del compiled
     _drop(s)
     pick_fastest_that_fits(s)
@@ -163,8 +167,8 @@ def _one_learner_paths(s: Any, groups: list[GroupRecord], tokens: int) -> list[s
 def pick_fastest_that_fits(s: Any) -> None:
     """The learner that fits: the fastest one-micro-batch path within 16 GiB. Smaller micro-batches are
     measured for the record only (they hide the logits; the issue's step is one micro-batch of 64)."""
-    keys = ("learner_full", "learner_chunked", "learner_sel", "learner_ckpt", "learner_compile", "learner_liger",
-            "learner_liger_sel")
+    keys = ("learner_full", "learner_chunked", "learner_sel", "learner_ckpt", "learner_compile", "learner_compile_sel",
+            "learner_liger", "learner_liger_sel")
     fits = [k for k in keys if s.result.get(f"{k}_peak_gib", 99) <= 16]
     if fits:
         best = min(fits, key=lambda k: s.result[f"{k}_ms_per_1k_tok"])

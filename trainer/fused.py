@@ -11,7 +11,9 @@
   reach every model built later); its RoPE stays in the module (transformers has no per-instance RoPE),
   for tensors on CUDA only.
 * `algorithm.compile`: each decoder layer compiled in place (`Module.compile`: the parameter names, and so
-  the published state and checkpoints, stay as they are).
+  the published state and checkpoints, stay as they are). Auto (the default) compiles where the learner
+  runs on CUDA; auto Liger then stays off: on an H200 the compiled layers ran a 0.5 B Qwen2's step of 16,384
+  tokens at 9.9 ms per 1k tokens, Liger's at 16.0 and the plain ones at 13.7 (docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -39,11 +41,19 @@ class LigerChoice:
     """Why it is (or is not) applied, for the log line."""
 
 
+def compiles(algo: AlgorithmConfig, device: torch.device) -> bool:
+    """Whether the learner compiles its decoder layers: `algorithm.compile`, auto meaning on CUDA."""
+    return algo.compile if algo.compile is not None else device.type == "cuda"
+
+
 def choose_liger(algo: AlgorithmConfig, device: torch.device, model_type: str) -> LigerChoice:
     """Whether the learner applies Liger Kernel, and why (see the module docstring)."""
     if algo.fused_kernels is False:
         return LigerChoice(False, "algorithm.fused_kernels is false")
     asked = "algorithm.fused_kernels is true" if algo.fused_kernels else "algorithm.fused_kernels is auto"
+    if algo.fused_kernels is None and compiles(algo, device):
+        return LigerChoice(False, f"{asked} and the decoder layers are compiled (algorithm.compile), which was "
+                                  f"measured faster; set fused_kernels: true to have both")
     if device.type != "cuda":
         return LigerChoice(False, f"{asked}, but the learner runs on {device.type}: Liger's Triton kernels need CUDA")
     if model_type not in LIGER_MODEL_TYPES:

@@ -28,7 +28,7 @@ from fleetrl.trainer.activations import SelectiveCheckpointing, activation_dtype
 from fleetrl.trainer.batch import MicroBatch, StepBatch, TrainSample, collate
 from fleetrl.trainer.dist import DistContext, get_state, load_shards, save_shards, set_state
 from fleetrl.trainer.errors import TrainerError
-from fleetrl.trainer.fused import apply_liger, choose_liger, compile_layers, liger_head_logprobs
+from fleetrl.trainer.fused import apply_liger, choose_liger, compile_layers, compiles, liger_head_logprobs
 from fleetrl.trainer.logprobs import causal_lm_logprobs
 from fleetrl.trainer.losses import ClipConfig, aggregate, kl_k3, ppo_tis_token_loss
 from fleetrl.trainer.sharded_publish import publish_sharded
@@ -97,7 +97,7 @@ class Learner:
             enable_checkpointing(model)
         self._selective = None if algo.activation_memory_gib is None else SelectiveCheckpointing(
             model, algo.activation_memory_gib, activation_dtype_bytes(ctx.device))
-        if algo.compile:
+        if compiles(algo, ctx.device):
             log.info("learner.compiled", layers=compile_layers(model))
         self.model = ctx.shard(model)
         self.ref = ctx.shard(ref).eval() if ref is not None else None

@@ -22,7 +22,9 @@ Liger's own size (`logprob_chunk_tokens` > 0 then only selects this path).
 `causal_lm_logprobs` runs the model's own forward (FSDP2's hooks, a peft wrapper and the model's
 checkpointing see an ordinary call) with `logits_to_keep=1`, and takes the last hidden states where
 its decoder returns them (a forward hook): the head runs there, while the root module's parameters
-are gathered.
+are gathered. Both paths pass `use_cache=False`: a training forward has no use for a KV cache, and
+transformers' cache (on by the model config's default) adds a guard per layer that makes
+`torch.compile` recompile each compiled decoder layer until its recompile limit, leaving the rest eager.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     bool) is set, 0 elsewhere. `chunk_tokens` 0: the plain path (whole logits, every position; `fused_head`
     is not used there)."""
     if chunk_tokens <= 0:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
         return token_logprobs(logits, targets, temperature)
     decoder, head = model.get_decoder(), model.get_output_embeddings()  # type: ignore[operator]
     found: list[torch.Tensor] = []
@@ -136,7 +138,7 @@ def causal_lm_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attentio
 
     handle = decoder.register_forward_hook(score)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1)
+        model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
     finally:
         handle.remove()
     if len(found) != 1:

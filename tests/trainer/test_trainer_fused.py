@@ -50,7 +50,10 @@ def _run(**algo: Any) -> tuple[list[float], torch.Tensor, Learner]:
 
 def test_the_new_fields_default_to_todays_learner() -> None:
     algo = AlgorithmConfig()
-    assert algo.fused_kernels is None and algo.compile is False and algo.activation_memory_gib is None
+    assert algo.fused_kernels is None and algo.compile is None and algo.activation_memory_gib is None
+    assert not fused.compiles(algo, CPU) and fused.compiles(algo, CUDA)  # auto: on CUDA only
+    assert fused.compiles(AlgorithmConfig(compile=True), CPU)
+    assert not fused.compiles(AlgorithmConfig(compile=False), CUDA)
     with pytest.raises(ValidationError, match="activation_memory_gib"):
         AlgorithmConfig(activation_memory_gib=0)
     with pytest.raises(ValidationError, match=r"activation_memory_gib is 4\.0 and activation_checkpointing is true"):
@@ -67,8 +70,15 @@ def test_liger_is_not_chosen_off_cuda_or_when_off(setting: bool | None, device: 
     assert not choice.applied and choice.reason == reason
 
 
+def test_auto_liger_gives_way_to_the_compiled_layers_on_cuda() -> None:
+    """Compiled layers were measured faster than Liger's (docs/trainer.md): auto takes them, not both."""
+    choice = fused.choose_liger(AlgorithmConfig(), CUDA, "qwen2")
+    assert not choice.applied and "compiled (algorithm.compile)" in choice.reason
+    assert "compiled" not in fused.choose_liger(AlgorithmConfig(fused_kernels=True), CUDA, "qwen2").reason
+
+
 def test_liger_on_cuda_needs_a_wired_model_type_and_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    algo = AlgorithmConfig()
+    algo = AlgorithmConfig(compile=False)
     assert "not wired for model type 'gpt2'" in fused.choose_liger(algo, CUDA, "gpt2").reason
 
     def missing(name: str) -> Any:

@@ -132,3 +132,21 @@ def test_a_learner_step_is_the_same_with_chunks_and_activation_checkpointing(che
     # orders of summation moves the update by a small share of lr (measured: 2e-5 of 1e-2).
     torch.testing.assert_close(params[1], params[0], rtol=0, atol=1e-4)
     assert (params[1] - params[0]).abs().mean() < 1e-7
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_the_learners_forward_builds_no_kv_cache(chunk: int) -> None:
+    """The model config says `use_cache: true` (the engine's default); a training forward must not build a
+    cache: it is memory for nothing, and its per-layer guards defeat `algorithm.compile`."""
+    vocab = 256
+    model = ModelConfig(tiny={"vocab_size": vocab}).build()
+    assert model.config.use_cache
+    mb = _batch(vocab)
+    caches: list[Any] = []
+    handle = model.get_decoder().register_forward_hook(
+        lambda module, args, output: caches.append(getattr(output, "past_key_values", None)))
+    try:
+        causal_lm_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, mb.loss_mask > 0, 1.0, chunk)
+    finally:
+        handle.remove()
+    assert caches == [None]
