@@ -59,7 +59,7 @@ def pinned_versions(store: ObjectStore, run: str) -> list[int]:
 
 def _holder_version(key: str, run: str) -> int:
     """N of `<run>/holders/<N>/<store>`."""
-    return int(key[len(f"{run}/holders/"):].split("-", 1)[0])
+    return int(key[len(f"{run}/holders/"):].split("/", 1)[0])
 
 
 def collect(store: ObjectStore, reader: Reader, run: str, retention: int, grace_s: float,
