@@ -169,7 +169,7 @@ def _add_operations(sub: Any) -> None:
                        help="a version of the run's home store, or `latest`")
     which.add_argument("--model", metavar="PATH", help="a Hugging Face folder (`fleetrl hub export` writes one)")
     p.add_argument("--set", metavar="NAME", default=None, help="only this eval set (default: every one)")
-    p.add_argument("--where", choices=("auto", "fleet", "local"), default="auto",
+    p.add_argument("--where", type=cli_args.eval_where, default="auto", metavar="auto|fleet|local",
                    help="fleet: send the prompts through the regions' Kafka (an error when no region shows a "
                         "serving node on MQTT and answers on Kafka); local: generate here with the torch engine; "
                         "auto: the fleet when it is up, else here (default: %(default)s; --model is always local)")
