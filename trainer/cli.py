@@ -40,7 +40,7 @@ def audit(args: argparse.Namespace, config: FleetConfig) -> int:
                   f"the checkpoint")
         if e.requests:
             print(f"fleetrl eval requests (apart from the books): {e.requests} request(s), {e.request_prompts} eval "
-                  f"prompt(s), {e.request_returned} returned")
+                  f"prompt(s)")
         if report.foreign_prompts:
             print(f"{report.foreign_prompts} prompt record(s) with group ids the trainer never issues (not "
                   f"'{config.run}-<index>'): written by another producer; not counted as dispatched")

@@ -15,8 +15,10 @@ Eval groups that came back more than once on `trajectories` are counted (`return
 measured only the first.
 
 The prompts of `fleetrl eval` requests on the fleet (group ids `<run>-evalreq-<request>-...`) belong to no
-book of the trainer: they are counted apart (`requests`, `request_prompts`, `request_returned`), never
-lost, never dispatched after the checkpoint (the command itself reported them, or said what was missing).
+book of the trainer: they are counted apart (`requests`, `request_prompts`: the prompt records the audit
+reads, from the checkpoint's settled watermark on), never lost, never dispatched after the checkpoint (the
+command itself reported their return, or named what was missing; their groups, which the trainer skipped
+and committed, lie below the offsets the audit reads `trajectories` from).
 """
 
 from __future__ import annotations
@@ -46,9 +48,7 @@ class EvalAudit:
     requests: int = 0
     """`fleetrl eval --where fleet` requests seen in the prompts topics (counted apart from the books)."""
     request_prompts: int = 0
-    """Their eval prompts (distinct group ids) ..."""
-    request_returned: int = 0
-    """... and how many of those came back on `trajectories`."""
+    """Their eval prompts (distinct group ids, from the settled watermark on)."""
 
     def problems(self) -> list[str]:
         return [f"{len(self.lost)} eval prompt(s) lost: {self.lost[:10]}"] if self.lost else []
@@ -79,7 +79,6 @@ def reconcile_evals(dispatched: dict[str, list[tuple[str, int]]], arrived: dict[
     requests = {gid: eval_request_of(gid, run) for gid in dispatched}
     mine = [gid for gid, request in requests.items() if request is not None]
     out.requests, out.request_prompts = len({requests[g] for g in mine}), len(mine)
-    out.request_returned = sum(gid in arrived for gid in mine)
     for gid in dispatched:
         parsed = parse_eval_group_id(gid, run)
         if parsed is None:
