@@ -153,3 +153,39 @@ def test_where_fleet_with_no_fleet_is_a_clear_error_and_auto_evaluates_here(
     assert main(["eval", "--config", str(path), "--version", "0", "--set", "greedy", "--probe-s", "1", "--json"]) == 0
     captured = capsys.readouterr()
     assert "evaluating here" in captured.err and json.loads(captured.out)[0]["prompts"] == 5
+
+
+async def test_a_fleet_that_returns_nothing_in_time_fails_naming_what_returned_and_releases_its_pin(
+        run_id: str, tansu_bootstrap: str, mqtt_server: devstack.ServerProcess, tmp_path: pathlib.Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A node heartbeats but no worker takes the prompts: the command ends at `--timeout-s` (the bound under
+    test, not scaled) with exit 1, naming what returned, and its pin is gone."""
+    data = _fleet(run_id, tansu_bootstrap, mqtt_server.port, tmp_path)
+    path, config = write(tmp_path, data), make_config(data)
+    publish_tiny(config)
+    await ensure_topics(config, REGION)
+    async with ControlPlane(config, f"{run_id}-agent") as agent:
+        # (stamped ahead: it stays fresh for the whole run without an agent beating)
+        await agent.heartbeat(REGION, "n1", Heartbeat(state="up", ts=time.time() + scaled(60), engines=1))
+        code = await asyncio.to_thread(main, ["eval", "--config", str(path), "--version", "latest", "--where",
+                                              "fleet", "--set", "greedy", "--timeout-s", "2",
+                                              "--probe-s", str(scaled(5))])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "greedy@0 0/5 returned within --timeout-s 2 s" in err and "pin is released" in err
+    with Hub.from_config(config) as hub:
+        assert hub.pinned() == []
+
+
+def test_a_region_serves_when_a_node_is_up_with_an_engine_up_and_heartbeats_recently() -> None:
+    from fleetrl.broker import EngineStatus
+    from fleetrl.eval_fleet import serving_nodes
+
+    now = 1000.0
+    nodes = {("a", "1"): Heartbeat(state="up", ts=now - 1, engines=1),
+             ("a", "2"): Heartbeat(state="up", ts=now - 1, engines=1),
+             ("b", "1"): Heartbeat(state="up", ts=now - 10, engines=1),  # silent for 10 s: a dead agent
+             ("c", "1"): Heartbeat(state="draining", ts=now, engines=1),
+             ("d", "1"): Heartbeat(state="up", ts=now, engines=[EngineStatus(index=0, state="starting")]),
+             ("e", "1"): Heartbeat(state="up", ts=now, engines=[EngineStatus(index=0, state="up")])}
+    assert serving_nodes(nodes, now, stale_after_s=6.0) == {"a": 2, "e": 1}
