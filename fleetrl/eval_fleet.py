@@ -109,7 +109,9 @@ async def probe(config: FleetConfig, stack: AsyncExitStack, wait_s: float) -> Fl
     for region in sorted(listed & live.keys()):
         try:
             await asyncio.wait_for(_open_region(config, region, link, stack), wait_s)
-        except (KafkaError, TimeoutError, OSError) as exc:
+        except TimeoutError:
+            why[region] = f"Kafka did not answer within {wait_s:g} s"
+        except (KafkaError, OSError) as exc:
             why[region] = f"Kafka did not answer: {exc}"
     if link.tails:  # open before the first prompt goes out: the tail starts at the end
         link.dead = await stack.enter_async_context(EvalDeadLetters(config, f"fleetrl-eval-{os.getpid()}-dead",

@@ -225,6 +225,8 @@ class EvalRunner:
         `fleetrl eval` request; a request's runner ignores every group but its own."""
         if self.request is None and eval_request_of(record.group_id, self.config.run) is not None:
             self.book.foreign += 1
+            if self.metrics is not None:
+                self.metrics.eval_foreign.inc()
             log.debug("eval.foreign_group", group_id=record.group_id)
             return
         parsed = parse_eval_group_id(record.group_id, self.config.run, self.request)
@@ -251,6 +253,8 @@ class EvalRunner:
         settled = self.book.on_dead(*parsed, attempt)
         if len(ev.dead) > dead_before:
             log.warning("eval.dead_lettered", group_id=group_id, attempt=attempt, reason=reason)
+            if self.metrics is not None:
+                self.metrics.eval_dead_lettered.inc()
         if settled is not None:
             self._report(settled)
 
