@@ -162,12 +162,23 @@ def _add_operations(sub: Any) -> None:
         _region(p, required=True)
         p.add_argument("--reason", default="", help="recorded with the command")
     p = _cmd(sub, "eval", "fleetrl.eval_cli:run_eval",
-             "evaluate one policy version (or an exported folder) on the eval sets, here with the torch engine")
+             "evaluate one policy version (or an exported folder) on the eval sets: through the fleet when it is "
+             "up, else here with the torch engine (docs/eval.md)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--version", dest="eval_version", metavar="N|latest", type=cli_args.version,
                        help="a version of the run's home store, or `latest`")
     which.add_argument("--model", metavar="PATH", help="a Hugging Face folder (`fleetrl hub export` writes one)")
     p.add_argument("--set", metavar="NAME", default=None, help="only this eval set (default: every one)")
+    p.add_argument("--where", type=cli_args.eval_where, default="auto", metavar="auto|fleet|local",
+                   help="fleet: send the prompts through the regions' Kafka (an error when no region shows a "
+                        "serving node on MQTT and answers on Kafka); local: generate here with the torch engine; "
+                        "auto: the fleet when it is up, else here (default: %(default)s; --model is always local)")
+    p.add_argument("--timeout-s", type=cli_args.positive_seconds, default=None, metavar="S",
+                   help="on the fleet: fail when not every prompt returned within S s "
+                        "(default: eval.finish_timeout_s)")
+    p.add_argument("--probe-s", type=cli_args.positive_seconds, default=5.0, metavar="S",
+                   help="how long to look for the fleet (MQTT heartbeats, each region's Kafka) "
+                        "(default: %(default)s)")
     _json(p)
     p = _cmd(sub, "audit", "fleetrl.trainer.cli:audit",
              "prove every dispatched group was trained once, counted stale or dead-lettered")

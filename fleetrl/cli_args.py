@@ -105,6 +105,13 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def eval_where(text: str) -> str:
+    """Where `fleetrl eval` runs: auto, fleet or local."""
+    if text not in ("auto", "fleet", "local"):
+        raise argparse.ArgumentTypeError(f"must be auto, fleet or local, got {text!r}")
+    return text
+
+
 def non_negative_seconds(text: str) -> float:
     """A bound in seconds, >= 0 (0: do not wait)."""
     value = _float(text)

@@ -1,14 +1,18 @@
-"""`fleetrl eval`: one evaluation of one policy version (or an exported folder), here, with the torch engine.
+"""`fleetrl eval`: one evaluation of one policy version (or an exported folder), on the fleet or here.
 
-    fleetrl eval --config fleet.yaml --version N|latest [--set NAME] [--json]
+    fleetrl eval --config fleet.yaml --version N|latest [--set NAME] [--where auto|fleet|local] [--json]
     fleetrl eval --config fleet.yaml --model ./exported-folder [--set NAME]
+
+`--where fleet` (and `auto`, the default, when the fleet is up) sends the prompts through the regions'
+Kafka and reads the groups back (fleetrl/eval_fleet.py); `local`, `auto` when no region is up, and
+`--model` generate here, with the torch engine:
 
 It reads the version from the home store (`--version`) or loads a Hugging Face folder (`--model`, e.g.
 one `fleetrl hub export` wrote), generates every prompt of each eval set (`eval.sets`, or `--set`) with
 the set's sampling on one local torch engine, scores them with the set's reward (default the run's) and
 prints the figures of docs/eval.md as a table: the same prompts, rewards and estimators as the
 evaluations the trainer runs on the fleet. It sits in `fleetrl/` because it needs both the trainer's
-figures and the rollout engine. Running it on the fleet (prompts through Kafka) is the trainer's job.
+figures and the rollout engine.
 """
 
 from __future__ import annotations
@@ -28,13 +32,35 @@ _MAX_STEPS = 1_000_000
 
 def run_eval(args: argparse.Namespace, config: FleetConfig) -> int:
     sets = _sets(config, args.set)
+    where = getattr(args, "where", "local")
+    if args.model is not None and where == "fleet":
+        print(f"{args.command_prog}: error: argument --where: fleet evaluates a version of the home store "
+              f"(--version); --model evaluates a folder here", file=sys.stderr)
+        return 2
+    if args.model is None and where != "local":
+        from fleetrl.eval_fleet import FleetDown, fleet_rows
+        from fleetrl.trainer_cli import eval_prompts
+
+        try:
+            version, rows = fleet_rows(config, sets, args.eval_version, timeout_s=args.timeout_s,
+                                       probe_s=args.probe_s, prompts=eval_prompts(config))
+        except FleetDown as exc:
+            if where == "fleet":
+                raise
+            print(f"fleetrl eval: {exc}; evaluating here (--where auto)", file=sys.stderr)
+        else:
+            return _output(rows, f"version {version} on the fleet", args.json)
     engine, version, codec = _engine(config, args)
     rows = [_evaluate(config, s, engine, version, codec).row() for s in sets]
     engine.close()
-    if args.json:
+    return _output(rows, args.model or f"version {version}", args.json)
+
+
+def _output(rows: list[dict[str, Any]], what: str, as_json: bool) -> int:
+    if as_json:
         print(json.dumps(rows, indent=2))
-        return 0
-    _print_table(rows, args.model or f"version {version}")
+    else:
+        _print_table(rows, what)
     return 0
 
 
@@ -64,14 +90,11 @@ def _engine(config: FleetConfig, args: argparse.Namespace) -> tuple[Any, int, An
         model_cfg = config.model.model_copy(update={"path": args.model, "tokenizer": tokenizer, "lora": None})
         engine = TorchEngine.from_config(model_cfg, engine_cfg)
         return engine, 0, load_codec(model_cfg, sorted(engine.eos_ids))
-    from fleetrl.hub import Hub, UnknownVersion
+    from fleetrl.eval_fleet import resolve_version
+    from fleetrl.hub import Hub
 
     with Hub.from_config(config) as hub:
-        version = hub.latest() if args.eval_version == "latest" else int(args.eval_version)
-        held = hub.versions()
-        if version is None or version not in held:
-            raise UnknownVersion(f"the home store of run {config.run!r} holds no version {args.eval_version} "
-                                 f"(it holds {f'{held[0]}..{held[-1]}' if held else 'none'})", argument="--version")
+        version = resolve_version(config, hub, args.eval_version)
         state = hub.materialize(version)
     engine = TorchEngine.from_config(config.model, engine_cfg)
     engine.stage_weights(state, version)
@@ -132,4 +155,9 @@ def _print_table(rows: list[dict[str, Any]], what: str) -> None:
     for r in rows:
         k = r["k"]
         table.add_row(*[f"{r[f'pass@{k}']} (k={k})" if c == "pass@k" else str(r[c]) for c in columns])
-    Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140).print(table)
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 140)
+    console.print(table)
+    for r in rows:
+        if r.get("dead_lettered"):
+            console.print(f"{r['set']}: {r['dead_lettered']} prompt(s) dead-lettered by the workers (`fleetrl "
+                          f"topics dlq show`); the figures are over the {r['prompts']} that returned")

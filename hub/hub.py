@@ -166,9 +166,10 @@ class Hub:
         return collect(self.store, self.reader, self.run, self.cfg.retention_versions, self.cfg.gc_grace_s,
                        dry_run=dry_run)
 
-    def pin(self, version: int, pinned: bool = True) -> None:
-        """Keep `version` through retention (an unfinished evaluation needs it), or release it."""
-        (retention.pin if pinned else retention.unpin)(self.store, self.run, version)
+    def pin(self, version: int, pinned: bool = True, holder: str | None = None) -> None:
+        """Keep `version` through retention (an unfinished evaluation needs it), or release it; `holder`
+        names a pin of its own (`<run>/pins/<N>-<holder>`: a `fleetrl eval` request), None the trainer's."""
+        (retention.pin if pinned else retention.unpin)(self.store, self.run, version, holder)
 
     def pinned(self) -> list[int]:
         return retention.pinned_versions(self.store, self.run)

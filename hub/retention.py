@@ -4,8 +4,9 @@ The window is the newest `hub.retention_versions` versions; every version back t
 any of them starts from is kept too, and the base version of every kept LoRA adapter version (its
 full weights, however old), so each retained version stays materializable. A version *pinned* by an
 unfinished evaluation (`<run>/pins/<N>`, written by the trainer when it schedules the evaluation and
-removed when every eval prompt has returned, DESIGN.md §12) is kept with its chain, however old. Manifests go
-first (oldest first), then holder markers, then objects: a reader never finds a manifest whose
+removed when every eval prompt has returned, DESIGN.md §12; `<run>/pins/<N>-<holder>` for another holder,
+such as a `fleetrl eval` request, so that each releases only its own pin) is kept with its chain, however
+old. Manifests go first (oldest first), then holder markers, then objects: a reader never finds a manifest whose
 objects are gone. Objects younger than `hub.gc_grace_s` stay even when unreferenced, because a
 publisher may be uploading them before it creates its manifest.
 """
@@ -34,22 +35,26 @@ class GcReport:
     freed_bytes: int = 0
 
 
-def pin_key(run: str, version: int) -> str:
-    return f"{run}/pins/{version:012d}"
+def pin_key(run: str, version: int, holder: str | None = None) -> str:
+    """The trainer's pin of `version` (`holder` None), or another holder's (`fleetrl eval`'s request)."""
+    # (`-`, not `/`: a directory store cannot hold a file `<N>` and a folder `<N>/` side by side)
+    return f"{run}/pins/{version:012d}" + ("" if holder is None else f"-{holder}")
 
 
-def pin(store: ObjectStore, run: str, version: int) -> None:
-    """Keep `version` (and the chain it needs) through retention until `unpin`."""
-    store.put(pin_key(run, version), b"")
+def pin(store: ObjectStore, run: str, version: int, holder: str | None = None) -> None:
+    """Keep `version` (and the chain it needs) through retention until `unpin` (of the same holder)."""
+    store.put(pin_key(run, version, holder), b"")
 
 
-def unpin(store: ObjectStore, run: str, version: int) -> None:
-    store.delete(pin_key(run, version))
+def unpin(store: ObjectStore, run: str, version: int, holder: str | None = None) -> None:
+    store.delete(pin_key(run, version, holder))
 
 
 def pinned_versions(store: ObjectStore, run: str) -> list[int]:
+    """Versions some holder pins (each once)."""
     prefix = f"{run}/pins/"
-    return sorted(int(i.key[len(prefix):]) for i in store.scan(prefix) if i.key[len(prefix):].isdigit())
+    heads = {i.key[len(prefix):].split("-", 1)[0] for i in store.scan(prefix)}
+    return sorted(int(h) for h in heads if h.isdigit() and h.isascii())
 
 
 def _holder_version(key: str, run: str) -> int:

@@ -40,7 +40,7 @@ from fleetrl.broker import (
 )
 from fleetrl.config import FleetConfig
 from fleetrl.trainer.eval_audit import EvalAudit, reconcile_evals
-from fleetrl.trainer.eval_book import parse_eval_group_id
+from fleetrl.trainer.eval_book import eval_request_of, parse_eval_group_id
 from fleetrl.trainer.ledger import IndexRanges, group_index
 
 
@@ -119,7 +119,8 @@ def reconcile(view: TopicView, state: dict[str, Any] | None, run: str) -> AuditR
     pending = {_group_id(raw) for raw in s["collector"]["pending"]}
     in_flight = set(s["dispatcher"]["in_flight"])
     drawn = int(s["dispatcher"]["next_index"])
-    evals = {gid for gid in view.dispatched if parse_eval_group_id(gid, run) is not None}
+    evals = {gid for gid in view.dispatched
+             if parse_eval_group_id(gid, run) is not None or eval_request_of(gid, run) is not None}
     foreign = {gid for gid in view.dispatched if group_index(gid, run) is None} - evals
     dispatched = set(view.dispatched) - foreign - evals
 

@@ -38,6 +38,9 @@ def audit(args: argparse.Namespace, config: FleetConfig) -> int:
                   f"dispatched, {e.returned} returned once, {e.in_flight} in flight, {e.dead_lettered} "
                   f"dead-lettered, {e.resent} re-sent, {len(e.lost)} lost, {e.after_checkpoint} dispatched after "
                   f"the checkpoint")
+        if e.requests:
+            print(f"fleetrl eval requests (apart from the books): {e.requests} request(s), {e.request_prompts} eval "
+                  f"prompt(s)")
         if report.foreign_prompts:
             print(f"{report.foreign_prompts} prompt record(s) with group ids the trainer never issues (not "
                   f"'{config.run}-<index>'): written by another producer; not counted as dispatched")

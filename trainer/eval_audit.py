@@ -9,9 +9,16 @@ The proof reads the trainer checkpoint's eval books (`eval_book.py`) and the top
 * an eval prompt record of an evaluation the checkpoint does not hold, or past its `next_index`, was
   dispatched after the checkpoint (by a trainer that died before its next one): not lost, as for
   training groups;
-* an evaluation is complete when all its prompts returned; the audit lists the unfinished ones.
+* an evaluation is complete when each of its prompts returned or was dead-lettered (its figures are over
+  the ones that returned); the audit lists the unfinished ones.
 Eval groups that came back more than once on `trajectories` are counted (`returned_again`): the book
 measured only the first.
+
+The prompts of `fleetrl eval` requests on the fleet (group ids `<run>-evalreq-<request>-...`) belong to no
+book of the trainer: they are counted apart (`requests`, `request_prompts`: the prompt records the audit
+reads, from the checkpoint's settled watermark on), never lost, never dispatched after the checkpoint (the
+command itself reported their return, or named what was missing; their groups, which the trainer skipped
+and committed, lie below the offsets the audit reads `trajectories` from).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.trainer.eval_book import EvalBook, eval_group_id, parse_eval_group_id
+from fleetrl.trainer.eval_book import EvalBook, eval_group_id, eval_request_of, parse_eval_group_id
 
 
 @dataclass(slots=True)
@@ -38,6 +45,10 @@ class EvalAudit:
     returned_again: int = 0
     """Eval groups that arrived on `trajectories` more than once (a re-sent prompt, a redelivery)."""
     lost: list[str] = field(default_factory=list)
+    requests: int = 0
+    """`fleetrl eval --where fleet` requests seen in the prompts topics (counted apart from the books)."""
+    request_prompts: int = 0
+    """Their eval prompts (distinct group ids, from the settled watermark on)."""
 
     def problems(self) -> list[str]:
         return [f"{len(self.lost)} eval prompt(s) lost: {self.lost[:10]}"] if self.lost else []
@@ -50,8 +61,8 @@ def reconcile_evals(dispatched: dict[str, list[tuple[str, int]]], arrived: dict[
     book.restore((state or {}).get("eval"))
     out = EvalAudit(scheduled=len(book.evals))
     for ev in book.evals.values():
-        out.complete += ev.complete
-        if not ev.complete:
+        out.complete += ev.settled
+        if not ev.settled:
             out.unfinished.append(f"{ev.set_name}@{ev.version}")
         out.resent += ev.resent
         for index in range(ev.next_index):
@@ -65,6 +76,9 @@ def reconcile_evals(dispatched: dict[str, list[tuple[str, int]]], arrived: dict[
                 out.dead_lettered += 1
             else:
                 out.lost.append(gid)
+    requests = {gid: eval_request_of(gid, run) for gid in dispatched}
+    mine = [gid for gid, request in requests.items() if request is not None]
+    out.requests, out.request_prompts = len({requests[g] for g in mine}), len(mine)
     for gid in dispatched:
         parsed = parse_eval_group_id(gid, run)
         if parsed is None:

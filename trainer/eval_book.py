@@ -2,9 +2,13 @@
 
 An evaluation is one eval set at one pinned version. Its prompts are groups with ids
 `<run>-eval-<set>-<version>-<index>` (never `<run>-<index>`: the training ledger, its folding and the
-audit's training books never see them). A prompt is dispatched (attempt 0, and a new attempt each time
-it is re-sent), and returned once: the first group that comes back counts, a later copy is a duplicate.
-An evaluation is complete when every prompt has returned; its figures are then final.
+audit's training books never see them). A `fleetrl eval` run on the fleet (fleetrl/eval_fleet.py) names
+its request in its ids, `<run>-evalreq-<request>-<set>-<version>-<index>`: its groups are its own, and the
+trainer, which did not schedule them, skips them (counted in `foreign`).
+A prompt is dispatched (attempt 0, and a new attempt each time it is re-sent), and returned once: the
+first group that comes back counts, a later copy is a duplicate; or a worker dead-letters it
+(`eval_dead.py`). An evaluation is complete (settled) when every prompt has returned or was dead-lettered;
+its figures, over the prompts that returned, are then final.
 
 The books are plain data and go into every checkpoint (`state` / `restore`), so `fleetrl audit` can
 prove from the topics and the checkpoint that every eval prompt dispatched was returned once or is
@@ -19,13 +23,26 @@ from typing import Any
 from fleetrl.trainer.eval_figures import EvalFigures, ReturnedGroup, figures
 
 
-def eval_group_id(run: str, set_name: str, version: int, index: int) -> str:
-    return f"{run}-eval-{set_name}-{version:09d}-{index:06d}"
+def _prefix(run: str, request: str | None) -> str:
+    return f"{run}-eval-" if request is None else f"{run}-evalreq-{request}-"
 
 
-def parse_eval_group_id(gid: str, run: str) -> tuple[str, int, int] | None:
-    """(set, version, index) of an eval group id of `run`, or None for any other id."""
-    prefix = f"{run}-eval-"
+def eval_group_id(run: str, set_name: str, version: int, index: int, request: str | None = None) -> str:
+    """The trainer's eval group id (`request` None), or that of a `fleetrl eval` request."""
+    return f"{_prefix(run, request)}{set_name}-{version:09d}-{index:06d}"
+
+
+def eval_request_of(gid: str, run: str) -> str | None:
+    """The request a `fleetrl eval` group id of `run` names; None for any other id (the trainer's among them)."""
+    prefix = f"{run}-evalreq-"
+    request = gid[len(prefix):].partition("-")[0] if gid.startswith(prefix) else ""
+    return request if request and parse_eval_group_id(gid, run, request) is not None else None
+
+
+def parse_eval_group_id(gid: str, run: str, request: str | None = None) -> tuple[str, int, int] | None:
+    """(set, version, index) of an eval group id of `run` (of `request`, or the trainer's when None), or
+    None for any other id."""
+    prefix = _prefix(run, request)
     if not gid.startswith(prefix):
         return None
     head, _, index = gid[len(prefix):].rpartition("-")
@@ -59,7 +76,8 @@ class Evaluation:
     resent: int = 0
     duplicates: int = 0
     dead: list[int] = field(default_factory=list)
-    """Prompts dead-lettered on the way (they cannot return: the evaluation stays incomplete)."""
+    """Prompts a worker dead-lettered (they cannot return): the evaluation ends without them, its figures
+    over the prompts that returned."""
     row: dict[str, Any] | None = None
     """The figures, once complete."""
 
@@ -105,6 +123,8 @@ class EvalBook:
         self.orphans = 0
         """Eval groups of evaluations this book does not hold (scheduled by a trainer that died before
         its checkpoint): not lost, and not measured."""
+        self.foreign = 0
+        """Eval groups of `fleetrl eval` requests (`eval_request_of`): someone else's, skipped."""
 
     def schedule(self, set_name: str, version: int, step: int, prompts: int) -> Evaluation | None:
         """A new evaluation; None when this set at this version is scheduled already."""
@@ -134,20 +154,29 @@ class EvalBook:
             ev.duplicates += 1
             return None
         ev.in_flight.pop(index, None)
+        if index in ev.dead:  # an attempt sent again came back after all
+            ev.dead.remove(index)
         ev.returned[index] = group
-        return ev if ev.complete else None
+        return ev if ev.settled else None
 
-    def on_dead(self, set_name: str, version: int, index: int) -> None:
+    def on_dead(self, set_name: str, version: int, index: int, attempt: int) -> Evaluation | None:
+        """A worker dead-lettered attempt `attempt` of a prompt; the evaluation when this settled it, else
+        None. A dead letter of an attempt older than the one in flight changes nothing (the new one may return)."""
         ev = self.evals.get((set_name, version))
-        if ev is not None and index not in ev.returned and index not in ev.dead:
-            ev.in_flight.pop(index, None)
-            ev.dead.append(index)
+        if ev is None or index >= ev.next_index or index in ev.returned or index in ev.dead:
+            return None
+        flight = ev.in_flight.get(index)
+        if flight is not None and flight.attempt > attempt:
+            return None
+        ev.in_flight.pop(index, None)
+        ev.dead.append(index)
+        return ev if ev.settled else None
 
     def rows(self) -> list[dict[str, Any]]:
         return [e.row for e in self.evals.values() if e.row is not None]
 
     def state(self) -> dict[str, Any]:
-        return {"evals": [e.state() for e in self.evals.values()], "orphans": self.orphans}
+        return {"evals": [e.state() for e in self.evals.values()], "orphans": self.orphans, "foreign": self.foreign}
 
     def restore(self, state: dict[str, Any] | None) -> None:
         state = state or {}
@@ -156,3 +185,4 @@ class EvalBook:
             ev = Evaluation.from_state(s)
             self.evals[ev.key] = ev
         self.orphans = int(state.get("orphans", 0))
+        self.foreign = int(state.get("foreign", 0))

@@ -13,6 +13,11 @@
 
 Prompts come from `eval_prompts` (set name -> its prompts), built outside the trainer package with the
 same loaders as the training prompts (the trainer never imports the rollout task registry).
+
+`fleetrl eval --where fleet` (fleetrl/eval_fleet.py) runs one of these too, with a `request` id: its
+group ids name the request (`eval_book.eval_group_id`), its pin is its own (`<run>/pins/<N>-<request>`),
+and it takes in only its own groups. The trainer's runner (no request) skips the groups of any request:
+neither trained, nor dead-lettered, nor in its books (`book.foreign` counts them).
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ from fleetrl.config import FleetConfig
 from fleetrl.log import get_logger
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import PromptItem
-from fleetrl.trainer.eval_book import EvalBook, Evaluation, Flight, eval_group_id, parse_eval_group_id
+from fleetrl.trainer.eval_book import (
+    EvalBook,
+    Evaluation,
+    Flight,
+    eval_group_id,
+    eval_request_of,
+    parse_eval_group_id,
+)
 from fleetrl.trainer.eval_figures import ReturnedGroup
 from fleetrl.trainer.metrics import TrainerMetrics
 
@@ -51,9 +63,11 @@ TABLE_COLUMNS = ("set", "version", "prompts", "samples", "pass@1", "pass@k", "re
 class EvalRunner:
     def __init__(self, config: FleetConfig, prompts: Mapping[str, Sequence[PromptItem]], send: SendEval,
                  credits: RegionCredits, experiment_log: ExperimentLog | None = None,
-                 metrics: TrainerMetrics | None = None) -> None:
+                 metrics: TrainerMetrics | None = None, request: str | None = None) -> None:
         self.config, self.cfg, self.send, self.credits = config, config.eval, send, credits
         self.metrics = metrics
+        self.request = request
+        """None: the trainer's evaluations; else the `fleetrl eval` request this runner serves (its group ids)."""
         self.pin: Callable[[int, bool], None] | None = None
         """Pins a version in the home store through retention, or releases it (`Hub.pin`; set by the trainer)."""
         self._pinned: set[int] = set()
@@ -77,15 +91,18 @@ class EvalRunner:
     def on_start(self, version: int, step: int) -> None:
         """The version training starts from (a fresh start: `before_training`)."""
         if self.enabled and self.cfg.before_training and step == 0:
-            self._schedule(version, step)
+            self.schedule(version, step)
 
     def on_published(self, version: int, step: int, last: bool) -> None:
         every = self.cfg.every_versions
         if self.enabled and ((every is not None and version % every == 0) or (last and every is not None)):
-            self._schedule(version, step)
+            self.schedule(version, step)
 
-    def _schedule(self, version: int, step: int) -> None:
+    def schedule(self, version: int, step: int, names: Sequence[str] | None = None) -> None:
+        """An evaluation of every set (or of the sets `names`) at `version`, reported at `step`."""
         for s in self.cfg.sets:
+            if names is not None and s.name not in names:
+                continue
             ev = self.book.schedule(s.name, version, step, min(s.num_prompts, len(self.prompts[s.name])))
             if ev is not None:
                 log.info("eval.scheduled", set=s.name, version=version, step=step, prompts=ev.prompts)
@@ -163,8 +180,9 @@ class EvalRunner:
     async def _send_once(self, ev: Evaluation, index: int, flight: Flight) -> int:
         s = self.cfg.set(ev.set_name)
         item = PromptItem(*self.prompts[ev.set_name][index])
+        gid = eval_group_id(self.config.run, ev.set_name, ev.version, index, self.request)
         record = PromptRecord(
-            group_id=eval_group_id(self.config.run, ev.set_name, ev.version, index), run=self.config.run,
+            group_id=gid, run=self.config.run,
             task=item.task, n_samples=s.samples_per_prompt,
             sampling=Sampling(temperature=s.wire_temperature, top_p=s.top_p,
                               max_new_tokens=s.max_new_tokens or self.config.algorithm.max_new_tokens),
@@ -188,15 +206,32 @@ class EvalRunner:
             return
         for version in sorted(wanted - self._pinned):
             await asyncio.to_thread(self.pin, version, True)
+            self._pinned.add(version)
         for version in sorted(self._pinned - wanted):
             await asyncio.to_thread(self.pin, version, False)
-        self._pinned = wanted
+            self._pinned.discard(version)
+
+    async def release_pins(self) -> None:
+        """Release every pin this runner holds (a `fleetrl eval` that ends, finished or not)."""
+        for version in sorted(self._pinned):
+            if self.pin is not None:
+                await asyncio.to_thread(self.pin, version, False)
+            self._pinned.discard(version)
 
     # -- arrivals -------------------------------------------------------------------------------
 
     def on_group(self, record: GroupRecord, step: int) -> None:
-        """An eval group arrived (never for the collector)."""
-        parsed = parse_eval_group_id(record.group_id, self.config.run)
+        """An eval group arrived (never for the collector). The trainer skips (and counts) the groups of a
+        `fleetrl eval` request; a request's runner ignores every group but its own."""
+        if self.request is None and eval_request_of(record.group_id, self.config.run) is not None:
+            self.book.foreign += 1
+            if self.metrics is not None:
+                self.metrics.eval_foreign.inc()
+            log.debug("eval.foreign_group", group_id=record.group_id)
+            return
+        parsed = parse_eval_group_id(record.group_id, self.config.run, self.request)
+        if parsed is None and self.request is not None:
+            return
         if parsed is None or record.eval is None or (parsed[0], parsed[1]) != (record.eval.set_name,
                                                                                  record.eval.version):
             self.book.orphans += 1
@@ -207,11 +242,31 @@ class EvalRunner:
         if ev is not None:
             self._report(ev)
 
+    def on_dead_letter(self, group_id: str, attempt: int, reason: str) -> None:
+        """A worker dead-lettered an eval prompt of this runner (its reward failed, its version was gone):
+        it will not return, and the evaluation ends without it (`eval_dead.py` follows the dead letters)."""
+        parsed = parse_eval_group_id(group_id, self.config.run, self.request)
+        ev = None if parsed is None else self.book.evals.get((parsed[0], parsed[1]))
+        if parsed is None or ev is None:
+            return
+        dead_before = len(ev.dead)
+        settled = self.book.on_dead(*parsed, attempt)
+        if len(ev.dead) > dead_before:
+            log.warning("eval.dead_lettered", group_id=group_id, attempt=attempt, reason=reason)
+            if self.metrics is not None:
+                self.metrics.eval_dead_lettered.inc()
+        if settled is not None:
+            self._report(settled)
+
     def _report(self, ev: Evaluation) -> None:
+        if not ev.returned:
+            log.warning("eval.failed", set=ev.set_name, version=ev.version, dead_lettered=len(ev.dead))
+            return
         s = self.cfg.set(ev.set_name)
         f = ev.measure(s.samples_per_prompt, s.pass_threshold)
-        ev.row = {"step": ev.step, **f.row()}
-        log.info("eval.done", step=ev.step, resent=ev.resent, duplicates=ev.duplicates, **f.row())
+        ev.row = {"step": ev.step, **f.row(), **({"dead_lettered": len(ev.dead)} if ev.dead else {})}
+        log.info("eval.done", step=ev.step, resent=ev.resent, duplicates=ev.duplicates, dead_lettered=len(ev.dead),
+                 **f.row())
         if self.metrics is not None:
             self.metrics.eval_pass_at_1.labels(ev.set_name).set(f.pass_at_1)
             self.metrics.eval_reward_mean.labels(ev.set_name).set(f.reward_mean)

@@ -87,6 +87,10 @@ class TrainerMetrics(MetricsRegistry):
                                   "evaluation of a held-out eval set", ["set"], registry=r)
         self.eval_groups_in_flight = Gauge("fleetrl_trainer_eval_groups_in_flight", "Eval groups dispatched and not "
                                            "returned (bounded by eval.max_share)", registry=r)
+        self.eval_foreign = Counter("fleetrl_trainer_eval_foreign_groups_total", "Eval groups of `fleetrl eval` "
+                                    "requests the trainer read and skipped (not its evaluations)", registry=r)
+        self.eval_dead_lettered = Counter("fleetrl_trainer_eval_dead_lettered_total", "Eval prompts a worker "
+                                          "dead-lettered: their evaluation ends without them", registry=r)
         self.clip_fraction = Gauge("fleetrl_trainer_clip_fraction_ratio",
                                    "Fraction of the last step's tokens whose PPO ratio was clipped (over every "
                                    "update of the step)", registry=r)

@@ -70,6 +70,7 @@ from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
 from fleetrl.trainer.credits import RegionCredits
 from fleetrl.trainer.dispatcher import Dispatcher, PromptItem
+from fleetrl.trainer.eval_dead import EvalDeadLetters
 from fleetrl.trainer.eval_runner import EvalRunner
 from fleetrl.trainer.handover import Handover
 from fleetrl.trainer.learner import Learner, StepStats
@@ -161,6 +162,7 @@ class Trainer:
             self.clients = await stack.enter_async_context(
                 RegionClients(self.config, limits, trainer_group(self.config.run), self.checkpoints.offsets,
                               on_dead_letter=self._count_dead_letter))
+            self.eval_dead = await stack.enter_async_context(EvalDeadLetters(self.config, f"{self.config.run}-trainer"))
             self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector)
             stack.push_async_callback(self.handover.close)
             self.handover.start()
@@ -190,6 +192,8 @@ class Trainer:
             # waits for arrivals: one overlaps the other. Arrivals are handled once both are done.
             _, polled = await asyncio.gather(self._dispatch(now), self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
             await self._handle(polled)
+            if self.evals.unfinished:  # an eval prompt a worker dead-lettered will not return (eval_dead.py)
+                await self.eval_dead.poll(self.evals.on_dead_letter)
             for region, lag in (await self.clients.lag()).items():
                 self.metrics.consumer_lag.labels(region).set(lag)
             while self.step < target and self.collector.ready(self.config.algorithm.groups_per_step):
@@ -211,6 +215,7 @@ class Trainer:
             _, polled = await asyncio.gather(self.evals.dispatch(time.time(), self.dispatcher.per_region()),
                                              self.clients.poll(POLL_MAX_RECORDS, POLL_TIMEOUT_S))
             await self._handle(polled)
+            await self.eval_dead.poll(self.evals.on_dead_letter)
         if self.evals.unfinished:
             log.warning("eval.unfinished", evals=[(e.set_name, e.version) for e in self.evals.book.unfinished()])
 

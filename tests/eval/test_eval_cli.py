@@ -39,7 +39,7 @@ def _config(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def _rows(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, object]]:
-    assert main(["eval", *args, "--json"]) == 0
+    assert main(["eval", *args, "--where", "local", "--json"]) == 0  # no fleet to look for (test_eval_fleet.py)
     rows: list[dict[str, object]] = json.loads(capsys.readouterr().out)
     return rows
 
@@ -64,9 +64,9 @@ def test_eval_refuses_an_unknown_set_naming_the_field(tmp_path: pathlib.Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     path = _config(tmp_path)
     publish_tiny(load_config(path))
-    assert main(["eval", "--config", str(path), "--version", "0", "--set", "nope"]) != 0
+    assert main(["eval", "--config", str(path), "--version", "0", "--set", "nope", "--where", "local"]) != 0
     err = capsys.readouterr().err
     assert "eval.sets" in err and "nope" in err
     # a version the store does not hold: a bad argument, named
-    assert main(["eval", "--config", str(path), "--version", "7"]) == 2
+    assert main(["eval", "--config", str(path), "--version", "7", "--where", "local"]) == 2
     assert "argument --version" in capsys.readouterr().err
