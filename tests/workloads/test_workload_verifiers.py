@@ -199,7 +199,8 @@ async def test_a_worker_runs_a_verifiers_environment_end_to_end(
     assert isinstance(group, GroupRecord) and group.schema == "fleetrl.group/2" and len(group.samples) == 3
     codec = worker.codec
     for sample in group.samples:
-        assert sample.segments is not None and SOURCE_ENV in sample.segments.tolist()[1::2]  # the tool's result
+        assert sample.segments is not None and [src for _, src in sample.segments.tolist()] == [
+            SOURCE_POLICY, SOURCE_ENV, SOURCE_POLICY]  # the first call, the tool's result, the answer
         assert sample.contexts is not None and len(sample.contexts) == 1
         last = _last_policy_run(sample)
         assert sample.reward == pytest.approx(_rubric(codec.decode(last).strip(), "10"))  # 4 + 6
@@ -207,10 +208,6 @@ async def test_a_worker_runs_a_verifiers_environment_end_to_end(
 
 def _last_policy_run(sample: Any) -> list[int]:
     """The ids of the sample's last model call (after its last environment run)."""
-    pairs = sample.segments.tolist()
-    starts = pairs[0::2]
-    sources = pairs[1::2]
-    tokens = sample.completion_ids.tolist()
-    begin = starts[-1]
-    assert sources[-1] == SOURCE_POLICY
-    return [int(t) for t in tokens[begin:]]
+    begin, source = sample.segments.tolist()[-1]  # (first token, source) pairs
+    assert source == SOURCE_POLICY
+    return [int(t) for t in sample.completion_ids.tolist()[begin:]]
