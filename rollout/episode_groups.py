@@ -3,8 +3,8 @@
 A job with an environment runs its samples as episodes in a task of its own: skyrl-gym episodes
 (rollout/episodes.py), or agent runs against the worker's OpenAI-compatible endpoint
 (`kind: openai_agent`, rollout/agent_episodes.py; the endpoint starts with the first such group), or
-verifiers environments' episodes against the same endpoint (`kind: verifiers`, rollout/verifiers_env.py). Each model turn is
-a one-sample engine request (`<group id>#<sample>` and a turn number): `generate_turn` queues it,
+verifiers environments' episodes against the same endpoint (`kind: verifiers`, rollout/verifiers_env.py).
+Each model turn is a one-sample engine request (`<group id>#<sample>` and a turn number): `generate_turn` queues it,
 the worker's loop submits queued turns and withdraws those of cancelled episodes between two
 steps (`sync_turns`, the engine is not stepping then) and hands a finished turn back (`deliver`),
 so turns of many episodes share the continuous batch while environment steps run in their own

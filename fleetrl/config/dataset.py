@@ -10,7 +10,6 @@ from pydantic import Field, model_validator
 
 from fleetrl.config.base import Model
 
-
 _MODULE_RE = re.compile(r"^([\w.-]+/)?[\w.-]+(@[\w.+-]+)?$")
 """A verifiers taskset id: its module (`my_env`, `my-env`), or a hub id `owner/name[@version]`."""
 

@@ -63,8 +63,8 @@ class ChatLoop(vf.Harness[ConfigT], Generic[ConfigT]):
                     messages.append({"role": "tool", "tool_call_id": call.id,
                                      "content": calculator(str(args.get("expression", "")))})
             else:
-                question = str(data.prompt_text)
-                messages.append({"role": "user", "content": f"The calculator says {calculator(question.split('?')[0][8:])}."})
+                expression = str(data.prompt_text).split("?")[0].removeprefix("What is ")
+                messages.append({"role": "user", "content": f"The calculator says {calculator(expression)}."})
             await client.chat.completions.create(model=ctx.model, messages=messages,  # type: ignore[arg-type]
                                                  max_tokens=self.config.max_tokens, **kwargs)
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
