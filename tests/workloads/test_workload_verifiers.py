@@ -128,6 +128,31 @@ async def test_a_tool_using_environment_keeps_the_tool_result_out_of_the_loss(ag
         assert res.reward == pytest.approx(_rubric(s.codec.decode(second).strip(), "7"))
 
 
+async def test_an_episode_that_fails_fails_its_group_with_verifiers_error(agent_folder: pathlib.Path) -> None:
+    from fleetrl.rollout.errors import EnvError
+    from fleetrl.rollout.verifiers_env import load_verifiers_env
+
+    cfg = _env_cfg("vf_single", agent={"harness": {"id": "vf_failing"}})
+    record = _record(load_verifiers_env(cfg), 0, n=2)
+    async with serve(agent_folder, open_keys=False) as s:
+        with pytest.raises(EnvError, match=r"vf_single \(g-0#\d\) failed: .*the harness's own bug"):
+            await _run(s, cfg, record)
+        assert not s.endpoint.captures  # every sample's key is gone with its episode
+
+
+def test_a_dataset_row_becomes_a_task_of_the_taskset() -> None:
+    from fleetrl.rollout.verifiers_env import load_verifiers_env, task_of
+
+    env = load_verifiers_env(_env_cfg("vf_single"))
+    ask = [{"role": "user", "content": "What is 1 + 2?"}]
+    record = PromptRecord(group_id="g-9", run="vf-test", task="sums", n_samples=1, sampling=Sampling(),
+                          messages=ask, columns={"answer": "3", "difficulty": "easy"})
+    task = task_of(env, record)
+    assert type(task).__name__ == "SumTask" and task.data.answer == "3" and task.data.prompt_text == "What is 1 + 2?"
+    with pytest.raises(Exception, match=r"record g-9: not a task of SumData.*answer"):
+        task_of(env, dataclasses.replace(record, columns={"difficulty": "easy"}))
+
+
 def test_the_taskset_becomes_the_runs_prompts(agent_folder: pathlib.Path) -> None:
     from fleetrl.trainer_cli import prompt_source
 
