@@ -1,6 +1,6 @@
-"""The verifiers environment of `examples/fleet.verifiers.yaml`, written with verifiers' own classes (0.4, `verifiers.v1`)
-as one writes an environment for prime-rl, and run unchanged by FleetRL (`dataset.env: {kind: verifiers, name:
-vf_sums}`): a taskset of sums, a task whose rubric is two weighted `@vf.reward`s, and its default harness.
+"""The verifiers environment of `examples/fleet.verifiers.yaml`, written with verifiers' own classes (0.4,
+`verifiers.v1`) as one writes an environment for prime-rl, and run unchanged by FleetRL
+(`dataset.env: {kind: verifiers, name: vf_sums}`): a taskset of sums, a task whose rubric is two weighted `@vf.reward`s, and its default harness.
 
 The harness runs in-process (verifiers' `Harness.launch` contract allows it: every model call goes through the
 interception `endpoint` with its `secret`), with the plain `openai` SDK: the first call offers a `calculator`
@@ -78,7 +78,7 @@ class CalculatorHarness(vf.Harness[CalculatorHarnessConfig]):
         system, prompt = self.resolve_prompt(data)
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt if isinstance(prompt, str) else data.prompt_text})
-        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, timeout=120.0) as client:
             reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS,
                                                          max_tokens=self.config.max_tokens)
             message = reply.choices[0].message

@@ -49,7 +49,7 @@ class ChatLoop(vf.Harness[ConfigT], Generic[ConfigT]):
         else:
             messages += [m.model_dump(exclude_none=True) for m in prompt or []]
         tools = TOOLS if self.config.tools else None
-        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, timeout=120.0) as client:
             kwargs: dict[str, Any] = {"tools": tools} if tools else {}
             reply = await client.chat.completions.create(model=ctx.model, messages=messages,  # type: ignore[arg-type]
                                                          max_tokens=self.config.max_tokens, **kwargs)
