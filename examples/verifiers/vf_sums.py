@@ -1,6 +1,7 @@
 """The verifiers environment of `examples/fleet.verifiers.yaml`, written with verifiers' own classes (0.4,
 `verifiers.v1`) as one writes an environment for prime-rl, and run unchanged by FleetRL
-(`dataset.env: {kind: verifiers, name: vf_sums}`): a taskset of sums, a task whose rubric is two weighted `@vf.reward`s, and its default harness.
+(`dataset.env: {kind: verifiers, name: vf_sums}`): a taskset of sums, a task whose rubric is two weighted
+`@vf.reward`s, and its default harness.
 
 The harness runs in-process (verifiers' `Harness.launch` contract allows it: every model call goes through the
 interception `endpoint` with its `secret`), with the plain `openai` SDK: the first call offers a `calculator`
