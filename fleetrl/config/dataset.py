@@ -72,8 +72,8 @@ class EnvConfig(Model):
     threads: int = Field(16, ge=1, le=1024)
     """Threads that run environment steps beside the engine; a hanging tool holds one until it returns."""
     wall_time_s: float = Field(300.0, gt=0)
-    """`openai_agent`: bound of one agent run's wall time; past it the run is cancelled and its sample ends
-    with what it captured, finish reason `length` and `failure_reward`."""
+    """`openai_agent`, `verifiers`: bound of one run's (episode's) wall time; past it the run is cancelled and its
+    sample ends with what it captured, finish reason `length` and `failure_reward`."""
     endpoint_port: int = Field(0, ge=0, le=65535)
     """`openai_agent`, `verifiers`: the loopback port of the worker's endpoint; 0: a free port the kernel picks."""
 
