@@ -1,8 +1,9 @@
 """`fleetrl trainer`: wires the rollout task registry into the trainer as its prompt source.
 
 The trainer package never imports rollout (DESIGN.md §2); this thin handler in `fleetrl/` may.
-Prompts come from `dataset.path` (JSONL, Parquet or a `save_to_disk` folder) when set, else from the task registry's
-deterministic generator for `dataset.task` and `dataset.seed`.
+Prompts come from `dataset.path` (JSONL, Parquet or a `save_to_disk` folder) when set, else from a verifiers
+environment's taskset (`dataset.env.kind: verifiers`), else from the task registry's deterministic generator for
+`dataset.task` and `dataset.seed`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def prompt_source(config: FleetConfig, d: DatasetConfig | None = None,
     """A factory of identical prompt iterators (resume re-creates one and skips what was drawn); `d`: another
     source than `dataset` (an eval set's)."""
     d = d or config.dataset
+    if d.path is None and d.env is not None and d.env.kind == "verifiers":
+        return _verifiers_prompts(d)
     if d.path is not None:
         from fleetrl.trainer import dataset_prompts, load_rows
 
@@ -36,6 +39,19 @@ def prompt_source(config: FleetConfig, d: DatasetConfig | None = None,
             yield PromptItem(task.name, p.prompt, p.reference)
 
     return generated
+
+
+def _verifiers_prompts(d: DatasetConfig) -> Callable[[], Iterator[PromptItem]]:
+    """A verifiers environment's tasks as dataset rows (`prompt` messages, `verifiers_task` data), read by the
+    dataset loader like a file's rows: `dataset.system_prompt`, `shuffle`, `epochs` and `task` apply."""
+    import datasets
+
+    from fleetrl.rollout.verifiers_env import load_verifiers_env, taskset_rows
+    from fleetrl.trainer import dataset_prompts
+
+    assert d.env is not None
+    rows = datasets.Dataset.from_list(taskset_rows(load_verifiers_env(d.env), d.env.name, limit=d.num_prompts))
+    return lambda: dataset_prompts(d, rows, keep_columns=True)
 
 
 def eval_prompts(config: FleetConfig) -> dict[str, list[PromptItem]]:

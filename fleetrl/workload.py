@@ -91,7 +91,7 @@ def _check_task(config: FleetConfig, fail: Fail) -> None:
     from fleetrl.rollout import TaskError, get_task
 
     d = config.dataset
-    if d.path is not None and (config.reward.custom or d.env is not None):
+    if (d.path is not None and (config.reward.custom or d.env is not None)) or (d.env and d.env.kind == "verifiers"):
         return  # the task names are labels only: the custom reward or the environment scores every group
     for i, name in enumerate([d.task, *d.tasks]):
         try:
@@ -125,6 +125,8 @@ def _check_env(config: FleetConfig, fail: Fail) -> None:
     try:
         if env.kind == "openai_agent":
             _load_agent(env.name, env.python_path)
+        elif env.kind == "verifiers":
+            _load_verifiers(config)
         else:
             load_env_factory(env.name, env.python_path)
     except EnvError as exc:
@@ -177,6 +179,29 @@ def _load_agent(name: str, python_path: list[str]) -> None:
         raise EnvError(f"{name}: kind openai_agent needs the `agents` extra (pip install 'fleetrl[agents]'): "
                        f"{exc}") from exc
     load_agent(name, python_path)
+
+
+def _load_verifiers(config: FleetConfig) -> None:
+    """A verifiers environment loads through verifiers' entry point, and its taskset yields tasks (unless the
+    prompts come from `dataset.path`); it also needs the endpoint's libraries (the `agents` extra)."""
+    from fleetrl.rollout.verifiers_env import load_verifiers_env, taskset_rows
+
+    env_cfg = config.dataset.env
+    assert env_cfg is not None
+    _load_agent_libraries(env_cfg.name, "verifiers")
+    env = load_verifiers_env(env_cfg)
+    if config.dataset.path is None:
+        taskset_rows(env, env_cfg.name, limit=config.dataset.num_prompts)
+
+
+def _load_agent_libraries(name: str, kind: str) -> None:
+    from fleetrl.rollout.errors import EnvError
+
+    try:
+        import fleetrl.rollout.agent_episodes  # noqa: F401  (the endpoint's libraries: starlette, uvicorn, openai)
+    except ImportError as exc:
+        raise EnvError(f"{name}: kind {kind} needs the `agents` extra (pip install 'fleetrl[agents]'): "
+                       f"{exc}") from exc
 
 
 def _check_reachable(url: str, fail: Fail) -> None:

@@ -2,8 +2,9 @@
 
 A job with an environment runs its samples as episodes in a task of its own: skyrl-gym episodes
 (rollout/episodes.py), or agent runs against the worker's OpenAI-compatible endpoint
-(`kind: openai_agent`, rollout/agent_episodes.py; the endpoint starts with the first such group). Each model turn is
-a one-sample engine request (`<group id>#<sample>` and a turn number): `generate_turn` queues it,
+(`kind: openai_agent`, rollout/agent_episodes.py; the endpoint starts with the first such group), or
+verifiers environments' episodes against the same endpoint (`kind: verifiers`, rollout/verifiers_env.py).
+Each model turn is a one-sample engine request (`<group id>#<sample>` and a turn number): `generate_turn` queues it,
 the worker's loop submits queued turns and withdraws those of cancelled episodes between two
 steps (`sync_turns`, the engine is not stepping then) and hands a finished turn back (`deliver`),
 so turns of many episodes share the continuous batch while environment steps run in their own
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 Runner = Any
-"""An `EpisodeRunner` (skyrl-gym) or an `AgentRunner` (rollout/agent_episodes.py): `run_group`, `tokens_generated`."""
+"""An `EpisodeRunner` (skyrl-gym), an `AgentRunner` (rollout/agent_episodes.py) or a `VerifiersRunner`
+(rollout/verifiers_env.py): `run_group`, `tokens_generated`."""
 
 
 class EpisodeGroups:
@@ -53,6 +55,7 @@ class EpisodeGroups:
         self.turns = EngineTurns(engine, config.rollout.seed, queue.arrived.set)
         self._pool: ThreadPoolExecutor | None = None
         self._endpoint: EndpointServer | None = None  # the agent endpoint, started by the first agent group
+        self._verifiers_env: Any = None  # `kind: verifiers`: the environment, loaded by the first group
         self._tasks: dict[str, asyncio.Task[None]] = {}  # group id -> its episodes' task
         self._runners: dict[str, Runner] = {}  # group id -> its episodes' runner
 
@@ -93,6 +96,12 @@ class EpisodeGroups:
             server = await self._agent_endpoint(cfg)
             return AgentRunner(cfg, load_agent(job.env["name"], cfg.python_path), server, self.publisher.rewards,
                                budget)
+        if cfg.kind == "verifiers":
+            from fleetrl.rollout.verifiers_env import VerifiersRunner, load_verifiers_env
+
+            if self._verifiers_env is None:  # loaded once: a taskset may read its data when it is built
+                self._verifiers_env = load_verifiers_env(cfg)
+            return VerifiersRunner(cfg, self._verifiers_env, await self._agent_endpoint(cfg), budget)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(cfg.threads, thread_name_prefix="fleetrl-env")
         return EpisodeRunner(cfg, load_env_factory(job.env["name"], cfg.python_path), self.codec,

@@ -3,11 +3,15 @@ column mapping, and the optional environment that runs each sample as an episode
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fleetrl.config.base import Model
+
+_MODULE_RE = re.compile(r"^([\w.-]+/)?[\w.-]+(@[\w.+-]+)?$")
+"""A verifiers taskset id: its module (`my_env`, `my-env`), or a hub id `owner/name[@version]`."""
 
 
 class DatasetColumns(Model):
@@ -27,22 +31,30 @@ class DatasetColumns(Model):
 class EnvConfig(Model):
     """The environment that runs each sample as an episode (multi-turn, tools): a skyrl-gym text environment
     (`skyrl_gym.envs.BaseTextEnv`), written for SkyRL and run unchanged (DESIGN.md §11), or an agent written
-    against the OpenAI API, run against the worker's own endpoint (`kind: openai_agent`, DESIGN.md §13)."""
+    against the OpenAI API, run against the worker's own endpoint (`kind: openai_agent`, DESIGN.md §13), or a
+    verifiers environment (`kind: verifiers`, its rollouts against the same endpoint, docs/agents.md)."""
 
-    kind: Literal["skyrl_gym", "openai_agent"] = "skyrl_gym"
+    kind: Literal["skyrl_gym", "openai_agent", "verifiers"] = "skyrl_gym"
     """`skyrl_gym`: `name` is a skyrl-gym environment. `openai_agent`: `name` is an agent function
     `package.module:function`, `async def run(client, prompt, **row) -> float | None`, called once per
     sample with an `openai.AsyncOpenAI` client bound to the worker's endpoint and to that sample
     (docs/agents.md); needs the `agents` extra and a tokenizer with a chat template. An agent that raises
     sends its group to `dead-letter` (`env_error`) whatever `on_error` says; `tool_timeout_s` and
-    `threads` do not apply (the agent runs its own tools)."""
+    `threads` do not apply (the agent runs its own tools). `verifiers`: `name` is a verifiers (>= 0.4) taskset
+    module, loaded through `verifiers.v1.load_environment` with `config` as the environment's `[env]` block;
+    its tasks are the prompts (unless `dataset.path` is set), each sample is one episode whose model calls
+    go to the worker's endpoint, and the reward is the rubric's (the trace's weighted `@vf.reward`s); needs
+    the `verifiers` extra; the budgets, `wall_time_s`, `failure_reward` and `endpoint_port` apply as for
+    `openai_agent`."""
     name: str = Field(min_length=1)
     """A skyrl-gym registered id (`gsm8k`, `gsm8k_multi_turn`, or one your module registers), or
     `package.module:Class` (a `BaseTextEnv` subclass or a factory) imported from `python_path`, then the
     Python path. Built per episode as SkyRL does: `Class(env_config=config, extras=row)`, where `row` is
     the dataset row's other columns plus `reward_spec: {ground_truth: reference}` when the row has none."""
     config: dict[str, Any] = Field(default_factory=dict)
-    """The environment's `env_config` (its own arguments)."""
+    """The environment's `env_config` (its own arguments). `verifiers`: the environment's `[env]` block as
+    verifiers takes it (`taskset: {...}` its taskset's arguments, `agent: {harness: {id: ...}}`, ...); the
+    taskset `id` is `name`."""
     python_path: list[str] = Field(default_factory=list)
     """Folders (relative to the config file) searched first when importing `name`."""
     max_turns: int = Field(8, ge=1)
@@ -60,10 +72,20 @@ class EnvConfig(Model):
     threads: int = Field(16, ge=1, le=1024)
     """Threads that run environment steps beside the engine; a hanging tool holds one until it returns."""
     wall_time_s: float = Field(300.0, gt=0)
-    """`openai_agent`: bound of one agent run's wall time; past it the run is cancelled and its sample ends
-    with what it captured, finish reason `length` and `failure_reward`."""
+    """`openai_agent`, `verifiers`: bound of one run's (episode's) wall time; past it the run is cancelled and its
+    sample ends with what it captured, finish reason `length` and `failure_reward`."""
     endpoint_port: int = Field(0, ge=0, le=65535)
-    """`openai_agent`: the loopback port of the worker's endpoint; 0: a free port the kernel picks."""
+    """`openai_agent`, `verifiers`: the loopback port of the worker's endpoint; 0: a free port the kernel picks."""
+
+    @model_validator(mode="after")
+    def _verifiers_names_a_module(self) -> EnvConfig:
+        if self.kind == "verifiers" and not _MODULE_RE.match(self.name):
+            raise ValueError(f"name {self.name!r}: a verifiers environment is named by its taskset module "
+                             f"(`my_env`, or a hub id `owner/my-env`, as `verifiers.v1.load_environment` imports it), "
+                             f"not a function")
+        if self.kind == "verifiers" and "id" in (self.config.get("taskset") or {}):
+            raise ValueError("config.taskset.id: the taskset's id is `name`; leave it out of config")
+        return self
 
 
 class DatasetConfig(Model):

@@ -103,6 +103,17 @@ def test_bad_environment_is_one_line_naming_the_field(tmp_path: pathlib.Path, ca
     assert "fleet.yaml: dataset.env.name: " in err and message in err, err
 
 
+def test_a_verifiers_environment_that_does_not_load_is_one_line_naming_it(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # With the `verifiers` extra: verifiers' own "not found"; without it: "needs the `verifiers` extra".
+    env = {"kind": "verifiers", "name": "vf_nosuch", "python_path": [str(HERE)]}
+    rc, err = _check(_config(tmp_path, None, dataset={"task": "sums", "env": env}), capsys)
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "fleet.yaml: dataset.env.name: vf_nosuch: " in err, err
+    rc, err = _check(_config(tmp_path, None, dataset={"task": "sums", "env": {**env, "name": "vf_sums:run"}}), capsys)
+    assert rc == 2 and "dataset.env" in err and "not a function" in err, err
+
+
 def test_a_skyrl_environment_passes(tmp_path: pathlib.Path, qwen2_folder: pathlib.Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     path = _config(tmp_path, qwen2_folder, dataset={"task": "lookup", "path": str(_chat_rows(tmp_path)),
