@@ -88,18 +88,24 @@ class _InPlace:
         """(tensor, part start) -> positions and new words of the part's changes (with `record`)."""
 
     def changes(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """The recorded changes per tensor, its parts in order (parts are disjoint ranges)."""
+        """The recorded changes per tensor, its parts in order (parts are disjoint ranges). A tensor of
+        several parts is joined on the reader's threads, tensors side by side (numpy copies without the
+        GIL): joined one after another, a 0.5 B model's 19 M changes took ~50 ms of an update's ~107 ms
+        of host time on an H200's host."""
         by_tensor: dict[str, list[tuple[int, tuple[np.ndarray, np.ndarray]]]] = {}
         for (name, start), rec in self.records.items():
             by_tensor.setdefault(name, []).append((start, rec))
-        out = {}
-        for name, parts in by_tensor.items():
-            parts.sort(key=lambda item: item[0])
-            if len(parts) == 1:
-                out[name] = parts[0][1]
-            else:
-                out[name] = (np.concatenate([r[0] for _, r in parts]), np.concatenate([r[1] for _, r in parts]))
-        return out
+        out = {name: parts[0][1] for name, parts in by_tensor.items() if len(parts) == 1}
+        several = [(name, sorted(parts, key=lambda item: item[0])) for name, parts in by_tensor.items()
+                   if len(parts) > 1]
+
+        def join(parts: list[tuple[int, tuple[np.ndarray, np.ndarray]]]) -> tuple[np.ndarray, np.ndarray]:
+            return np.concatenate([r[0] for _, r in parts]), np.concatenate([r[1] for _, r in parts])
+
+        joined = self.reader.pool.map(join, [parts for _, parts in several]) if len(several) > 1 else \
+            map(join, [parts for _, parts in several])
+        out.update(zip((name for name, _ in several), joined, strict=True))
+        return {name: out[name] for name in by_tensor}  # in the order the parts were recorded, as before
 
     def run(self, batches: list[list[tuple[str, mf.PartRef]]], threads: int) -> None:
         work = _Work(len(batches))

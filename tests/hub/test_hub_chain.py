@@ -15,8 +15,8 @@ from fleetrl.config import FleetConfig
 from fleetrl.hub import Hub, HubError, VersionConflict
 
 
-def publish_chain(hub: Hub, n: int, frac: float = 0.03) -> list[dict[str, torch.Tensor]]:
-    states = [tiny_state()]
+def publish_chain(hub: Hub, n: int, frac: float = 0.03, hidden: int = 64) -> list[dict[str, torch.Tensor]]:
+    states = [tiny_state(hidden=hidden)]
     for i in range(1, n):
         states.append(step(states[-1], seed=i, frac=frac))
     for i, state in enumerate(states):
@@ -160,8 +160,21 @@ def _changed(a: torch.Tensor, b: torch.Tensor) -> list[int]:
 
 def test_changes_name_exactly_the_changed_elements_and_update_in_place(
         dir_config: Callable[..., FleetConfig]) -> None:
+    _check_changes(dir_config, hidden=64)
+
+
+def test_changes_of_tensors_stored_in_several_parts_are_joined_in_order(
+        dir_config: Callable[..., FleetConfig]) -> None:
+    """At hidden 256 the larger tensors span several 64 KiB parts: their changes are recorded per part and
+    joined per tensor (on the reader's threads, hub/inplace.py)."""
+    _check_changes(dir_config, hidden=256, joined=True)
+
+
+def _check_changes(dir_config: Callable[..., FleetConfig], hidden: int, joined: bool = False) -> None:
     with Hub.from_config(dir_config(anchor_interval=5)) as hub:
-        states = publish_chain(hub, 9)
+        states = publish_chain(hub, 9, hidden=hidden)
+        parts = {t.name: len(t.parts) for t in hub.manifest(4).tensors}
+        assert (sum(n > 1 for n in parts.values()) >= 2) == joined, parts  # two or more to join side by side
         into = {k: v.clone() for k, v in states[3].items()}
         into["lm_head.weight"] = into["model.embed_tokens.weight"]
         ptrs = {k: v.data_ptr() for k, v in into.items()}
