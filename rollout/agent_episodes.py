@@ -26,7 +26,7 @@ import secrets
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fleetrl.broker import PromptRecord
 from fleetrl.config import EnvConfig
@@ -58,6 +58,8 @@ def last_line(exc: BaseException) -> str:
     return lines[-1].strip() if lines else type(exc).__name__
 
 
+T = TypeVar("T")
+
 @dataclass(slots=True)
 class AgentRunner:
     """Runs one group's agent runs against the worker's endpoint (`server`)."""
@@ -79,19 +81,13 @@ class AgentRunner:
                         args: dict[str, Any]) -> list[EpisodeResult]:
         row = {**self.cfg.config, **args, **(prompt.columns or {})}
         tasks = [asyncio.ensure_future(self._run(f"{group_id}#{i}", prompt, row)) for i in range(prompt.n_samples)]
-        try:
-            runs = await asyncio.gather(*tasks)
-        except BaseException:  # one run failed the group (or it was cancelled): the others stop with it
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        runs = await gather_or_cancel(tasks)
         missing = [i for i, (_, reward) in enumerate(runs) if reward is None]
         if missing:
             scores = await self._score(prompt, [runs[i][0] for i in missing])
             for i, score in zip(missing, scores, strict=True):
                 runs[i] = (runs[i][0], score)
-        return [_result(c, r) for c, r in runs]
+        return [episode_result(c, r) for c, r in runs]
 
     async def _run(self, sample_id: str, prompt: PromptRecord,
                    row: dict[str, Any]) -> tuple[SampleCapture, float | None]:
@@ -138,6 +134,18 @@ def _reward(value: Any, name: str) -> float | None:
     return float(value)
 
 
-def _result(capture: SampleCapture, reward: float | None) -> EpisodeResult:
+async def gather_or_cancel(tasks: Sequence[asyncio.Future[T]]) -> list[T]:
+    """The group's sample runs' results; when one fails (or the group is cancelled) the others stop with it."""
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def episode_result(capture: SampleCapture, reward: float | None) -> EpisodeResult:
+    """A finished sample run as the episode the group record is built from."""
     return EpisodeResult(capture.sample(), list(capture.sources), float(reward or 0.0), capture.calls,
                          contexts=list(capture.contexts) if capture.tokens else None)

@@ -34,6 +34,7 @@ from fleetrl.broker import PromptRecord
 from fleetrl.config import EnvConfig
 from fleetrl.log import get_logger
 from fleetrl.rollout.agent_capture import SampleCapture
+from fleetrl.rollout.agent_episodes import episode_result, gather_or_cancel
 from fleetrl.rollout.episodes import EpisodeResult
 from fleetrl.rollout.errors import EnvError
 from fleetrl.rollout.openai_server import EndpointServer
@@ -137,16 +138,9 @@ class VerifiersRunner:
                         args: dict[str, Any]) -> list[EpisodeResult]:
         task = task_of(self.env, prompt)
         async with self.env.serving():
-            tasks = [asyncio.ensure_future(self._episode(f"{group_id}#{i}", task)) for i in range(prompt.n_samples)]
-            try:
-                runs = await asyncio.gather(*tasks)
-            except BaseException:  # one episode failed the group (or it was cancelled): the others stop with it
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-        return [EpisodeResult(c.sample(), list(c.sources), reward, c.calls,
-                              contexts=list(c.contexts) if c.tokens else None) for c, reward in runs]
+            runs = await gather_or_cancel([asyncio.ensure_future(self._episode(f"{group_id}#{i}", task))
+                                           for i in range(prompt.n_samples)])
+        return [episode_result(c, reward) for c, reward in runs]
 
     async def _episode(self, sample_id: str, task: Any) -> tuple[SampleCapture, float]:
         import verifiers.v1 as vf
