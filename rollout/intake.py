@@ -116,7 +116,8 @@ class Intake:
         released = {(d.tp, d.offset) for d in gone}
         if not released:
             return
-        log.info("worker.released", groups=self.queue.release(released), offsets=len(released))
+        group_ids = self.queue.release(released)
+        log.info("worker.released", groups=len(group_ids), group_ids=group_ids, offsets=len(released))
 
     async def stop(self, task: asyncio.Task[None], reason: str, handover_timeout_s: float) -> None:
         """After `admitting` is cleared: let a poll in progress finish (its records join the handover);

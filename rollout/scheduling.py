@@ -51,11 +51,11 @@ class JobQueue:
         self.waiting.append(job)
         self.arrived.set()
 
-    def release(self, offsets: set[tuple[tuple[str, int], int]]) -> int:
-        """Drop the waiting jobs of these (partition, offset)s (they went to another member); how many."""
-        before = len(self.waiting)
+    def release(self, offsets: set[tuple[tuple[str, int], int]]) -> list[str]:
+        """Drop the waiting jobs of these (partition, offset)s (they went to another member); their group ids."""
+        gone = [job for job in self.waiting if (job.delivery.tp, job.delivery.offset) in offsets]
         self.waiting = [job for job in self.waiting if (job.delivery.tp, job.delivery.offset) not in offsets]
-        return before - len(self.waiting)
+        return [job.group_id for job in gone]
 
     def start_ready(self, start_episodes: Callable[[Job], None]) -> None:
         """Submit jobs whose min_version the engine has (or has staged), oldest first while a decoding

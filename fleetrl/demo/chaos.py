@@ -8,6 +8,8 @@
                             (its `--notice-file`, the file notice source): it hands over and exits 0;
                             a replacement node `<node>-r<k>` starts in its region, as a spot fleet
                             replaces a node
+                            (both wait for the fleet's first step, and each kill or notice for a step
+                            after the last one and its restart: `Chaos.caught_up`)
     --partition R:START:S   cut region R's links home (Kafka to the trainer, MQTT, the home store) at
                             START s for S s, through the relays of `fleetrl.demo.relay`
     --fuzz-rate R           a fraction R of the records in prompts and trajectories are hostile,
@@ -212,8 +214,13 @@ class Chaos:
         """Marker (`<kind>/<index>-<point>`) of each crash point fired -> the pid it killed."""
         self.killed_training: set[str] = set()
         """Kinds killed once the fleet had trained a step (mid-flight, not during the fleet's start)."""
+        self.last_fault_at: float | None = None
+        """When (monotonic) the last kill, restart or preemption happened: the next one waits for a step
+        after it (`caught_up`)."""
 
     def _fault(self, kind: str, target: str, detail: str = "") -> None:
+        if kind in ("kill", "restart", "preempt", "replace"):
+            self.last_fault_at = time.monotonic()
         self.on_fault(self.log.add(kind, target, detail))
 
     def expected_down(self, child: Child) -> bool:
@@ -226,14 +233,23 @@ class Chaos:
         self._restart_due(now)
         self._crash_restarts()
         self._partitions(now - self.log.started)
-        if self.stopped:
-            return
+        if self.stopped or not self.caught_up():
+            return  # a kill or notice now would hit a fleet that has not trained since the last one
         if self.next_kill is not None and now >= self.next_kill:
             self.next_kill = now + (self.plan.kill_every_s or 0)
             self._kill_one()
         if self.next_preempt is not None and now >= self.next_preempt:
             self.next_preempt = now + (self.plan.preempt_every_s or 0)
             self._preempt_one()
+
+    def caught_up(self) -> bool:
+        """Whether the fleet has trained a step since the last kill, restart or preemption (and at all).
+        `--kill-every` and `--preempt-every` wait for it: the faults then hit a fleet that trains, and a
+        machine however slow makes progress between two of them (a schedule by the clock alone outruns a
+        fleet that needs longer to start or recover than its period: on a busy 2-core CI machine, a kill
+        every 4 s kept a fleet at step 0 for 300 s)."""
+        step_at = self.demo.progress.last_step_at
+        return step_at is not None and (self.last_fault_at is None or step_at > self.last_fault_at)
 
     def all_happened(self) -> bool:
         """Every fault the plan asks for has happened (`--until-faults`): each kind of `kill_only`
@@ -379,10 +395,11 @@ class Chaos:
     # -- preempt --------------------------------------------------------------------------------
 
     def _preempt_one(self) -> None:
-        """Notice a random live agent whose worker is generating: preempting a node that has not come up
-        yet (its worker still importing torch and loading weights) tests nothing, and on a slow machine
-        a schedule that keeps picking the newest nodes starves the fleet for good (CI's 2 cores: 30 s
-        from an agent's start to its worker's first group)."""
+        """Notice a random live agent whose worker is generating (holds groups it admitted): preempting a
+        node that has not come up yet (its worker still importing torch and loading weights) tests
+        nothing, and on a slow machine a schedule that keeps picking the newest nodes starves the fleet
+        for good (CI's 2 cores: 30 s from an agent's start to its worker's first group); a worker that
+        holds no group has nothing to hand over."""
         agents = [c for c in self.demo.children
                   if c.name.startswith("agent-") and c.returncode() is None and c.name not in self.leaving
                   and c.name not in self.restarts and self.demo.generating(c)]

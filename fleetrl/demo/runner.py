@@ -231,9 +231,11 @@ class Demo:
         return self._spawn(child, agent=(region, node))
 
     def generating(self, agent: Child) -> bool:
-        """Whether the agent's worker has loaded its weights and taken work (its `worker.started`)."""
+        """Whether the agent's worker has loaded its weights (its `worker.started`) and holds groups it
+        is generating (admitted, neither finished nor handed over): a notice now has work to hand over."""
         region, node = self.agents[agent.name]
-        return node in self.progress.regions[region].generating
+        view = self.progress.regions[region]
+        return node in view.generating and bool(view.holding.get(node))
 
     def notice_file(self, region: str, node: str) -> pathlib.Path:
         return self.workdir / "notices" / f"{region}-{node}"

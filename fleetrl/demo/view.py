@@ -11,7 +11,8 @@ docs/regions.md):
                 weights.published (version, anchor, bytes), group.stale, eval.done (set, version, step,
                 pass@1, pass@k, reward_mean, length_mean, ...: one evaluation's figures, docs/eval.md)
     replicator  replicator.copied (version, region, source, bytes)
-    agent       worker.group_done, agent.state (state)
+    agent       worker.started, worker.admitted, worker.group_done, worker.handed_over (group_id),
+                worker.released (group_ids), agent.state (state)
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class RegionView:
     """Node name -> its last state (`starting` until the agent says otherwise)."""
     generating: set[str] = field(default_factory=set)
     """Nodes whose worker has loaded its weights and taken work (`worker.started`)."""
+    holding: dict[str, set[str]] = field(default_factory=dict)
+    """Node -> the groups its worker admitted (`worker.admitted`) and has neither finished
+    (`worker.group_done`), handed over (`worker.handed_over`) nor released to another member
+    (`worker.released`); emptied when a worker (re)starts."""
     groups_done: int = 0
     done_at: deque[float] = field(default_factory=deque)
     replica_version: int | None = None
@@ -163,11 +168,19 @@ class Progress:
         if name == "worker.group_done":
             view.groups_done += 1
             view.done_at.append(time.monotonic())
+            view.holding.get(node, set()).discard(str(event.get("group_id")))
+        elif name == "worker.admitted":
+            view.holding.setdefault(node, set()).add(str(event.get("group_id")))
+        elif name == "worker.handed_over":
+            view.holding.get(node, set()).discard(str(event.get("group_id")))
+        elif name == "worker.released":  # admitted, then given up to another member by a rebalance
+            view.holding.get(node, set()).difference_update(str(g) for g in event.get("group_ids") or ())
         elif name == "agent.state":
             view.nodes[node] = str(event["state"])
         elif name == "worker.started":
             view.nodes[node] = "up"
             view.generating.add(node)
+            view.holding[node] = set()  # a restarted worker holds nothing its predecessor admitted
 
     def _row(self, e: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()

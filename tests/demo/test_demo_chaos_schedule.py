@@ -53,7 +53,8 @@ class Fleet:
 
     def generating(self, agent: Child) -> bool:
         region, node = self.agents[agent.name]
-        return node in self.progress.regions[region].generating
+        view = self.progress.regions[region]
+        return node in view.generating and bool(view.holding.get(node))
 
 
 @pytest.fixture
@@ -76,15 +77,56 @@ def test_only_a_node_whose_worker_generates_is_preempted(fleet: Fleet, tmp_path:
     assert chaos.log.faults == [] and not list((tmp_path / "notices").iterdir())
 
     fleet.progress.feed({"event": "worker.started"}, ("b", "node-1"))
-    for _ in range(3):  # only b's node is up; its replacement is not, so nothing else is noticed
+    chaos._preempt_one()  # b's worker is up but holds no group: a notice would have nothing to hand over
+    assert chaos.log.faults == []
+    fleet.progress.feed({"event": "worker.admitted", "group_id": "g1"}, ("b", "node-1"))
+    fleet.progress.feed({"event": "worker.started"}, ("a", "node-1"))
+    fleet.progress.feed({"event": "worker.admitted", "group_id": "g2"}, ("a", "node-1"))
+    fleet.progress.feed({"event": "worker.group_done", "group_id": "g2"}, ("a", "node-1"))  # a holds none
+    for _ in range(3):  # only b's node holds a group; its replacement is not up, so nothing else is noticed
         chaos._preempt_one()
     assert [(f.kind, f.target) for f in chaos.log.faults] == [("preempt", "agent-b-node-1"),
                                                                ("replace", "agent-b-node-1-r1")]
     assert (tmp_path / "notices" / "b-node-1").exists()
 
     fleet.progress.feed({"event": "worker.started"}, ("b", "node-1-r1"))
+    fleet.progress.feed({"event": "worker.admitted", "group_id": "g3"}, ("b", "node-1-r1"))
+    fleet.progress.feed({"event": "worker.admitted", "group_id": "g4"}, ("b", "node-1-r1"))
+    fleet.progress.feed({"event": "worker.handed_over", "group_id": "g3"}, ("b", "node-1-r1"))
+    fleet.progress.feed({"event": "worker.released", "group_ids": ["g4"]}, ("b", "node-1-r1"))
+    chaos._preempt_one()  # its groups were handed over or released to another member: it holds none
+    assert chaos.log.faults[-2].target == "agent-b-node-1"
+    fleet.progress.feed({"event": "worker.admitted", "group_id": "g5"}, ("b", "node-1-r1"))
     chaos._preempt_one()
     assert chaos.log.faults[-2].target == "agent-b-node-1-r1"  # the replacement, once it generates
+
+
+def test_kills_and_notices_wait_for_a_step_after_the_last_fault(fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    """`tick` injects nothing before the fleet's first step, nor before a step after the last kill,
+    restart or notice: however slow the machine, the fleet trains between two faults."""
+    fleet.start("replicator-a")
+    plan = FaultPlan(kill_every_s=0.001, preempt_every_s=0.001, kill_only=("replicator",))
+    chaos = Chaos(plan, fleet, FaultLog(time.monotonic(), tmp_path / "faults.jsonl"))
+    fleet.progress.feed({"event": "worker.started"}, ("a", "node-1"))
+    fleet.progress.feed({"event": "worker.admitted", "group_id": "g1"}, ("a", "node-1"))
+    time.sleep(0.01)
+    chaos.tick()  # both are due, but the fleet has not trained yet
+    assert chaos.log.faults == [] and not chaos.caught_up()
+    fleet.progress.feed({"event": "step.done", "step": 1, "version": 1, "reward_mean": 0.1})
+    time.sleep(0.01)
+    chaos.tick()  # a kill and a notice: both were due
+    assert [f.kind for f in chaos.log.faults] == ["kill", "preempt", "replace"]
+    assert not chaos.caught_up()
+    chaos._restart_due(time.monotonic() + 5)  # the replicator comes back: still no step since
+    for _ in range(3):
+        time.sleep(0.01)
+        chaos.tick()
+    assert [f.kind for f in chaos.log.faults] == ["kill", "preempt", "replace", "restart"]
+    fleet.progress.feed({"event": "step.done", "step": 2, "version": 2, "reward_mean": 0.1})
+    chaos.restarted_at = dict.fromkeys(chaos.restarted_at, time.monotonic() - RECOVER_S - 1)
+    time.sleep(0.01)
+    chaos.tick()  # a step after the restart: the replicator is killed again
+    assert [f.kind for f in chaos.log.faults][-1] == "kill"
 
 
 def test_kinds_take_turns_and_a_trainer_is_spared_until_it_checkpoints(fleet: Fleet, tmp_path: pathlib.Path) -> None:

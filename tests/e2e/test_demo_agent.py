@@ -20,8 +20,10 @@ import yaml
 from demo_testkit import ROOT, assert_accounted, example_config, run_demo
 from slowdown import scaled
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 DEMO_TIMEOUT_S = 300  # the faults and their recovery take ~1-2 min on 2 cores (run_demo scales it)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(DEMO_TIMEOUT_S + 80)]
+"""pytest's bound outlasts the demo's own and its SIGINT clean-up (tests/conftest.py scales both): a run
+that hangs fails with the demo's output, not pytest's stack of a `poll()`."""
 
 
 def test_agent_example_through_the_endpoint_keeps_its_books_across_faults(tmp_path: pathlib.Path,
