@@ -235,10 +235,16 @@ class Chaos:
         self._partitions(now - self.log.started)
         if self.stopped or not self.caught_up():
             return  # a kill or notice now would hit a fleet that has not trained since the last one
-        if self.next_kill is not None and now >= self.next_kill:
+        # One fault a tick, the one due longest: after it the next waits for a step, and a kill and a
+        # notice that are both due take turns (the kill, first every time, would starve the notices).
+        due = [(at, act) for at, act in ((self.next_kill, "kill"), (self.next_preempt, "preempt"))
+               if at is not None and now >= at]
+        if not due:
+            return
+        if min(due)[1] == "kill":
             self.next_kill = now + (self.plan.kill_every_s or 0)
             self._kill_one()
-        if self.next_preempt is not None and now >= self.next_preempt:
+        else:
             self.next_preempt = now + (self.plan.preempt_every_s or 0)
             self._preempt_one()
 
