@@ -52,19 +52,12 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetrl.broker import (
-    ControlPlane,
-    GroupRecord,
-    KafkaError,
-    RecordError,
-    RecordLimits,
-    encode_record,
-    trainer_group,
-)
+from fleetrl.broker import ControlPlane, GroupRecord, RecordLimits, trainer_group
 from fleetrl.config import FleetConfig
 from fleetrl.crashpoints import crash_point
 from fleetrl.hub import Hub
 from fleetrl.log import get_logger
+from fleetrl.trainer.arrivals import Arrivals
 from fleetrl.trainer.batch import build_step_batch
 from fleetrl.trainer.collector import Collector
 from fleetrl.trainer.cost import CostMeter
@@ -80,6 +73,7 @@ from fleetrl.trainer.publisher import WeightPublisher
 from fleetrl.trainer.regions import RegionClients
 from fleetrl.trainer.resume import Checkpoints
 from fleetrl.trainer.round_trips import RoundTrips
+from fleetrl.trainer.sends import PromptSends
 from fleetrl.trainer.tracking import TrainerTracking
 
 log = get_logger(__name__)
@@ -122,19 +116,21 @@ class Trainer:
         self._pricing: asyncio.Task[object] | None = None
         self.clients: RegionClients | None = None
         self.announcer: ControlPlane | None = None
-        self.dispatcher = Dispatcher(config, prompts(), self._send_prompt, self.credits, waste=self.cost)
+        self.sends = PromptSends(config, self.collector, self.metrics)
+        self.dispatcher = Dispatcher(config, prompts(), self.sends.prompt, self.credits, waste=self.cost)
         self.tracking = TrainerTracking(config, on_drop=lambda name: self.metrics.tracking_dropped.labels(name).inc())
         """Experiment figures (trainer/tracking/): each step's, released once a checkpoint covers it."""
-        self.evals = EvalRunner(config, eval_prompts or {}, self._send_eval, self.credits, self.tracking.deferred,
-                                self.metrics)
+        self.evals = EvalRunner(config, eval_prompts or {}, self.sends.eval_prompt, self.credits,
+                                self.tracking.deferred, self.metrics)
         """Held-out evaluations on the fleet (eval_runner.py): their groups never reach the collector; their
         figures are released, like a step's, once a checkpoint covers the evaluation's end."""
         self.step, self.version, self._target = 0, 0, 0
         self.checkpoints = Checkpoints(config, learner, self.collector, self.dispatcher, self.cost, self.metrics,
                                        self.tracking, self.evals)
         self.round_trips = RoundTrips(self.metrics)
-        self._version_at: dict[int, float] = {}
-        """When each recent version became the newest: a group sent ahead for it could start then."""
+        self.arrivals = Arrivals(config, self.collector, self.dispatcher, self.credits, self.cost, self.metrics,
+                                 self.evals, self.round_trips)
+        """What each group arriving on `trajectories` does to the books (arrivals.py)."""
         self.result = TrainerResult(0, 0)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -161,7 +157,8 @@ class Trainer:
             limits = RecordLimits.from_config(self.config)
             self.clients = await stack.enter_async_context(
                 RegionClients(self.config, limits, trainer_group(self.config.run), self.checkpoints.offsets,
-                              on_dead_letter=self._count_dead_letter))
+                              on_dead_letter=self.arrivals.count_dead_letter))
+            self.sends.clients = self.arrivals.clients = self.clients
             self.eval_dead = await stack.enter_async_context(EvalDeadLetters(self.config, f"{self.config.run}-trainer"))
             self.handover = Handover(self.config, self.clients, self.dispatcher, limits, self.collector)
             stack.push_async_callback(self.handover.close)
@@ -228,88 +225,7 @@ class Trainer:
         d = self.dispatcher
         return d.exhausted and not d.in_flight and not self.collector.ready(self.config.algorithm.groups_per_step)
 
-    # -- groups -------------------------------------------------------------------------------
-
-    async def _on_group(self, region: str, delivery: Any) -> None:
-        record = delivery.record
-        assert isinstance(record, GroupRecord)
-        if record.eval is not None and record.run == self.config.run:
-            self.evals.on_group(record, self.step)  # never trained: the eval's own books
-            assert self.clients is not None
-            self.clients.handled(region, delivery)
-            return
-        now = time.time()
-        flight = self.dispatcher.in_flight.get(record.group_id)
-        latency = None
-        if flight is not None and flight.region == region:
-            # From when it could start: a group sent ahead waited for its version, not for the region.
-            latency = now - max(flight.dispatched_at, self._version_at.get(flight.min_version, 0.0))
-        self.credits.on_arrival(region, now, latency, tokens=sum(len(smp.completion_ids) for smp in record.samples))
-        self.cost.on_transfer(region, delivery.size)
-        if record.samples:
-            self.dispatcher.observe_lengths(record.group_id, sum(len(s.completion_ids) for s in record.samples)
-                                            / len(record.samples))
-        verdict = self.collector.offer(record, self.version)
-        if verdict == "foreign":
-            err = RecordError("wrong_run", f"record of run {record.run!r} in run {self.config.run!r}'s topic",
-                              field="run", group_id=record.group_id)
-            assert self.clients is not None
-            await self.clients.producer(region).dead_letter(
-                (delivery.key or "").encode(), encode_record(record), err,
-                delivery.topic, delivery.partition, delivery.offset)
-            self.metrics.foreign.labels(region).inc()
-        elif verdict == "duplicate":
-            self.metrics.duplicates.labels(region).inc()
-            self._lost(region, record)
-            log.info("group.duplicate", group_id=record.group_id, attempt=record.attempt, region=region)
-        else:
-            self.metrics.groups.labels(region).inc()
-            if flight is not None and latency is not None:
-                self.round_trips.observe(region, flight.dispatched_at, record.timings, now)
-            self.dispatcher.resolve(record.group_id)
-            if verdict == "stale":
-                self._count_stale(region, record)
-        assert self.clients is not None
-        self.clients.handled(region, delivery)
-
-    def _lost(self, region: str, record: GroupRecord) -> None:
-        """The region's work on this group was paid for and is not trained (a duplicate, or stale)."""
-        self.credits.on_lost(region, time.time())
-        self.cost.on_regenerated(region, sum(len(smp.completion_ids) for smp in record.samples))
-
-    def _count_dead_letter(self, region: str, reason: str) -> None:
-        self.metrics.dead_lettered.labels(region, reason).inc()
-
-    def _count_stale(self, region: str, record: GroupRecord) -> None:
-        self.metrics.stale_dropped.labels(region).inc()
-        self._lost(region, record)
-        log.warning("group.stale", group_id=record.group_id, region=region,
-                    lag=self.collector.lag(record, self.version), bound=self.collector.max_lag)
-
-    async def _send_prompt(self, region: str, record: Any) -> None:
-        """One bounded send: a partitioned region costs the loop one request timeout, then it is skipped."""
-        partition, offset = await self._produce_prompt(region, record)
-        crash_point("trainer.dispatch.prompt_produced")
-        self.collector.note_dispatched(record.group_id, region, partition, offset)
-        crash_point("trainer.dispatch.ledger_updated")
-        self.metrics.dispatched.labels(region).inc()
-
-    async def _send_eval(self, region: str, record: Any) -> None:
-        """An eval prompt: sent as a training prompt is, counted in the eval books, not the ledger."""
-        await self._produce_prompt(region, record)
-
-    async def _produce_prompt(self, region: str, record: Any) -> tuple[int, int]:
-        assert self.clients is not None
-        timeout_s = self.config.kafka.request_timeout_s
-        try:
-            partition, offset = await asyncio.wait_for(
-                self.clients.send(region, "prompts", record.group_id, record),
-                timeout_s + self.clients.link_delay_s.get(region, 0.0))
-        except TimeoutError as exc:
-            # The record may still land: a second copy of a prompt is deduplicated downstream.
-            raise KafkaError(f"send of {record.group_id} to region {region!r} took over {timeout_s} s",
-                             retriable=True) from exc
-        return partition, offset
+    # -- the fleet ----------------------------------------------------------------------------
 
     async def _hand_over(self, now: float) -> None:
         """Move the work of regions whose nodes are all draining, offline or silent; a gone region is
@@ -343,7 +259,7 @@ class Trainer:
         a = self.config.algorithm
         groups, dropped = self.collector.take(a.groups_per_step, self.version)
         for g in dropped:
-            self._count_stale(g.region, g)
+            self.arrivals.count_stale(g.region, g, self.version)
         if len(groups) < a.groups_per_step:
             self.collector.give_back(groups)
             return False
@@ -360,8 +276,7 @@ class Trainer:
         self.step += 1
         self.version = await self._publish_step(self.version + 1, self.learner.snapshot_wait_s - cast_wait0)
         self.evals.on_published(self.version, self.step, last=self.step >= self._target)
-        self._version_at[self.version] = time.time()
-        self._version_at.pop(self.version - 64, None)  # (groups ask at most `dispatch_ahead_steps` ahead)
+        self.arrivals.on_version(self.version)
         self.result.step_spans.append((wall0, time.time()))
         seconds = time.monotonic() - t0
         self.credits.on_step(time.time())
@@ -395,9 +310,7 @@ class Trainer:
         return sent + await self.evals.dispatch(now, self.dispatcher.per_region())
 
     async def _handle(self, polled: dict[str, list[Any]]) -> None:
-        for region, deliveries in polled.items():
-            for d in deliveries:
-                await self._on_group(region, d)
+        await self.arrivals.handle(polled, self.step, self.version)
 
     async def _while_training(self, step: Awaitable[StepStats]) -> StepStats:
         """Run the step; meanwhile send what the previous step admitted and take in what arrives:
