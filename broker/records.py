@@ -26,6 +26,9 @@ SCHEMA_PROMPT_V2 = "fleetrl.prompt/2"
 MAX_COLUMNS_BYTES = 64 * 1024
 """Bound of a prompt's `columns`, packed."""
 SCHEMA_PARTIAL = "fleetrl.partial/1"
+SCHEMA_PARTIAL_V2 = "fleetrl.partial/2"
+"""A partial whose samples carry `segments` and `contexts` (an agent run's captured calls, replayed where it
+resumes); readers accept both."""
 SCHEMA_GROUP = "fleetrl.group/1"
 SCHEMA_GROUP_V2 = "fleetrl.group/2"
 """A group whose samples carry `segments` (episodes: policy and environment tokens); readers accept both."""
@@ -109,6 +112,11 @@ class PartialSample:
     versions: IntArray
     finish_reason: str | None = None
     """None while the sample is unfinished; a finished sample keeps its reason (and is not resumed)."""
+    segments: IntArray | None = None
+    """`fleetrl.partial/2`: run-length sources as in `Sample.segments` (an agent run's policy and environment
+    tokens, so that its calls can be replayed); None: every token is the policy's."""
+    contexts: list[tuple[int, IntArray]] | None = None
+    """`fleetrl.partial/2`: the sample's segments of context, as in `Sample.contexts`."""
 
 
 @dataclass(slots=True)
@@ -127,7 +135,12 @@ class PartialRecord:
     samples: list[PartialSample]
     handed_over_by: HandedOverBy
 
-    schema = SCHEMA_PARTIAL
+    @property
+    def schema(self) -> str:
+        """`/2` only when a sample carries segments or contexts (an agent run's capture), so that /1 readers
+        keep reading partials of plain completions."""
+        v2 = any(s.segments is not None or s.contexts is not None for s in self.samples)
+        return SCHEMA_PARTIAL_V2 if v2 else SCHEMA_PARTIAL
 
     @property
     def group_id(self) -> str:
@@ -280,7 +293,11 @@ def check_record(record: Record, limits: RecordLimits) -> None:
         _check_prompt(record.prompt, limits)
         _check_count(len(record.samples), limits, record.group_id)
         for i, s in enumerate(record.samples):
-            _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, record.group_id)
+            _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, record.group_id,
+                          s.segments)
+            if s.contexts is not None:
+                _check_contexts(f"samples[{i}].contexts", s.contexts, len(s.completion_ids), limits,
+                                record.group_id)
     else:
         _check_prompt(record, limits)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetrl.broker import ENV_VERSION, SOURCE_ENV, SOURCE_POLICY, PartialSample, floats, ids
+from fleetrl.rollout.agent_replay import Replay
 from fleetrl.rollout.errors import TaskError
 from fleetrl.rollout.tokenize import TextCodec
 
@@ -116,6 +117,9 @@ class SampleCapture:
     finish: str = "stop"
     final_messages: list[dict[str, Any]] | None = None
     final_text: str = ""
+    replay: Replay | None = None
+    """A run handed over to this worker: its calls answered from the first worker's capture while they match
+    (rollout/agent_replay.py), None: every call is decoded live."""
     _extends: bool = False
 
     # -- a call ---------------------------------------------------------------------------------------
