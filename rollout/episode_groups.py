@@ -148,7 +148,7 @@ class EpisodeGroups:
         """Cancel every group's episodes and hand each group over: an agent run's completed calls travel
         (`fleetrl.partial/2`, replayed where the group resumes: rollout/agent_replay.py); other episodes
         restart elsewhere (no samples). Tokens given up are counted (`episode_tokens_discarded`)."""
-        runners: dict[str, Runner] = {}
+        runners: dict[str, Runner | None] = {}
         for gid, task in list(self._tasks.items()):
             task.cancel()
             turns = [rid for rid in self.engine.group_ids() if rid.startswith(f"{gid}#")]
@@ -165,6 +165,8 @@ class EpisodeGroups:
             if job is None:
                 continue
             runner = runners.get(gid)
-            samples = runner.handover_samples(job.prompt.n_samples) if hasattr(runner, "handover_samples") else None
+            samples = None  # a restart: it passes on what it came with
+            if runner is not None and hasattr(runner, "handover_samples"):
+                samples = runner.handover_samples(job.prompt.n_samples)
             self.publisher.spawn(self.publisher.hand_over(job, samples, reason))
         self._tasks.clear()
