@@ -64,11 +64,11 @@ class EpisodeGroups:
     def start(self, job: Job) -> None:
         self._tasks[job.group_id] = asyncio.create_task(self._run(job), name=f"episodes-{job.group_id}")
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)  # a hanging tool keeps only its thread
-        if self._endpoint is not None:
-            self._endpoint.request_stop()
+        if self._endpoint is not None:  # its server and the agents' HTTP clients (their sockets) close, bounded
+            await self._endpoint.stop()
 
     # -- turns through the engine -----------------------------------------------------------------
 

@@ -151,7 +151,7 @@ class RolloutWorker:
             self.hub.close()
             self.eval_lane.hub.close()
             self.eval_lane.close()
-            self.episodes.close()
+            await self.episodes.close()
 
     async def _run(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
         if self.region_history is not None:  # warms the history while the weights load

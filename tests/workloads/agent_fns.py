@@ -66,3 +66,13 @@ async def pauses(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "user", "content": f"And then {turn}?"})
     return 1.0
+
+
+PAUSE: dict[str, Any] = {}
+"""`pauses_in_worker`'s switch, set by a test that runs a worker in its own process: `at` (a call's index)
+and `queue` (told when a run stops there)."""
+
+
+async def pauses_in_worker(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
+    """`pauses` with its switch in `PAUSE` (a record's columns cannot carry a queue)."""
+    return await pauses(client, prompt, **row, **({"pause_at": PAUSE["at"], "paused": PAUSE["queue"]} if PAUSE else {}))
