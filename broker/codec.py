@@ -171,6 +171,7 @@ def to_map(record: Record) -> dict[str, Any]:
                         "finished": record.timings.finished},
             **({"reward_parts": record.reward_parts} if record.reward_parts is not None else {}),
             **({"eval": _eval_map(record.eval)} if record.eval is not None else {}),
+            **({"regen": record.regenerated} if record.regenerated is not None else {}),
         }
     if isinstance(record, PartialRecord):
         h = record.handed_over_by
@@ -315,6 +316,7 @@ def _group(o: dict[str, Any]) -> GroupRecord:
                         finished=float(t.get("finished", 0.0))),
         reward_parts=_reward_parts(o.get("reward_parts")),
         eval=_eval_tag(o.get("eval")),
+        regenerated=_regenerated(o.get("regen")),
     )
 
 
@@ -324,6 +326,12 @@ def _contexts(value: Any, field: str) -> list[tuple[int, IntArray]] | None:
     if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("at"), int) for c in value):
         raise RecordError("malformed", "contexts must be a list of {at: int, p: <i4 array>}", field=field)
     return [(int(c["at"]), _unpack_array(c.get("p"), _I4, f"{field}[{j}]")) for j, c in enumerate(value)]
+
+
+def _regenerated(value: Any) -> dict[str, int] | None:
+    if value is not None and not isinstance(value, dict):
+        raise RecordError("malformed", "regenerated must map regions to token counts", field="regenerated")
+    return value
 
 
 def _reward_parts(value: Any) -> dict[str, float] | None:

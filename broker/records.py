@@ -223,12 +223,16 @@ class GroupRecord:
     """Optional: each custom reward function's mean over the samples (the trainer's step log shows them)."""
     eval: EvalTag | None = None
     """`fleetrl.group/2`: an eval group (the collector never batches it), from the prompt's tag."""
+    regenerated: dict[str, int] | None = None
+    """`fleetrl.group/2`: policy tokens of a handed-over agent capture that its worker could not replay (generated
+    again), by the region that first sampled them: preemption waste (docs/agents.md, docs/cost.md)."""
 
     @property
     def schema(self) -> str:
         """`/2` only when a sample carries segments or contexts or the group is an eval's, so that /1 readers
         keep reading single completions of training."""
-        v2 = self.eval is not None or any(s.segments is not None or s.contexts is not None for s in self.samples)
+        v2 = self.eval is not None or self.regenerated is not None or any(
+            s.segments is not None or s.contexts is not None for s in self.samples)
         return SCHEMA_GROUP_V2 if v2 else SCHEMA_GROUP
 
     @property
@@ -351,6 +355,10 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
         if pinned - {r.eval.version}:
             raise RecordError("version_bound", f"eval group pinned to version {r.eval.version} holds tokens of "
                               f"version(s) {sorted(pinned - {r.eval.version})}", field="samples.versions", group_id=g)
+    if r.regenerated is not None and not all(isinstance(k, str) and type(v) is int and v >= 0
+                                             for k, v in r.regenerated.items()):
+        raise RecordError("malformed", "regenerated must map regions to token counts >= 0", field="regenerated",
+                          group_id=g)
     for name, value in (r.reward_parts or {}).items():
         if not isinstance(value, float | int) or not math.isfinite(value):
             raise RecordError("reward", f"reward part {name!r} is {value!r}, not a finite number",

@@ -267,6 +267,7 @@ class Trainer:
             if flight is not None and latency is not None:
                 self.round_trips.observe(region, flight.dispatched_at, record.timings, now)
             self.dispatcher.resolve(record.group_id)
+            self.cost.on_unreplayed(region, record.regenerated or {})
             if verdict == "stale":
                 self._count_stale(region, record)
         assert self.clients is not None

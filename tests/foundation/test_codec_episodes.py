@@ -169,3 +169,15 @@ def test_partial_v2_bounds_name_the_field() -> None:
     with pytest.raises(RecordError) as err:
         encode_record(_partial([long_ctx]), LIMITS)
     assert err.value.reason == "tokens_bound" and err.value.field == "samples[0].contexts[0]"
+
+
+def test_a_group_names_the_tokens_it_could_not_replay_by_region() -> None:
+    record = _group([_episode([0, 1, 0])])
+    record.regenerated = {"eu": 12}
+    back = decode_record(encode_record(record, LIMITS), LIMITS, expect=SCHEMA_GROUP)
+    assert isinstance(back, GroupRecord) and back.schema == SCHEMA_GROUP_V2 and back.regenerated == {"eu": 12}
+    assert decode_record(encode_record(_group([_episode([0])]), LIMITS), LIMITS).regenerated is None  # type: ignore[union-attr]
+    record.regenerated = {"eu": -1}
+    with pytest.raises(RecordError) as err:
+        encode_record(record, LIMITS)
+    assert err.value.reason == "malformed" and err.value.field == "regenerated"

@@ -69,10 +69,9 @@ async def pauses(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row
 
 
 PAUSE: dict[str, Any] = {}
-"""`pauses_in_worker`'s switch, set by a test that runs a worker in its own process: `at` (a call's index)
-and `queue` (told when a run stops there)."""
+"""`pauses_in_worker`'s switches (`pause_at`, `paused`, `ask_at`, as `pauses` takes them), set by a test that
+runs a worker in its own process: a record's columns cannot carry a queue."""
 
 
 async def pauses_in_worker(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
-    """`pauses` with its switch in `PAUSE` (a record's columns cannot carry a queue)."""
-    return await pauses(client, prompt, **row, **({"pause_at": PAUSE["at"], "paused": PAUSE["queue"]} if PAUSE else {}))
+    return await pauses(client, prompt, **{**row, **PAUSE})

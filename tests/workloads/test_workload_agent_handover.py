@@ -1,12 +1,15 @@
-"""An agent group through real workers and real tansu: the first worker is stopped while each run waits between
-two calls; its group goes to `partials` as a `fleetrl.partial/2` carrying each run's completed calls; the next
-worker restarts the runs with those calls answered from the capture (counted in its stats and its
-`worker.group_done`), and the group it publishes holds the first worker's tokens for them."""
+"""An agent group through real workers and real tansu: the first worker is stopped while each run waits before its
+third call; its group goes to `partials` as a `fleetrl.partial/2` carrying each run's two completed calls; the
+next worker restarts the runs, whose agent now asks something else at the second call: the first calls are
+answered from the capture, the rest decoded live. Its stats count both, the group it publishes holds the first
+worker's tokens for the replayed calls, and names the recorded tokens it could not replay (`regenerated`, the
+cost report's waste) by the region that sampled them."""
 
 from __future__ import annotations
 
 import asyncio
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,14 +19,12 @@ from slowdown import scaled
 
 from fleetrl.broker import (
     SCHEMA_PARTIAL_V2,
-    SOURCE_POLICY,
     GroupRecord,
     PartialRecord,
     Producer,
     PromptRecord,
     Sampling,
     ensure_topics,
-    expand_segments,
 )
 from fleetrl.config import FleetConfig, parse_config
 from fleetrl.hub import Hub
@@ -52,6 +53,14 @@ def _config(run_id: str, bootstrap: str, store: pathlib.Path, model: pathlib.Pat
     return parse_config(yaml.safe_dump(data), source="agent-handover-test.yaml", env={})
 
 
+@pytest.fixture(autouse=True)
+def _no_pause() -> Iterator[None]:
+    from agent_fns import PAUSE
+
+    yield
+    PAUSE.clear()
+
+
 async def test_an_agent_group_handed_over_is_replayed_by_the_next_worker(
         run_id: str, tansu_bootstrap: str, tmp_path: pathlib.Path, agent_folder: pathlib.Path) -> None:
     from agent_fns import PAUSE
@@ -67,14 +76,14 @@ async def test_an_agent_group_handed_over_is_replayed_by_the_next_worker(
     async with Producer(config, REGION, "test-dispatcher") as producer:
         await producer.send("prompts", prompt.group_id, prompt)
     paused: asyncio.Queue[int] = asyncio.Queue()
-    PAUSE.update(at=2, queue=paused)
+    PAUSE.update(pause_at=2, paused=paused)
     first, stop = RolloutWorker(config, REGION, "n1"), asyncio.Event()
     task = asyncio.create_task(first.run(stop))
     try:
         for _ in range(2):  # both runs made two calls and wait before their third
             await asyncio.wait_for(paused.get(), scaled(90))
     finally:
-        PAUSE.clear()
+        PAUSE.clear()  # the next worker's runs do not pause
         stop.set()
         await asyncio.wait_for(task, timeout=scaled(30))
     assert first.groups_handed_over == 1 and first.episode_tokens_discarded == 0  # nothing was decoding
@@ -84,6 +93,7 @@ async def test_an_agent_group_handed_over_is_replayed_by_the_next_worker(
     assert [len(recorded_calls(s, [])) for s in partial.samples] == [2, 2]
 
     second = RolloutWorker(config, REGION, "n2")
+    PAUSE.update(ask_at=1)  # cleared by the fixture below
     stop = asyncio.Event()
     task = asyncio.create_task(second.run(stop))
     try:
@@ -95,17 +105,19 @@ async def test_an_agent_group_handed_over_is_replayed_by_the_next_worker(
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=scaled(30))
-    policy = sum(int((expand_segments(s.segments, len(s.completion_ids)) == SOURCE_POLICY).sum())
-                 for s in partial.samples)
+    calls = [recorded_calls(s, []) for s in partial.samples]
+    kept = sum(len(c[0].completion.completion_ids) for c in calls)
+    lost = sum(len(c[1].completion.completion_ids) for c in calls)
     assert (stats["agent_calls_replayed"], stats["agent_tokens_replayed"], stats["agent_tokens_regenerated"]) == (
-        4, policy, 0)
+        2, kept, lost)
     endpoint = second.episodes._endpoint
-    assert endpoint is not None and endpoint.endpoint.calls == 2  # only the third calls reached its engine
+    assert endpoint is not None and endpoint.endpoint.calls == 4  # the second and third calls reached its engine
     (out,) = await read_stream(config, REGION, "trajectories", 1, timeout_s=20)
     group = out.record
-    assert isinstance(group, GroupRecord) and group.node == "n2"
-    for p, s in zip(partial.samples, group.samples, strict=True):
-        n = len(p.completion_ids)
-        assert s.completion_ids[:n].tolist() == p.completion_ids.tolist()
-        assert s.logprobs[:n].tolist() == p.logprobs.tolist() and s.versions[:n].tolist() == p.versions.tolist()
-        assert len(s.completion_ids) > n  # and the third call, live
+    assert isinstance(group, GroupRecord) and group.node == "n2" and group.regenerated == {REGION: lost}
+    for c, s in zip(calls, group.samples, strict=True):
+        first = c[0].completion
+        n = len(first.completion_ids)
+        assert s.completion_ids[:n].tolist() == first.completion_ids.tolist()
+        assert s.logprobs[:n].tolist() == first.logprobs.tolist() and s.versions[:n].tolist() == first.versions.tolist()
+        assert len(s.completion_ids) > n  # and the calls after it, live
