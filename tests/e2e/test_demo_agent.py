@@ -5,9 +5,10 @@ The inputs are built as the README says (`python -m fleetrl.demo.hf_inputs examp
 the shipped config runs unchanged but for its ports and its input folder. One run, bounded by its work
 (`--until-faults`): its only worker node is preempted (and replaced) and its agent killed (and restarted)
 while agent runs are in flight; the preempted worker hands its agent groups over with each run's completed
-calls, and the worker that finishes such a group answers those calls from the capture (docs/agents.md): every
-one, as the example's agent asks the same again. The demo exits 0, the audit is ok with no group lost and none trained
-twice, and the groups' samples are one segment each (every call of the example extends its conversation). Learning is the demo's own figure (README, docs/agents.md): a run
+calls, and the worker that finishes such a group answers those calls from the capture (docs/agents.md):
+every one, as the example's agent asks the same again. The demo exits 0, the audit is ok with no group lost
+and none trained twice, and the groups' samples are one segment each (every call of the example extends its
+conversation). Learning is the demo's own figure (README, docs/agents.md): a run
 bounded by faults is too short to show it.
 """
 
