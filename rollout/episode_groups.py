@@ -159,7 +159,9 @@ class EpisodeGroups:
             for rid in turns:
                 self.engine.take(rid)
             self.turns.abort(f"{gid}#")
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)  # each run's capture is closed now
+        if self._tasks:  # each run's capture closes as its task ends; an agent that ignores the cancellation
+            # keeps what it had committed and does not hold the other groups' partials past a quarter of the bound
+            await asyncio.wait(self._tasks.values(), timeout=self.config.rollout.handover_timeout_s / 4)
         for gid in list(self._tasks):
             job = self.queue.running.pop(gid, None)
             if job is None:
