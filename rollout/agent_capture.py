@@ -13,6 +13,9 @@ earlier turns keep the engine's ids.
 
 A call answered with n > 1 choices is held until the next call shows which one the agent kept (the
 first one when none matches, or at the end); the others are not trained.
+
+A run handed over from another worker carries that worker's capture (`replay`): the endpoint answers its
+calls from it while they match, and records them here as any call (rollout/agent_replay.py).
 """
 
 from __future__ import annotations
