@@ -5,7 +5,8 @@ as a preempted worker's runs are; its completed calls leave as a `fleetrl.partia
 second worker (its own engine) restarts the agent with those calls answered from the capture: they never reach
 its engine, the sample keeps the first worker's ids, logprobs and versions for them, and the run goes on live.
 An agent that asks something else at a replayed call goes live from there; a run that had finished replays
-in full with no engine work.
+in full with no engine work. The calls of a capture are split at the environment's ids and at each new context;
+a replay goes live for good at the first call it cannot answer (another prompt, n > 1, a smaller max_tokens).
 """
 
 from __future__ import annotations
@@ -143,3 +144,41 @@ def test_a_call_still_decoding_is_not_handed_over() -> None:
     assert sample.contexts is not None and [(at, list(p)) for at, p in sample.contexts] == [(0, [1, 2])]
     assert len(handover_sample(None, None).completion_ids) == 0
     assert handover_sample(SampleCapture("k2", 8, 100), sample) is sample
+
+
+def test_recorded_calls_split_at_environment_ids_and_at_each_new_context() -> None:
+    """Two calls that extend one context (environment ids between them), then a call with a context of its own
+    (the agent rewrote its history): three calls, each with the prompt the engine decoded from."""
+    from fleetrl.broker import floats, ids, segments_of
+
+    sources = [0, 0, 1, 1, 0, 0, 0, 0]
+    sample = PartialSample(ids([10, 11, 20, 21, 12, 13, 30, 31]), floats([-0.5, -0.5, 0, 0, -0.5, -0.5, -1, -1]),
+                           ids([1, 1, -1, -1, 2, 2, 3, 3]), segments=segments_of(sources),
+                           contexts=[(0, ids([1, 2])), (6, ids([7]))])
+    calls = recorded_calls(sample, [99])
+    assert [c.prompt_ids for c in calls] == [[1, 2], [1, 2, 10, 11, 20, 21], [7]]
+    assert [c.completion.completion_ids.tolist() for c in calls] == [[10, 11], [12, 13], [30, 31]]
+    assert [c.completion.versions.tolist() for c in calls] == [[1, 1], [2, 2], [3, 3]]
+    plain = PartialSample(ids([5, 6]), floats([-0.1, -0.2]), ids([0, 0]))  # no structure: one call on the prompt
+    assert [(c.prompt_ids, c.completion.completion_ids.tolist()) for c in recorded_calls(plain, [99])] == [
+        ([99], [5, 6])]
+
+
+def test_a_replay_goes_live_for_good_at_the_first_call_it_cannot_answer() -> None:
+    from fleetrl.broker import floats, ids
+    from fleetrl.rollout.agent_replay import RecordedCall, Replay
+
+    calls = [RecordedCall([1], PartialSample(ids([5, 9]), floats([-0.1, -0.2]), ids([0, 0]))),
+             RecordedCall([1, 5, 9, 3], PartialSample(ids([6]), floats([-0.3]), ids([1])))]
+    replay = Replay(calls, frozenset({9}))
+    assert replay.answer([1], n=2, max_new_tokens=8) is None and replay.live  # two choices: live
+    assert replay.answer([1], n=1, max_new_tokens=8) is None  # and live for good
+    replay = Replay(calls, frozenset({9}))
+    assert replay.answer([1], n=1, max_new_tokens=1) is None  # its max_tokens cannot hold the recorded answer
+    replay = Replay(calls, frozenset({9}))
+    first = replay.answer([1], n=1, max_new_tokens=8)
+    assert first is not None and first.completion_ids.tolist() == [5, 9] and first.finish_reason == "stop"
+    last = replay.answer([1, 5, 9, 3], n=1, max_new_tokens=1)
+    assert last is not None and last.finish_reason == "length" and replay.live  # the last recorded call: then live
+    assert (replay.calls_replayed, replay.tokens_replayed, replay.tokens_regenerated) == (2, 3, 0)
+    assert replay.answer([1, 5, 9, 3, 6, 4], n=1, max_new_tokens=8) is None
