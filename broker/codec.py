@@ -22,6 +22,7 @@ from fleetrl.broker.records import (
     SCHEMA_GROUP,
     SCHEMA_GROUP_V2,
     SCHEMA_PARTIAL,
+    SCHEMA_PARTIAL_V2,
     SCHEMA_PROMPT,
     SCHEMA_PROMPT_V2,
     EvalTag,
@@ -148,6 +149,13 @@ def _tokens_map(tokens: IntArray, logprobs: FloatArray, versions: IntArray) -> d
     return {"ids": _pack_array(tokens, _I4), "lp": _pack_array(logprobs, _F4), "ver": rle_versions(versions)}
 
 
+def _structure_map(segments: IntArray | None, contexts: list[tuple[int, IntArray]] | None) -> dict[str, Any]:
+    """A sample's optional `seg` and `ctx` (`fleetrl.group/2`, `fleetrl.partial/2`)."""
+    return {**({"seg": _pack_segments(segments)} if segments is not None else {}),
+            **({"ctx": [{"at": int(at), "p": _pack_array(p, _I4)} for at, p in contexts]}
+               if contexts is not None else {})}
+
+
 def to_map(record: Record) -> dict[str, Any]:
     if isinstance(record, GroupRecord):
         return {
@@ -156,22 +164,21 @@ def to_map(record: Record) -> dict[str, Any]:
             "prompt_ids": _pack_array(record.prompt_ids, _I4),
             "samples": [
                 {**_tokens_map(s.completion_ids, s.logprobs, s.versions), "reward": float(s.reward),
-                 "finish": s.finish_reason,
-                 **({"seg": _pack_segments(s.segments)} if s.segments is not None else {}),
-                 **({"ctx": [{"at": int(at), "p": _pack_array(p, _I4)} for at, p in s.contexts]}
-                    if s.contexts is not None else {})}
+                 "finish": s.finish_reason, **_structure_map(s.segments, s.contexts)}
                 for s in record.samples
             ],
             "timings": {"queued": record.timings.queued, "started": record.timings.started,
                         "finished": record.timings.finished},
             **({"reward_parts": record.reward_parts} if record.reward_parts is not None else {}),
             **({"eval": _eval_map(record.eval)} if record.eval is not None else {}),
+            **({"regen": record.regenerated} if record.regenerated is not None else {}),
         }
     if isinstance(record, PartialRecord):
         h = record.handed_over_by
         return {
-            "schema": SCHEMA_PARTIAL, **_prompt_map(record.prompt),
-            "samples": [{**_tokens_map(s.completion_ids, s.logprobs, s.versions), "finish": s.finish_reason}
+            "schema": record.schema, **_prompt_map(record.prompt),
+            "samples": [{**_tokens_map(s.completion_ids, s.logprobs, s.versions), "finish": s.finish_reason,
+                         **_structure_map(s.segments, s.contexts)}
                         for s in record.samples],
             "handed_over_by": {"region": h.region, "node": h.node, "reason": h.reason},
         }
@@ -217,9 +224,11 @@ def decode_record(value: bytes, limits: RecordLimits | None = None, expect: str 
 
 
 def _accepted(expect: str) -> tuple[str, ...]:
-    """Readers of prompts and groups accept /1 and /2 (DESIGN.md §3)."""
+    """Readers of prompts, partials and groups accept /1 and /2 (DESIGN.md §3)."""
     if expect == SCHEMA_PROMPT:
         return (SCHEMA_PROMPT, SCHEMA_PROMPT_V2)
+    if expect == SCHEMA_PARTIAL:
+        return (SCHEMA_PARTIAL, SCHEMA_PARTIAL_V2)
     return (SCHEMA_GROUP, SCHEMA_GROUP_V2) if expect == SCHEMA_GROUP else (expect,)
 
 
@@ -242,7 +251,7 @@ def _from_map(schema: Any, obj: dict[str, Any]) -> Record:
         return _group(obj)
     if schema in (SCHEMA_PROMPT, SCHEMA_PROMPT_V2):
         return _prompt(obj)
-    if schema == SCHEMA_PARTIAL:
+    if schema in (SCHEMA_PARTIAL, SCHEMA_PARTIAL_V2):
         h = obj["handed_over_by"]
         return PartialRecord(
             prompt=_prompt(obj),
@@ -286,7 +295,9 @@ def _tokens(s: dict[str, Any], name: str) -> tuple[IntArray, FloatArray, IntArra
 
 def _partial_sample(s: dict[str, Any], name: str) -> PartialSample:
     tokens, logprobs, versions = _tokens(s, name)
-    return PartialSample(tokens, logprobs, versions, finish_reason=s.get("finish"))
+    return PartialSample(tokens, logprobs, versions, finish_reason=s.get("finish"),
+                         segments=_unpack_segments(s.get("seg"), f"{name}.segments"),
+                         contexts=_contexts(s.get("ctx"), f"{name}.contexts"))
 
 
 def _group(o: dict[str, Any]) -> GroupRecord:
@@ -305,6 +316,7 @@ def _group(o: dict[str, Any]) -> GroupRecord:
                         finished=float(t.get("finished", 0.0))),
         reward_parts=_reward_parts(o.get("reward_parts")),
         eval=_eval_tag(o.get("eval")),
+        regenerated=_regenerated(o.get("regen")),
     )
 
 
@@ -314,6 +326,12 @@ def _contexts(value: Any, field: str) -> list[tuple[int, IntArray]] | None:
     if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("at"), int) for c in value):
         raise RecordError("malformed", "contexts must be a list of {at: int, p: <i4 array>}", field=field)
     return [(int(c["at"]), _unpack_array(c.get("p"), _I4, f"{field}[{j}]")) for j, c in enumerate(value)]
+
+
+def _regenerated(value: Any) -> dict[str, int] | None:
+    if value is not None and not isinstance(value, dict):
+        raise RecordError("malformed", "regenerated must map regions to token counts", field="regenerated")
+    return value
 
 
 def _reward_parts(value: Any) -> dict[str, float] | None:

@@ -26,6 +26,9 @@ SCHEMA_PROMPT_V2 = "fleetrl.prompt/2"
 MAX_COLUMNS_BYTES = 64 * 1024
 """Bound of a prompt's `columns`, packed."""
 SCHEMA_PARTIAL = "fleetrl.partial/1"
+SCHEMA_PARTIAL_V2 = "fleetrl.partial/2"
+"""A partial whose samples carry `segments` and `contexts` (an agent run's captured calls, replayed where it
+resumes); readers accept both."""
 SCHEMA_GROUP = "fleetrl.group/1"
 SCHEMA_GROUP_V2 = "fleetrl.group/2"
 """A group whose samples carry `segments` (episodes: policy and environment tokens); readers accept both."""
@@ -109,6 +112,11 @@ class PartialSample:
     versions: IntArray
     finish_reason: str | None = None
     """None while the sample is unfinished; a finished sample keeps its reason (and is not resumed)."""
+    segments: IntArray | None = None
+    """`fleetrl.partial/2`: run-length sources as in `Sample.segments` (an agent run's policy and environment
+    tokens, so that its calls can be replayed); None: every token is the policy's."""
+    contexts: list[tuple[int, IntArray]] | None = None
+    """`fleetrl.partial/2`: the sample's segments of context, as in `Sample.contexts`."""
 
 
 @dataclass(slots=True)
@@ -127,7 +135,12 @@ class PartialRecord:
     samples: list[PartialSample]
     handed_over_by: HandedOverBy
 
-    schema = SCHEMA_PARTIAL
+    @property
+    def schema(self) -> str:
+        """`/2` only when a sample carries segments or contexts (an agent run's capture), so that /1 readers
+        keep reading partials of plain completions."""
+        v2 = any(s.segments is not None or s.contexts is not None for s in self.samples)
+        return SCHEMA_PARTIAL_V2 if v2 else SCHEMA_PARTIAL
 
     @property
     def group_id(self) -> str:
@@ -210,12 +223,16 @@ class GroupRecord:
     """Optional: each custom reward function's mean over the samples (the trainer's step log shows them)."""
     eval: EvalTag | None = None
     """`fleetrl.group/2`: an eval group (the collector never batches it), from the prompt's tag."""
+    regenerated: dict[str, int] | None = None
+    """`fleetrl.group/2`: policy tokens of a handed-over agent capture that its worker could not replay (generated
+    again), by the region that first sampled them: preemption waste (docs/agents.md, docs/cost.md)."""
 
     @property
     def schema(self) -> str:
         """`/2` only when a sample carries segments or contexts or the group is an eval's, so that /1 readers
         keep reading single completions of training."""
-        v2 = self.eval is not None or any(s.segments is not None or s.contexts is not None for s in self.samples)
+        v2 = self.eval is not None or self.regenerated is not None or any(
+            s.segments is not None or s.contexts is not None for s in self.samples)
         return SCHEMA_GROUP_V2 if v2 else SCHEMA_GROUP
 
     @property
@@ -280,7 +297,11 @@ def check_record(record: Record, limits: RecordLimits) -> None:
         _check_prompt(record.prompt, limits)
         _check_count(len(record.samples), limits, record.group_id)
         for i, s in enumerate(record.samples):
-            _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, record.group_id)
+            _check_tokens(f"samples[{i}]", s.completion_ids, s.logprobs, s.versions, limits, record.group_id,
+                          s.segments)
+            if s.contexts is not None:
+                _check_contexts(f"samples[{i}].contexts", s.contexts, len(s.completion_ids), limits,
+                                record.group_id)
     else:
         _check_prompt(record, limits)
 
@@ -334,6 +355,10 @@ def _check_group(r: GroupRecord, limits: RecordLimits) -> None:
         if pinned - {r.eval.version}:
             raise RecordError("version_bound", f"eval group pinned to version {r.eval.version} holds tokens of "
                               f"version(s) {sorted(pinned - {r.eval.version})}", field="samples.versions", group_id=g)
+    if r.regenerated is not None and not all(isinstance(k, str) and type(v) is int and v >= 0
+                                             for k, v in r.regenerated.items()):
+        raise RecordError("malformed", "regenerated must map regions to token counts >= 0", field="regenerated",
+                          group_id=g)
     for name, value in (r.reward_parts or {}).items():
         if not isinstance(value, float | int) or not math.isfinite(value):
             raise RecordError("reward", f"reward part {name!r} is {value!r}, not a finite number",

@@ -13,6 +13,9 @@ earlier turns keep the engine's ids.
 
 A call answered with n > 1 choices is held until the next call shows which one the agent kept (the
 first one when none matches, or at the end); the others are not trained.
+
+A run handed over from another worker carries that worker's capture (`replay`): the endpoint answers its
+calls from it while they match, and records them here as any call (rollout/agent_replay.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetrl.broker import ENV_VERSION, SOURCE_ENV, SOURCE_POLICY, PartialSample, floats, ids
+from fleetrl.rollout.agent_replay import Replay
 from fleetrl.rollout.errors import TaskError
 from fleetrl.rollout.tokenize import TextCodec
 
@@ -116,6 +120,9 @@ class SampleCapture:
     finish: str = "stop"
     final_messages: list[dict[str, Any]] | None = None
     final_text: str = ""
+    replay: Replay | None = None
+    """A run handed over to this worker: its calls answered from the first worker's capture while they match
+    (rollout/agent_replay.py), None: every call is decoded live."""
     _extends: bool = False
 
     # -- a call ---------------------------------------------------------------------------------------

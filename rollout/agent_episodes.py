@@ -28,10 +28,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fleetrl.broker import PromptRecord
+from fleetrl.broker import PartialSample, PromptRecord
 from fleetrl.config import EnvConfig
 from fleetrl.log import get_logger
 from fleetrl.rollout.agent_capture import SampleCapture
+from fleetrl.rollout.agent_replay import handover_sample, replay_of
 from fleetrl.rollout.episodes import EpisodeResult, import_user_module
 from fleetrl.rollout.errors import EnvError
 from fleetrl.rollout.openai_server import EndpointServer
@@ -70,17 +71,26 @@ class AgentRunner:
     rewards: Rewards
     max_tokens: int
     """The run's token budget after its first prompt (model and environment tokens)."""
-    _captures: list[SampleCapture] = field(default_factory=list)
+    resume: list[PartialSample] | None = None
+    """A group handed over to this worker: each run's captured calls, replayed to its agent (agent_replay.py)."""
+    _captures: dict[int, SampleCapture] = field(default_factory=dict)
 
     @property
     def tokens_generated(self) -> int:
         """Model tokens captured so far (what a restart elsewhere generates again)."""
-        return sum(c.sources.count(0) for c in self._captures)
+        return sum(c.sources.count(0) for c in self._captures.values())
+
+    def handover_samples(self, n: int) -> list[PartialSample]:
+        """Each run's completed calls, with the structure to replay them (`fleetrl.partial/2`); call it once
+        the runs are cancelled (each capture closed)."""
+        resume = self.resume or []
+        return [handover_sample(self._captures.get(i), resume[i] if i < len(resume) else None) for i in range(n)]
 
     async def run_group(self, group_id: str, prompt: PromptRecord, prompt_ids: list[int],
                         args: dict[str, Any]) -> list[EpisodeResult]:
         row = {**self.cfg.config, **args, **(prompt.columns or {})}
-        tasks = [asyncio.ensure_future(self._run(f"{group_id}#{i}", prompt, row)) for i in range(prompt.n_samples)]
+        tasks = [asyncio.ensure_future(self._run(f"{group_id}#{i}", prompt, row, i, prompt_ids))
+                 for i in range(prompt.n_samples)]
         runs = await gather_or_cancel(tasks)
         missing = [i for i, (_, reward) in enumerate(runs) if reward is None]
         if missing:
@@ -89,13 +99,15 @@ class AgentRunner:
                 runs[i] = (runs[i][0], score)
         return [episode_result(c, r) for c, r in runs]
 
-    async def _run(self, sample_id: str, prompt: PromptRecord,
-                   row: dict[str, Any]) -> tuple[SampleCapture, float | None]:
+    async def _run(self, sample_id: str, prompt: PromptRecord, row: dict[str, Any], index: int,
+                   prompt_ids: list[int]) -> tuple[SampleCapture, float | None]:
         import openai
 
         key = f"fleetrl-{secrets.token_hex(12)}"
         capture = SampleCapture(key, max_calls=self.cfg.max_turns, max_tokens=self.max_tokens, name=sample_id)
-        self._captures.append(capture)
+        recorded = self.resume[index] if self.resume is not None and index < len(self.resume) else None
+        capture.replay = replay_of(recorded, prompt_ids, self.server.endpoint.template.eos)
+        self._captures[index] = capture
         self.server.endpoint.captures[key] = capture
         client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=key, max_retries=0,
                                     timeout=self.cfg.wall_time_s, http_client=self.server.http_client())
@@ -146,6 +158,10 @@ async def gather_or_cancel(tasks: Sequence[asyncio.Future[T]]) -> list[T]:
 
 
 def episode_result(capture: SampleCapture, reward: float | None) -> EpisodeResult:
-    """A finished sample run as the episode the group record is built from."""
+    """A finished sample run as the episode the group record is built from (with what it replayed)."""
+    replay = capture.replay
     return EpisodeResult(capture.sample(), list(capture.sources), float(reward or 0.0), capture.calls,
-                         contexts=list(capture.contexts) if capture.tokens else None)
+                         contexts=list(capture.contexts) if capture.tokens else None,
+                         calls_replayed=replay.calls_replayed if replay is not None else 0,
+                         tokens_replayed=replay.tokens_replayed if replay is not None else 0,
+                         tokens_regenerated=replay.tokens_regenerated if replay is not None else 0)

@@ -10,9 +10,11 @@ steps (`sync_turns`, the engine is not stepping then) and hands a finished turn 
 so turns of many episodes share the continuous batch while environment steps run in their own
 thread pool (`env.threads`). A finished group is published by the `GroupPublisher`; one whose
 environment failed is dead-lettered. On a handover (`hand_over`) the episodes are cancelled and
-the group handed over as a restart (no samples): its episodes begin again elsewhere, and the
-tokens given up are counted (`episode_tokens_discarded`). Agent runs are handed over the same way: an
-agent's own state (its Python objects) cannot travel, so its runs restart on the receiving worker.
+the group handed over: skyrl-gym episodes as a restart (no samples), their episodes begin again
+elsewhere and the tokens given up are counted (`episode_tokens_discarded`). An agent's own state (its
+Python objects) cannot travel either, but its captured calls do: an agent group leaves as a
+`fleetrl.partial/2` of each run's completed calls, and the receiving worker restarts each run with
+those calls answered from the capture (rollout/agent_replay.py); only a call still decoding is given up.
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ class EpisodeGroups:
     def start(self, job: Job) -> None:
         self._tasks[job.group_id] = asyncio.create_task(self._run(job), name=f"episodes-{job.group_id}")
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)  # a hanging tool keeps only its thread
-        if self._endpoint is not None:
-            self._endpoint.request_stop()
+        if self._endpoint is not None:  # its server and the agents' HTTP clients (their sockets) close, bounded
+            await self._endpoint.stop()
 
     # -- turns through the engine -----------------------------------------------------------------
 
@@ -95,7 +97,7 @@ class EpisodeGroups:
 
             server = await self._agent_endpoint(cfg)
             return AgentRunner(cfg, load_agent(job.env["name"], cfg.python_path), server, self.publisher.rewards,
-                               budget)
+                               budget, resume=job.resume)
         if cfg.kind == "verifiers":
             from fleetrl.rollout.verifiers_env import VerifiersRunner, load_verifiers_env
 
@@ -143,17 +145,30 @@ class EpisodeGroups:
                 task.result()
 
     async def hand_over(self, reason: str) -> None:
-        """Cancel every group's episodes and hand the group over unstarted (its episodes restart elsewhere)."""
+        """Cancel every group's episodes and hand each group over: an agent run's completed calls travel
+        (`fleetrl.partial/2`, replayed where the group resumes: rollout/agent_replay.py); other episodes
+        restart elsewhere (no samples). Tokens given up are counted (`episode_tokens_discarded`)."""
+        runners: dict[str, Runner | None] = {}
         for gid, task in list(self._tasks.items()):
-            task.cancel()  # the tokens so far are given up (counted)
+            task.cancel()
             turns = [rid for rid in self.engine.group_ids() if rid.startswith(f"{gid}#")]
-            runner = self._runners.pop(gid, None)
+            runner = runners[gid] = self._runners.pop(gid, None)
+            kept = hasattr(runner, "handover_samples")  # its captured calls travel; a call still decoding does not
             self.counters.episode_tokens_discarded += sum(self.engine.tokens_so_far(rid) for rid in turns) + (
-                runner.tokens_generated if runner is not None else 0)
+                runner.tokens_generated if runner is not None and not kept else 0)
             for rid in turns:
                 self.engine.take(rid)
             self.turns.abort(f"{gid}#")
-            if gid in self.queue.running:
-                self.publisher.spawn(self.publisher.hand_over(self.queue.running.pop(gid), None, reason))
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._tasks:  # each run's capture closes as its task ends; an agent that ignores the cancellation
+            # keeps what it had committed and does not hold the other groups' partials past a quarter of the bound
+            await asyncio.wait(self._tasks.values(), timeout=self.config.rollout.handover_timeout_s / 4)
+        for gid in list(self._tasks):
+            job = self.queue.running.pop(gid, None)
+            if job is None:
+                continue
+            runner = runners.get(gid)
+            samples = None  # a restart: it passes on what it came with
+            if runner is not None and hasattr(runner, "handover_samples"):
+                samples = runner.handover_samples(job.prompt.n_samples)
+            self.publisher.spawn(self.publisher.hand_over(job, samples, reason))
         self._tasks.clear()

@@ -135,6 +135,12 @@ class EpisodeResult:
     """Why the environment failed (the episode ended with the failure reward), or None."""
     contexts: list[tuple[int, list[int]]] | None = None
     """An agent run's segments of context (`Sample.contexts`); None: one, continuing the group's prompt."""
+    calls_replayed: int = 0
+    """An agent run handed over to this worker: calls answered from its capture (rollout/agent_replay.py)."""
+    tokens_replayed: int = 0
+    """Their policy tokens (the engine did not generate them again)."""
+    tokens_regenerated: int = 0
+    """Policy tokens the capture held that were not replayed (generated again, or others instead)."""
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 Once the worker stops admitting (`sigterm`, `preempted`, or the agent's `drain` / `stop`), each
 group still decoding is taken out of the engine with its tokens so far, each group of episodes is
-cancelled and handed over as a restart, and each job still waiting is handed over as it came; then
+cancelled and handed over (a restart; an agent group with its runs' completed calls, rollout/agent_replay.py),
+and each job still waiting is handed over as it came; then
 the records in flight land and their offsets, and those past dead letters, are committed. All of
 it within `handover_timeout_s`: past it the worker gives up, and what it had not committed is read
 again by the partitions' next owners (at-least-once).

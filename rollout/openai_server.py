@@ -10,7 +10,9 @@ the tokenizer's chat template; the completion's Hermes / Qwen `<tool_call>` bloc
 The API key says whose call it is: an agent run's client carries the key of its sample, and every
 call with that key is recorded in the sample's `SampleCapture` (rollout/agent_capture.py), bounded by
 its turn and token budgets (a call past them is a 400 with code `budget_exhausted`). A key the
-endpoint does not know is refused (401) unless it is `open` (tests, benchmarks).
+endpoint does not know is refused (401) unless it is `open` (tests, benchmarks). A run handed over
+from another worker has its calls answered from that worker's capture while they match it
+(rollout/agent_replay.py): those never reach the engine.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class AgentEndpoint:
         """API key -> the sample its calls build (registered by the agent runner)."""
         self._ids = itertools.count()
         self.calls = 0
+        """Calls decoded by the engine."""
+        self.calls_replayed = 0
+        """Calls of handed-over runs answered from their capture (no engine work)."""
 
     # -- the routes -------------------------------------------------------------------------------
 
@@ -153,6 +158,11 @@ class AgentEndpoint:
             max_tokens, rid = min(max_tokens, room), f"{capture.name or capture.key}#{capture.calls}"
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p,
                             max_new_tokens=max(1, min(max_tokens, self.max_context - len(prompt_ids))))
+        if capture is not None and capture.replay is not None:
+            recorded = capture.replay.answer(prompt_ids, req.n, sampling.max_new_tokens)
+            if recorded is not None:  # a handed-over run's call, answered from its capture (agent_replay.py)
+                self.calls_replayed += 1
+                return [recorded]
         key = None if req.seed is None else f"seed:{req.seed}"
         self.calls += 1
         return await self.generate(rid, prompt_ids, sampling, req.n, key)

@@ -88,16 +88,27 @@ class GroupPublisher:
             if r.error is not None:
                 self.counters.episodes_failed += 1
                 log.warning("worker.episode_failed", group_id=job.group_id, error=r.error)
+        replayed = {"calls_replayed": sum(r.calls_replayed for r in results),
+                    "tokens_replayed": sum(r.tokens_replayed for r in results),
+                    "tokens_regenerated": sum(r.tokens_regenerated for r in results)}
+        # A handed-over capture's tokens not replayed are waste of the region that sampled them (the trainer's
+        # cost report counts them from the record, docs/cost.md).
+        lost_by = getattr(getattr(job.delivery.record, "handed_over_by", None), "region", self.region)
         record = group_record(job, [r.sample for r in results], [r.reward for r in results], self.region,
                               self.node, sources=[r.segments for r in results],
                               contexts=[r.contexts for r in results])
+        record.regenerated = {lost_by: replayed["tokens_regenerated"]} if replayed["tokens_regenerated"] else None
         segments = [len(r.contexts) for r in results if r.contexts is not None]
         self.counters.agent_samples += len(segments)
         self.counters.agent_samples_resegmented += sum(1 for n in segments if n > 1)
+        self.counters.agent_calls_replayed += replayed["calls_replayed"]
+        self.counters.agent_tokens_replayed += replayed["tokens_replayed"]
+        self.counters.agent_tokens_regenerated += replayed["tokens_regenerated"]
         await self._produce(record)
         self.counters.tokens_generated += sum(int((r.sample.versions >= 0).sum()) for r in results)
         log.info("worker.group_done", group_id=job.group_id, episodes=len(results),
                  turns=sum(r.turns for r in results), **({"segments": segments} if segments else {}),
+                 **(replayed if job.resume is not None and any(replayed.values()) else {}),
                  reward=round(sum(r.reward for r in results) / len(results), 4))
         await self.mark_done(job.delivery)
 

@@ -42,6 +42,12 @@ class WorkerCounters:
     """Samples of agent runs (`openai_agent`) published."""
     agent_samples_resegmented: int = 0
     """Of those, samples of more than one segment (a call that did not extend the run's context)."""
+    agent_calls_replayed: int = 0
+    """Calls of agent runs handed over to this worker answered from their capture (rollout/agent_replay.py)."""
+    agent_tokens_replayed: int = 0
+    """Their policy tokens: carried over, not generated again."""
+    agent_tokens_regenerated: int = 0
+    """Policy tokens of handed-over captures that could not be replayed (generated again: waste)."""
     engine_steps: int = 0
     """Decoding steps taken: the region agent's hang check watches it move while there is work."""
     engine_busy_s: float = 0.0
@@ -77,7 +83,9 @@ class WorkerStats:
         return {"groups_done": c.groups_done, "episodes_failed": c.episodes_failed,
                 "episode_tokens_discarded": c.episode_tokens_discarded, "handed_over": c.groups_handed_over,
                 "dead_lettered": dict(c.dead_lettered),
-                **({"agent_samples": c.agent_samples, "agent_samples_resegmented": c.agent_samples_resegmented}
+                **({"agent_samples": c.agent_samples, "agent_samples_resegmented": c.agent_samples_resegmented,
+                    "agent_calls_replayed": c.agent_calls_replayed, "agent_tokens_replayed": c.agent_tokens_replayed,
+                    "agent_tokens_regenerated": c.agent_tokens_regenerated}
                    if c.agent_samples else {}),
                 "groups_in_flight": self._in_flight(), "tokens_in_flight": in_flight,
                 "tokens_per_s": round(self._recent_tokens_per_s(), 2), "version": engine.version,

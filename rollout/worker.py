@@ -24,8 +24,10 @@ Kafka deliveries, `JobQueue` (rollout/scheduling.py) the admitted jobs and the e
 A group with an environment (`dataset.env`, the record's `env`) runs its samples as episodes
 (rollout/episodes.py): each model turn is a one-sample request in the same engine, submitted and
 withdrawn by this loop between steps, so turns of many episodes share the continuous batch while
-environment steps run in their own threads. Such a group is handed over as a restart (no samples):
-its episodes begin again elsewhere, and the tokens given up are counted (`episode_tokens_discarded`).
+environment steps run in their own threads. A skyrl-gym group is handed over as a restart (no samples):
+its episodes begin again elsewhere, and the tokens given up are counted (`episode_tokens_discarded`); an
+agent group leaves with each run's completed calls (`fleetrl.partial/2`), replayed where it resumes
+(rollout/agent_replay.py).
 
 With `engine.speculative.region_history` (torch engine, speculation on), the worker also follows its
 region's `trajectories` without a consumer group and records every other worker's answers in its
@@ -151,7 +153,7 @@ class RolloutWorker:
             self.hub.close()
             self.eval_lane.hub.close()
             self.eval_lane.close()
-            self.episodes.close()
+            await self.episodes.close()
 
     async def _run(self, stop: asyncio.Event, preempted: asyncio.Event | None) -> None:
         if self.region_history is not None:  # warms the history while the weights load

@@ -6,8 +6,9 @@ A delivery is one of:
 * a group of another run: dead-lettered (`wrong_run`) through the region's own producer;
 * a duplicate of a group already resolved: counted as the region's lost work (`group.duplicate`);
 * a group for the collector: credited to its region (arrival rate, latency, tokens), its length fed
-  to the dispatcher's length estimate, resolved in the dispatcher; a stale one (past `max_staleness`)
-  is dropped and counted as lost (`group.stale`).
+  to the dispatcher's length estimate, resolved in the dispatcher, the agent tokens its worker could
+  not replay (`regenerated`) counted as waste; a stale one (past `max_staleness`) is dropped and
+  counted as lost (`group.stale`).
 
 Every delivery is then marked handled in `RegionClients`: its offset is committed once a checkpoint
 covers it. The service (`service.py`) calls `handle` with each poll's deliveries and the current
@@ -88,6 +89,7 @@ class Arrivals:
             if flight is not None and latency is not None:
                 self.round_trips.observe(region, flight.dispatched_at, record.timings, now)
             self.dispatcher.resolve(record.group_id)
+            self.cost.on_unreplayed(region, record.regenerated or {})
             if verdict == "stale":
                 self.count_stale(region, record, version)
         self.clients.handled(region, delivery)

@@ -20,7 +20,9 @@ What the money bought is counted where it was paid for:
 * groups trained, with their tokens: the region that produced each group;
 * waste from preemption, by the region that lost the work: groups re-sent (a gone or silent region's
   groups dispatched again from scratch, partials too stale to move) and tokens regenerated (known
-  exactly where the trainer holds them: duplicate and stale arrivals, partials it could not use).
+  exactly where the trainer holds them: duplicate and stale arrivals, partials it could not use, and
+  the tokens of a handed-over agent capture that the receiving worker could not replay, which its
+  group record names).
   Tokens lost with a worker killed before it handed over are in no record; they show as tokens
   sampled that never reached training (the demo summary and `bench/pipeline.py --cost` report that
   share, `waste_share`).
@@ -198,6 +200,13 @@ class CostMeter:
             self.tokens_regenerated[region] += tokens
             if self.metrics is not None:
                 self.metrics.cost_tokens_regenerated.labels(region).inc(tokens)
+
+    def on_unreplayed(self, region: str, regenerated: Mapping[str, int]) -> None:
+        """A group from `region` whose worker could not replay part of a handed-over agent capture (the
+        record's `regenerated`, docs/agents.md): those tokens were sampled and generated again, waste of the
+        region that sampled them (a region the config does not know: `region`)."""
+        for lost_in, tokens in regenerated.items():
+            self.on_regenerated(lost_in if lost_in in self._defaults else region, tokens)
 
     def transfer_usd_per_group(self, region: str) -> float:
         n = self._arrivals.get(region, 0)

@@ -152,6 +152,14 @@ class RegionWatch:
         return "silent"
 
 
+def moved_partial(record: PartialRecord, attempt: int, now: float) -> PartialRecord:
+    """A lost region's partial as it goes to another region: the new attempt, its samples unchanged (tokens,
+    logprobs, versions and, in a `fleetrl.partial/2`, an agent run's segments and contexts, which the
+    receiving worker replays: docs/agents.md)."""
+    return PartialRecord(prompt=dataclasses.replace(record.prompt, attempt=attempt, dispatched_at=now),
+                         samples=record.samples, handed_over_by=record.handed_over_by)
+
+
 class Handover:
     """Moves the work of gone regions elsewhere; `tick()` once per trainer loop round."""
 
@@ -254,9 +262,7 @@ class Handover:
         target = self.dispatcher.pick(now, exclude=gone | {region})
         if target in gone or target == region:
             return 0  # nowhere to go: the prompt fallback sends it once a region is back
-        moved = PartialRecord(
-            prompt=dataclasses.replace(record.prompt, attempt=flight.attempt + 1, dispatched_at=now),
-            samples=record.samples, handed_over_by=record.handed_over_by)
+        moved = moved_partial(record, flight.attempt + 1, now)
         try:
             await asyncio.wait_for(self.clients.producer(target).send("partials", gid, moved),
                                    self.config.kafka.request_timeout_s)

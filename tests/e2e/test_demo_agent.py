@@ -4,9 +4,11 @@ own `calculator_agent.py`) trained through each worker's OpenAI-compatible endpo
 The inputs are built as the README says (`python -m fleetrl.demo.hf_inputs examples/agent --rows arithmetic`);
 the shipped config runs unchanged but for its ports and its input folder. One run, bounded by its work
 (`--until-faults`): its only worker node is preempted (and replaced) and its agent killed (and restarted)
-while agent runs are in flight; their groups are re-sent (docs/agents.md). The demo exits 0, the audit is
-ok with no group lost and none trained twice, and the groups' samples are one segment each (every call of
-the example extends its conversation). Learning is the demo's own figure (README, docs/agents.md): a run
+while agent runs are in flight; the preempted worker hands its agent groups over with each run's completed
+calls, and the worker that finishes such a group answers those calls from the capture (docs/agents.md):
+every one, as the example's agent asks the same again. The demo exits 0, the audit is ok with no group lost
+and none trained twice, and the groups' samples are one segment each (every call of the example extends its
+conversation). Learning is the demo's own figure (README, docs/agents.md): a run
 bounded by faults is too short to show it.
 """
 
@@ -45,4 +47,11 @@ def test_agent_example_through_the_endpoint_keeps_its_books_across_faults(tmp_pa
     assert any(e.get("event") == "worker.stats" and e.get("final") for e in logs)
     stats = [e for e in logs if e.get("event") == "worker.stats" and e.get("agent_samples")]
     assert stats and all(e["agent_samples_resegmented"] == 0 for e in stats)
-    assert any(e.get("event") == "worker.handed_over" for e in logs)  # a preempted worker re-sent its groups
+    assert any(e.get("event") == "worker.handed_over" for e in logs)  # a preempted worker handed its groups over
+    # A group the preempted worker handed over with captured calls is replayed wherever it is finished: its first
+    # call at least, and nothing recorded is generated again (the agent repeats itself given the same answers).
+    # Which groups had a call done when the notice came is the machine's timing; that they replay is not.
+    captured = {e["group_id"] for e in logs if e.get("event") == "worker.handed_over"
+                and e.get("reason") == "preempted" and e.get("tokens", 0) > 0}
+    replayed = [e for e in done if e["group_id"] in captured]
+    assert all(e.get("calls_replayed", 0) >= 1 and e.get("tokens_regenerated") == 0 for e in replayed), replayed

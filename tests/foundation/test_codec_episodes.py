@@ -1,4 +1,4 @@
-"""`fleetrl.group/2` segments and `fleetrl.prompt/2` env: round trips, bounds, /1 still read."""
+"""`fleetrl.group/2` and `fleetrl.partial/2` segments, `fleetrl.prompt/2` env: round trips, bounds, /1 still read."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from fleetrl.broker import (
     SCHEMA_GROUP,
     SCHEMA_GROUP_V2,
+    SCHEMA_PARTIAL,
+    SCHEMA_PARTIAL_V2,
     GroupRecord,
+    HandedOverBy,
+    PartialRecord,
+    PartialSample,
     PromptRecord,
     RecordError,
     RecordLimits,
@@ -110,3 +115,69 @@ def test_prompt_env_round_trips_as_v2_and_is_checked() -> None:
 
 def test_expand_segments_of_none_is_all_policy() -> None:
     assert expand_segments(None, 3).tolist() == [0, 0, 0]
+
+
+# -- fleetrl.partial/2: an agent run's capture handed over (segments and contexts per sample) ----------
+
+def _partial(samples: list[PartialSample]) -> PartialRecord:
+    prompt = PromptRecord(group_id="g1", run="r", task="tools", n_samples=len(samples), sampling=Sampling(),
+                          prompt_ids=ids([1, 2, 3]))
+    return PartialRecord(prompt, samples, HandedOverBy("eu", "n1", "preempted"))
+
+
+def _captured(sources: list[int], contexts: list[tuple[int, list[int]]] | None = None) -> PartialSample:
+    e = _episode(sources)
+    return PartialSample(e.completion_ids, e.logprobs, e.versions, None, segments=e.segments,
+                         contexts=None if contexts is None else [(at, ids(p)) for at, p in contexts])
+
+
+def test_partial_v2_round_trips_segments_and_contexts() -> None:
+    sample = _captured([0, 0, 1, 1, 0, 0, 0], [(0, [1, 2, 3]), (4, [9, 8])])
+    plain = PartialSample(ids([]), floats([]), ids([]))  # a run that captured nothing yet
+    record = _partial([sample, plain])
+    assert record.schema == SCHEMA_PARTIAL_V2
+    back = decode_record(encode_record(record, LIMITS), LIMITS, expect=SCHEMA_PARTIAL)
+    assert isinstance(back, PartialRecord) and back.schema == SCHEMA_PARTIAL_V2
+    s = back.samples[0]
+    assert s.completion_ids.tolist() == sample.completion_ids.tolist()
+    assert s.versions.tolist() == [3, 3, -1, -1, 3, 3, 3] and s.logprobs.tolist()[2:4] == [0.0, 0.0]
+    assert s.segments is not None and s.segments.tolist() == [[0, 0], [2, 1], [4, 0]]
+    assert s.contexts is not None and [(at, p.tolist()) for at, p in s.contexts] == [(0, [1, 2, 3]), (4, [9, 8])]
+    assert back.samples[1].segments is None and back.samples[1].contexts is None
+
+
+def test_partial_without_structure_stays_v1_and_v1_is_still_read() -> None:
+    record = _partial([PartialSample(ids([5, 6]), floats([-0.1, -0.2]), ids([2, 2]))])
+    assert record.schema == SCHEMA_PARTIAL
+    raw = msgpack.unpackb(encode_record(record, LIMITS), raw=False)
+    assert raw["schema"] == SCHEMA_PARTIAL and "seg" not in raw["samples"][0]
+    back = decode_record(msgpack.packb(raw, use_bin_type=True), LIMITS, expect=SCHEMA_PARTIAL)
+    assert isinstance(back, PartialRecord) and back.samples[0].segments is None
+    assert back.samples[0].completion_ids.tolist() == [5, 6]
+
+
+def test_partial_v2_bounds_name_the_field() -> None:
+    bad_env = _captured([0, 1, 0])
+    bad_env.versions = ids([3, 3, 3])  # an environment token with a policy version
+    with pytest.raises(RecordError) as err:
+        encode_record(_partial([bad_env]), LIMITS)
+    assert err.value.reason == "segment_bound" and err.value.field == "samples[0].segments"
+    with pytest.raises(RecordError) as err:
+        encode_record(_partial([_captured([0, 0], [(1, [1])])]), LIMITS)  # contexts must start at token 0
+    assert err.value.reason == "segment_bound" and err.value.field == "samples[0].contexts"
+    long_ctx = _captured([0, 0], [(0, list(range(LIMITS.max_prompt_tokens + LIMITS.max_tokens_per_sample + 1)))])
+    with pytest.raises(RecordError) as err:
+        encode_record(_partial([long_ctx]), LIMITS)
+    assert err.value.reason == "tokens_bound" and err.value.field == "samples[0].contexts[0]"
+
+
+def test_a_group_names_the_tokens_it_could_not_replay_by_region() -> None:
+    record = _group([_episode([0, 1, 0])])
+    record.regenerated = {"eu": 12}
+    back = decode_record(encode_record(record, LIMITS), LIMITS, expect=SCHEMA_GROUP)
+    assert isinstance(back, GroupRecord) and back.schema == SCHEMA_GROUP_V2 and back.regenerated == {"eu": 12}
+    assert decode_record(encode_record(_group([_episode([0])]), LIMITS), LIMITS).regenerated is None  # type: ignore[union-attr]
+    record.regenerated = {"eu": -1}
+    with pytest.raises(RecordError) as err:
+        encode_record(record, LIMITS)
+    assert err.value.reason == "malformed" and err.value.field == "regenerated"

@@ -152,6 +152,17 @@ def test_waste_is_counted_where_it_was_paid() -> None:
     assert meter.summary(0.0)["groups_resent_total"] == 3
 
 
+def test_an_agent_capture_not_replayed_is_waste_of_the_region_that_sampled_it() -> None:
+    """A group from b names tokens of a capture handed over from a that b could not replay: a's waste; a region
+    the config does not know is counted for the region the group came from."""
+    meter, metrics = _meter(_config(a={"price": 1.0}, b={"price": 1.0}))
+    meter.on_unreplayed("b", {"a": 40})
+    meter.on_unreplayed("b", {"nowhere": 5, "b": 0})
+    assert dict(meter.tokens_regenerated) == {"a": 40, "b": 5}
+    assert _metric(metrics, "fleetrl_cost_tokens_regenerated_total", region="a") == 40
+    assert meter.summary(0.0)["tokens_regenerated_total"] == 45
+
+
 def test_a_restored_meter_accrues_the_time_the_trainer_was_down() -> None:
     config = _config(east={"price": 3.6})
     meter, _ = _meter(config)

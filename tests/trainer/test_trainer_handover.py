@@ -194,3 +194,39 @@ async def test_a_region_is_not_back_until_an_engine_of_its_replacement_node_is_u
     assert "a" not in fleet.handover.watch.gone
     assert fleet.dispatcher.pick(30.2) == "a"
     await fleet.handover.close()
+
+
+def test_a_moved_partial_carries_an_agent_runs_capture_unchanged() -> None:
+    """A `fleetrl.partial/2` (an agent run's completed calls: segments and contexts) moves to another region
+    with its new attempt and every sample field as it came, through the codec."""
+    from fleetrl.broker import (
+        SCHEMA_PARTIAL,
+        SCHEMA_PARTIAL_V2,
+        HandedOverBy,
+        PartialRecord,
+        PartialSample,
+        Sampling,
+        decode_record,
+        encode_record,
+        floats,
+        ids,
+        segments_of,
+    )
+    from fleetrl.trainer.handover import moved_partial
+
+    limits = RecordLimits(vocab_size=100, known_tasks=frozenset({"t"}))
+    sample = PartialSample(ids([5, 6, 7, 8]), floats([-0.5, 0.0, -0.25, -0.75]), ids([3, -1, 4, 4]),
+                           segments=segments_of([0, 1, 0, 0]), contexts=[(0, ids([1, 2])), (2, ids([9]))])
+    prompt = PromptRecord(group_id="g", run="ho", task="t", n_samples=1, sampling=Sampling(), prompt_ids=ids([1, 2]),
+                          attempt=2)
+    record = decode_record(encode_record(PartialRecord(prompt, [sample], HandedOverBy("a", "n1", "drain")), limits),
+                           limits, expect=SCHEMA_PARTIAL)
+    assert isinstance(record, PartialRecord)
+    moved = decode_record(encode_record(moved_partial(record, 3, 10.0), limits), limits, expect=SCHEMA_PARTIAL)
+    assert isinstance(moved, PartialRecord) and moved.schema == SCHEMA_PARTIAL_V2
+    assert moved.prompt.attempt == 3 and moved.prompt.dispatched_at == 10.0
+    (s,) = moved.samples
+    assert s.completion_ids.tolist() == [5, 6, 7, 8] and s.versions.tolist() == [3, -1, 4, 4]
+    assert s.logprobs.tolist() == [-0.5, 0.0, -0.25, -0.75]
+    assert s.segments is not None and s.segments.tolist() == [[0, 0], [1, 1], [2, 0]]
+    assert s.contexts is not None and [(at, p.tolist()) for at, p in s.contexts] == [(0, [1, 2]), (2, [9])]

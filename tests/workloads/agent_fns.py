@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import openai
@@ -46,3 +47,31 @@ async def breaks(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row
 async def leaves_it_to_the_reward(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> None:
     await client.chat.completions.create(model="policy", messages=list(prompt), max_tokens=4)
     return None
+
+
+async def pauses(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
+    """`three_turns`, but it can stop before a call (`pause_at`: its index, 3: after the last one; `paused`: a
+    queue told there, then it waits to be cancelled, as a run of a preempted worker is), and it can ask
+    something else at a call (`ask_at`: its index) than the run that was handed over did."""
+    messages = list(prompt)
+    for turn in range(4):
+        if turn == row.get("pause_at"):
+            row["paused"].put_nowait(turn)
+            await asyncio.Event().wait()  # until the handover cancels the run
+        if turn == 3:
+            break
+        if turn == row.get("ask_at"):
+            messages[-1] = {"role": "user", "content": "Something else entirely?"}
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": f"And then {turn}?"})
+    return 1.0
+
+
+PAUSE: dict[str, Any] = {}
+"""`pauses_in_worker`'s switches (`pause_at`, `paused`, `ask_at`, as `pauses` takes them), set by a test that
+runs a worker in its own process: a record's columns cannot carry a queue."""
+
+
+async def pauses_in_worker(client: openai.AsyncOpenAI, prompt: list[dict[str, Any]], **row: Any) -> float:
+    return await pauses(client, prompt, **{**row, **PAUSE})
