@@ -78,8 +78,13 @@ def _s(seconds: float) -> str:
 
 
 FLOOD_RECORDS = 100_000
+FLOOD_TIMEOUT_S = 600
+"""The flood's bound: its work is its 100,000 records, CPU-bound on every consumer; on 2 cores beside three
+other fleets it took 181-295 s (CHAOS_TIMEOUT_S, 420 s, left too little room). The reference machine's figure:
+`run_demo` and the timeout mark scale it."""
 
 
+@pytest.mark.timeout(FLOOD_TIMEOUT_S + 80)
 def test_a_flood_of_hostile_records_is_dead_lettered_and_crashes_nothing(demo_config: pathlib.Path,
                                                                         workdir: pathlib.Path) -> None:
     """100,000 hostile records (1 valid record in 2,000) through the live trainer and workers: every one
@@ -89,7 +94,7 @@ def test_a_flood_of_hostile_records_is_dead_lettered_and_crashes_nothing(demo_co
     is dead-lettered, then the trainer drains. A flood sent at a rate for a time counted 95,952 on a
     busy machine and 160,000 on a quiet one."""
     summary = run_demo(demo_config, workdir, "--fuzz-rate", "0.9995", "--fuzz-records", str(FLOOD_RECORDS),
-                       steps=None, timeout_s=CHAOS_TIMEOUT_S)
+                       steps=None, timeout_s=FLOOD_TIMEOUT_S)
     fuzz, dead = summary["fuzz"], summary["dead_letters"]
     assert fuzz["sent"] == FLOOD_RECORDS
     kinds = {k.split("/")[1] for k in fuzz["kinds"]}
