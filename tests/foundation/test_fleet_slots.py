@@ -7,6 +7,7 @@ import pathlib
 import threading
 
 import fleet_slots
+import pytest
 from slowdown import scaled
 
 
@@ -51,3 +52,15 @@ def test_a_two_fleet_holder_waits_for_both_slots_and_then_excludes_a_third_fleet
 def test_a_holder_wanting_more_than_there_are_takes_them_all(tmp_path: pathlib.Path) -> None:
     with fleet_slots.hold(3, 2, scaled(10), lambda text: None, tmp_path) as held:
         assert held == 2
+
+
+def test_slots_follow_the_factor_and_one_machine_gets_one_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two per reference core on 2 cores; a 2.5x quota, which measures 2.15-2.72x, gets 2 slots every time."""
+    import slowdown
+
+    monkeypatch.setattr(slowdown, "_cores", lambda: 2)
+    seen: dict[float, int] = {}
+    for f in (1.0, 1.5, 2.15, 2.5, 2.72, 3.5, 6.0):
+        monkeypatch.setenv(slowdown.ENV, str(f))
+        seen[f] = slowdown.fleet_slots()
+    assert seen == {1.0: 4, 1.5: 3, 2.15: 2, 2.5: 2, 2.72: 2, 3.5: 1, 6.0: 1}
