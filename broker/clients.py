@@ -176,25 +176,26 @@ async def bounded(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
         raise KafkaError(f"{what}: no answer within {timeout_s:.1f} s", retriable=True) from exc
 
 
-START_HANG_S = 10.0
-"""How long past its bound an abandoned start may take to end by aiokafka's own timeouts before it is
-cancelled after all (a hang guard: its own request timeout, the same as the bound, ends it first)."""
+START_GRACE_S = 5.0
+"""How long a start abandoned by its caller (past its bound, or cancelled) may go on to reach its own end
+before it is cancelled after all. A broker that answers at all ends a start within it; one that accepts and
+never answers would hold the caller for aiokafka's whole request timeout (30 s by default): past the grace
+the caller goes on, and the leak is only a warning."""
 
 
 async def uncancelled_start(start: Awaitable[None], timeout_s: float, what: str) -> None:
-    """`bounded(start, ...)`, but the start itself is never cancelled mid-way: aiokafka's `start()`
-    cancelled while its bootstrap connection waits for metadata leaves that connection open, and the
-    garbage collector later finds it (`Unclosed AIOKafkaConnection`, a ResourceWarning: 10 in 40 starts
-    cancelled at random within 30 ms, against tansu). Past the bound, or when the caller is cancelled,
-    the start is let run to its own end (aiokafka bounds each of its requests by the same request
-    timeout), then the timeout or the cancel is raised; the caller then stops a client whose start is
-    over. Only a start that outlives that by `START_HANG_S` is cancelled."""
+    """`bounded(start, ...)`, but the start itself is not cancelled mid-way: aiokafka's `start()` cancelled
+    while its bootstrap connection waits for metadata leaves that connection open, and the garbage
+    collector later finds it (`Unclosed AIOKafkaConnection`, a ResourceWarning: 10 in 40 starts cancelled
+    at random within 30 ms, against tansu). Past the bound, or when the caller is cancelled, the start is
+    given `START_GRACE_S` to reach its own end, then cancelled; the timeout or the cancel is raised after
+    that, and the caller stops a client whose start is over."""
     task = asyncio.ensure_future(start)
     try:
         await bounded(asyncio.shield(task), timeout_s, what)
     except BaseException:
         if not task.done():
-            done, _ = await asyncio.wait({task}, timeout=timeout_s + START_HANG_S)
+            done, _ = await asyncio.wait({task}, timeout=START_GRACE_S)
             if not done:
                 task.cancel()
                 await asyncio.wait({task})
