@@ -298,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
 
+    from fleetrl.runtime import DAEMONS, no_progress_bars
+
+    if args.command in DAEMONS:
+        no_progress_bars()  # before anything imports tqdm
     from fleetrl.config import ConfigError, load_config, register_all
     from fleetrl.log import configure, redact
 

@@ -32,6 +32,21 @@ T = TypeVar("T")
 GRACE_S = 10.0
 
 
+DAEMONS = ("agent", "trainer", "replicator")
+"""The `fleetrl` sub-commands that run as daemons (the rollout worker is `python -m fleetrl.rollout`)."""
+
+
+def no_progress_bars() -> None:
+    """No tqdm progress bar in this process: call it before anything imports tqdm (which reads `TQDM_*` at
+    import). A daemon's output is JSON log lines, where a bar is noise; and a bar left open is finalized at
+    the interpreter's exit, where tqdm's `__del__` takes its multiprocessing lock: a rollout worker whose
+    agent was killed handed over, returned from `run_daemon`, and then hung in that acquire for good (seen
+    twice in one demo run, 480 MB each). A disabled bar never takes the lock when it closes. Values the
+    environment already sets are kept."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def run_daemon(main: Coroutine[Any, Any, T], name: str, grace_s: float = GRACE_S) -> T:
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

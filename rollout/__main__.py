@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--supervised", action="store_true",
                         help="run under a region agent: commands on stdin, progress on stdout")
     args = parser.parse_args(argv)
+    from fleetrl.runtime import no_progress_bars
 
+    no_progress_bars()  # before torch and transformers import tqdm
     from fleetrl.config import ConfigError, load_config
     from fleetrl.log import configure
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -73,3 +74,28 @@ def test_a_daemon_that_leaves_nothing_stuck_returns_its_result_and_logs_nothing(
     out = _run(CLEAN)
     assert out.returncode == 0 and out.stdout.strip() == "7"
     assert "daemon." not in out.stderr
+
+
+DAEMON_ARGV = [["-m", "fleetrl.rollout", "--config", "/nonexistent.yaml", "--region", "r", "--node", "n"],
+               ["-m", "fleetrl.cli", "replicator", "--config", "/nonexistent.yaml", "--region", "r"]]
+
+
+@pytest.mark.parametrize("argv", DAEMON_ARGV)
+def test_a_daemon_s_process_makes_no_progress_bar(argv: list[str]) -> None:
+    """A daemon's bars are disabled before tqdm is imported: in a daemon's JSON log a bar is noise, and a bar
+    finalized at exit takes tqdm's multiprocessing lock (a worker hung in it for good after its agent was
+    killed). The daemon is started with a config it cannot read (it exits at once); what it set up before is
+    read back by running its entry point in a child with `sys.argv` and a hook that reports tqdm's default."""
+    probe = textwrap.dedent(f"""
+        import atexit, os, runpy, sys
+        def report():
+            import tqdm
+            print("disable:", tqdm.tqdm(range(1)).disable, os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"), flush=True)
+        atexit.register(report)
+        sys.argv = {[a for a in argv[1:]]!r}
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=scaled(60),
+                         check=False, env=env)
+    assert "disable: True 1" in out.stdout, (out.stdout, out.stderr[-2000:])
