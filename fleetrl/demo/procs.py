@@ -293,3 +293,28 @@ def stop_all(children: list[Child]) -> dict[str, int | None]:
         child.terminate()
     started = time.monotonic()
     return {c.name: c.wait_or_kill(started + c.stop_timeout_s) for c in children}
+
+
+def kill_strays(workdir: pathlib.Path) -> list[str]:
+    """SIGKILL every process of this machine, other than this one, whose command line names `workdir`: what
+    the demo started and its own stop could not reach. A rollout worker is its agent's child; when the agent
+    is killed the worker is reparented to init, and one that hangs at exit (it did: a library's finalizer
+    waiting on a lock) would outlive the demo. Returns `name (pid)` of each one killed."""
+    import psutil
+
+    forms, killed = {str(workdir), str(workdir.resolve())}, []
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}  # this demo, and whatever started it
+
+    def names_it(arg: str) -> bool:  # the folder or a path inside it, not a folder whose name extends it
+        return any(arg == w or arg.endswith(f"={w}") or f"{w}{os.sep}" in arg for w in forms)
+
+    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
+        try:
+            if proc.info["pid"] in spared or not any(names_it(arg) for arg in proc.info["cmdline"] or ()):
+                continue
+            proc.kill()
+            killed.append(f"{proc.info['name']} ({proc.info['pid']})")
+        except psutil.Error:
+            continue
+    return killed
+

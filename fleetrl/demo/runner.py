@@ -58,6 +58,7 @@ from fleetrl.demo.procs import (
     effective_config,
     fleetrl_child,
     fresh_workdir,
+    kill_strays,
     loopback_ports,
     signing_keys,
     stop_all,
@@ -428,6 +429,9 @@ class Demo:
                     stop_all(live)
                 self._stop_servers()
                 self.relays.close()
+                strays = kill_strays(self.workdir)
+                if strays:
+                    self.console.print(f"killed {len(strays)} leftover processes: {', '.join(strays)}")
             finally:
                 signal.signal(signal.SIGINT, previous)
 
