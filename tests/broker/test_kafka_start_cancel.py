@@ -22,7 +22,7 @@ from fleetrl.broker.lag import reader
 from fleetrl.config import FleetConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-TRIES = {"producer": 16, "reader": 16, "consumer": 4}
+TRIES = {"producer": 16, "reader": 16, "consumer": 2}
 """Cancels per kind of client, spread over the first 30 ms of its start: on 2 cores without the fix about
 one start in four left a connection open. (A consumer's start includes its group join, ~3 s on tansu,
 which a cancelled start now runs to its end: fewer of them.)"""
