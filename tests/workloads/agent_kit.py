@@ -12,12 +12,33 @@ from typing import Any
 
 import yaml
 
-from fleetrl.broker import PartialSample, Sampling
-from fleetrl.config import parse_config
+from fleetrl.broker import PartialSample, PromptRecord, Sampling
+from fleetrl.config import EnvConfig, RewardConfig, parse_config
+from fleetrl.rollout.agent_episodes import AgentRunner, load_agent
 from fleetrl.rollout.openai_server import AgentEndpoint, EndpointServer
+from fleetrl.rollout.rewards import build_rewards
+from fleetrl.rollout.tasks import get_task
 from fleetrl.rollout.tokenize import TextCodec, load_codec
 from fleetrl.rollout.torch_engine import TorchEngine
 from fleetrl.rollout.turns import EngineTurns, drive
+
+HERE = pathlib.Path(__file__).parent
+ASK = [{"role": "user", "content": "What is 12 + 7?"}]
+
+
+def agent_runner(s: Served, agent: str, max_turns: int = 8, max_tokens: int = 200, reward: RewardConfig | None = None,
+                 resume: list[PartialSample] | None = None) -> AgentRunner:
+    """An `AgentRunner` of `agent_fns:<agent>` (this folder's agents) on the served endpoint."""
+    cfg = EnvConfig(kind="openai_agent", name=f"agent_fns:{agent}", python_path=[str(HERE)], max_turns=max_turns,
+                    wall_time_s=120.0)
+    return AgentRunner(cfg, load_agent(cfg.name, cfg.python_path), s.server,
+                       build_rewards(reward or RewardConfig(), get_task), max_tokens, resume=resume)
+
+
+def agent_prompt(n: int, columns: dict[str, Any] | None = None, reference: str | None = None) -> PromptRecord:
+    """Group `g-1` of `n` samples asking `ASK`."""
+    return PromptRecord(group_id="g-1", run="agent-test", task="reverse", n_samples=n,
+                        sampling=Sampling(max_new_tokens=8), messages=ASK, columns=columns, reference=reference)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import json
 import pathlib
 
 import numpy as np
-from agent_kit import Served, serve
+from agent_kit import Served, agent_prompt, agent_runner, serve
 from slowdown import scaled
 
 from fleetrl.broker import (
@@ -30,32 +30,21 @@ from fleetrl.broker import (
     PartialSample,
     PromptRecord,
     RecordLimits,
-    Sampling,
     decode_record,
     encode_record,
     expand_segments,
 )
-from fleetrl.config import EnvConfig, RewardConfig
 from fleetrl.rollout.agent_capture import SampleCapture
-from fleetrl.rollout.agent_episodes import AgentRunner, load_agent
+from fleetrl.rollout.agent_episodes import AgentRunner
 from fleetrl.rollout.agent_replay import handover_sample, recorded_calls
-from fleetrl.rollout.rewards import build_rewards
-from fleetrl.rollout.tasks import get_task
-
-HERE = pathlib.Path(__file__).parent
-ASK = [{"role": "user", "content": "What is 12 + 7?"}]
 
 
 def _runner(s: Served, resume: list[PartialSample] | None = None) -> AgentRunner:
-    cfg = EnvConfig(kind="openai_agent", name="agent_fns:pauses", python_path=[str(HERE)], max_turns=8,
-                    wall_time_s=120.0)
-    return AgentRunner(cfg, load_agent(cfg.name, cfg.python_path), s.server, build_rewards(RewardConfig(), get_task),
-                       200, resume=resume)
+    return agent_runner(s, "pauses", resume=resume)
 
 
 def _prompt(n: int) -> PromptRecord:
-    return PromptRecord(group_id="g-1", run="agent-test", task="reverse", n_samples=n,
-                        sampling=Sampling(max_new_tokens=8), messages=ASK)
+    return agent_prompt(n)
 
 
 async def _handed_over(model: pathlib.Path, n: int, pause_at: int) -> tuple[list[PartialSample], Served]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from agent_kit import Served, serve
+from agent_kit import HERE, Served, agent_prompt, agent_runner, serve
 
 from fleetrl.broker import (
     ENV_VERSION,
@@ -22,37 +22,26 @@ from fleetrl.broker import (
     GroupRecord,
     PromptRecord,
     RecordLimits,
-    Sampling,
     Timings,
     check_record,
     decode_record,
     encode_record,
 )
-from fleetrl.config import EnvConfig, RewardConfig
-from fleetrl.rollout.agent_episodes import AgentRunner, load_agent
+from fleetrl.config import RewardConfig
+from fleetrl.rollout.agent_episodes import AgentRunner
 from fleetrl.rollout.episodes import EpisodeResult
 from fleetrl.rollout.errors import EnvError
 from fleetrl.rollout.jobs import Job, group_record
-from fleetrl.rollout.rewards import build_rewards
-from fleetrl.rollout.tasks import get_task
 from fleetrl.trainer.batch import build_step_batch
-
-HERE = pathlib.Path(__file__).parent
-ASK = [{"role": "user", "content": "What is 12 + 7?"}]
 
 
 def _runner(s: Served, agent: str, max_turns: int = 8, max_tokens: int = 200,
             reward: RewardConfig | None = None) -> AgentRunner:
-    cfg = EnvConfig(kind="openai_agent", name=f"agent_fns:{agent}", python_path=[str(HERE)], max_turns=max_turns,
-                    wall_time_s=120.0)
-    rewards = build_rewards(reward or RewardConfig(), get_task)
-    return AgentRunner(cfg, load_agent(cfg.name, cfg.python_path), s.server, rewards, max_tokens)
+    return agent_runner(s, agent, max_turns, max_tokens, reward)
 
 
 def _prompt(n: int, **columns: object) -> PromptRecord:
-    return PromptRecord(group_id="g-1", run="agent-test", task="reverse", n_samples=n,
-                        sampling=Sampling(max_new_tokens=8), messages=ASK, columns=dict(columns) or None,
-                        reference="olleh")
+    return agent_prompt(n, columns=dict(columns) or None, reference="olleh")
 
 
 async def test_the_sample_is_the_engines_ids_turn_by_turn(agent_folder: pathlib.Path) -> None:
