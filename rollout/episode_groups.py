@@ -148,12 +148,15 @@ class EpisodeGroups:
         """Cancel every group's episodes and hand each group over: an agent run's completed calls travel
         (`fleetrl.partial/2`, replayed where the group resumes: rollout/agent_replay.py); other episodes
         restart elsewhere (no samples). Tokens given up are counted (`episode_tokens_discarded`)."""
-        runners: dict[str, Runner | None] = {}
+        runners: dict[str, Runner] = {}
+        """Agent groups' runners (`AgentRunner`: their captured calls travel)."""
         for gid, task in list(self._tasks.items()):
             task.cancel()
             turns = [rid for rid in self.engine.group_ids() if rid.startswith(f"{gid}#")]
-            runner = runners[gid] = self._runners.pop(gid, None)
+            runner = self._runners.pop(gid, None)
             kept = hasattr(runner, "handover_samples")  # its captured calls travel; a call still decoding does not
+            if kept:
+                runners[gid] = runner
             self.counters.episode_tokens_discarded += sum(self.engine.tokens_so_far(rid) for rid in turns) + (
                 runner.tokens_generated if runner is not None and not kept else 0)
             for rid in turns:
@@ -166,9 +169,7 @@ class EpisodeGroups:
             job = self.queue.running.pop(gid, None)
             if job is None:
                 continue
-            runner = runners.get(gid)
-            samples = None  # a restart: it passes on what it came with
-            if runner is not None and hasattr(runner, "handover_samples"):
-                samples = runner.handover_samples(job.prompt.n_samples)
+            runner = runners.get(gid)  # an agent group's runner (None: a restart, it passes on what it came with)
+            samples = runner.handover_samples(job.prompt.n_samples) if runner is not None else None
             self.publisher.spawn(self.publisher.hand_over(job, samples, reason))
         self._tasks.clear()
